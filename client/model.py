@@ -1,0 +1,277 @@
+"""A causal LM whose blocks live in the swarm: embeddings, final norm and LM head stay local.
+
+It is a transformers PreTrainedModel with GenerationMixin, so `generate()` (greedy, sampling,
+repetition penalty, stopping criteria, streamers) is Hugging Face's own; only the blocks are remote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from typing import Iterator
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from protocol.errors import BadRequestError, ModelNotFoundError
+from protocol.records import check_prefix, prefix_for_model
+from swarm.checkpoint import load_config, load_tensors, resolve_model_path
+from swarm.dht import start_dht
+from client.config import ClientConfig
+from client.loop import BackgroundLoop
+from client.sequence import RemoteBlocks, RemoteSequence
+from client.session import InferenceSession
+
+logger = logging.getLogger(__name__)
+
+LOCAL_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _norm_class(config: PretrainedConfig) -> type[nn.Module]:
+    family = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type].removesuffix("ForCausalLM")
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    norm = getattr(module, f"{family}RMSNorm", None)
+    if norm is None:
+        raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: no {family}RMSNorm")
+    return norm
+
+
+class _LocalParts(nn.Module):
+    """Named like the checkpoint's `model.` prefix so its tensors load by name."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.norm = _norm_class(config)(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class ClientSession:
+    """What `inference_session()` yields: the position reached and the server-side sessions behind it."""
+
+    def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
+        self.model, self.max_length = model, max_length
+        self.remote: InferenceSession | None = None  # opened at the first step, when the batch size is known
+        self.token_ids: torch.Tensor | None = None  # tokens already sent, to recognise a repeated prefix
+
+    @property
+    def position(self) -> int:
+        return self.remote.position if self.remote is not None else 0
+
+    @property
+    def recoveries(self) -> int:
+        return self.remote.recoveries if self.remote is not None else 0
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.model._run(self.remote.close())
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """Use like a transformers causal LM; see `AutoDistributedModelForCausalLM.from_pretrained`."""
+
+    base_model_prefix = "model"
+    _supports_sdpa = True
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__(config)
+        self.model = _LocalParts(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.sequence: RemoteSequence | None = None
+        self._loop: BackgroundLoop | None = None
+        self._dht = None
+        self._session: ClientSession | None = None
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the KV cache lives on the peers; generate() needs none here
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    # --- construction ---
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str,
+        *,
+        initial_peers: list[str] | tuple[str, ...],
+        dht_prefix: str | None = None,
+        dtype: torch.dtype | str = "auto",
+        **client_options,
+    ) -> "DistributedModelForCausalLM":
+        """Load embeddings, final norm and LM head of `model`, and join the swarm serving its blocks.
+
+        Args:
+            model: a checkpoint folder or a hub id in the local cache (the same name the peers were given,
+                or pass `dht_prefix`).
+            initial_peers: multiaddrs to join the DHT through.
+            dtype: dtype of the local parts ("auto": the checkpoint's).
+            client_options: fields of ClientConfig (request_timeout_s, max_retries, ...).
+        """
+        config_options = ClientConfig(initial_peers=tuple(initial_peers), dht_prefix=dht_prefix, **client_options)
+        path = resolve_model_path(model)
+        config = load_config(path)
+        if isinstance(dtype, str):
+            dtype = _auto_dtype(config) if dtype == "auto" else getattr(torch, dtype)
+        with torch.device("meta"):
+            instance = cls(config)
+        tensors = load_tensors(path, lambda name: name in LOCAL_TENSORS, dtype=dtype)
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
+        if tied:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        missing = set(LOCAL_TENSORS) - set(tensors)
+        if missing:
+            raise ModelNotFoundError(f"checkpoint {path} lacks {sorted(missing)}")
+        instance.load_state_dict(tensors, strict=True, assign=True)
+        if tied:
+            instance.lm_head.weight = instance.model.embed_tokens.weight
+        instance.to(dtype).eval()
+        try:
+            instance.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            instance.generation_config = GenerationConfig.from_model_config(config)
+        prefix = check_prefix(dht_prefix or prefix_for_model(model))
+        instance._connect(config_options, prefix)
+        return instance
+
+    def _connect(self, options: ClientConfig, prefix: str) -> None:
+        self._loop = BackgroundLoop()
+        self._dht = start_dht(options.initial_peers, client_mode=True)
+        self.sequence = RemoteSequence(self._dht, prefix, self.config.num_hidden_layers, options)
+
+    def _run(self, coro):
+        return self._loop.run(coro)
+
+    def shutdown(self) -> None:
+        """Close sessions, channels and the DHT node. Safe to call more than once."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self.sequence is not None:
+            self._run(self.sequence.close())
+            self.sequence = None
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def __enter__(self) -> "DistributedModelForCausalLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # --- inference sessions ---
+
+    @contextlib.contextmanager
+    def inference_session(self, max_length: int) -> Iterator[ClientSession]:
+        """Keep a KV cache on the peers for up to `max_length` tokens per sequence.
+
+        Inside it, forward() and generate() send only new tokens; several generate() calls continue
+        one conversation when each passes the full sequence so far (or only the new tokens).
+        """
+        if self._session is not None:
+            raise RuntimeError("an inference session is already open on this model; close it first")
+        session = ClientSession(self, max_length)
+        self._session = session
+        try:
+            yield session
+        finally:
+            self._session = None
+            session.close()
+
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        if self._session is not None:
+            return super().generate(inputs, *args, **kwargs)
+        prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        prompt_length = prompt.shape[1] if prompt is not None else 1
+        config = kwargs.get("generation_config") or self.generation_config
+        max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
+        max_length = prompt_length + max_new if max_new is not None else kwargs.get("max_length", config.max_length)
+        with self.inference_session(max_length=max_length):
+            return super().generate(inputs, *args, **kwargs)
+
+    # --- forward ---
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise BadRequestError("pass exactly one of input_ids or inputs_embeds")
+        if self._session is not None:
+            hidden = self._session_step(input_ids, inputs_embeds, attention_mask, position_ids)
+        else:
+            hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+            if position_ids is None:
+                position_ids = torch.arange(hidden.shape[1]).unsqueeze(0)
+            if attention_mask is not None and bool(attention_mask.all()):
+                attention_mask = None
+            hidden = RemoteBlocks.apply(hidden, attention_mask, position_ids, self.sequence, self._run)
+        hidden = self.model.norm(hidden)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = ForCausalLMLoss(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _session_step(self, input_ids, inputs_embeds, attention_mask, position_ids) -> torch.Tensor:
+        session = self._session
+        done = session.position
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        # generate() may pass the whole sequence so far: send only what the peers have not seen
+        if done and length > done:
+            if input_ids is not None:
+                repeats = session.token_ids is not None and torch.equal(input_ids[:, :done], session.token_ids)
+            else:
+                repeats = attention_mask is not None and attention_mask.shape[1] == length
+            if repeats:
+                input_ids = input_ids[:, done:] if input_ids is not None else None
+                inputs_embeds = inputs_embeds[:, done:] if inputs_embeds is not None else None
+                position_ids = position_ids[:, done:] if position_ids is not None and position_ids.shape[1] == length else position_ids
+        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+        new = hidden.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(done, done + new).unsqueeze(0)
+        position_ids = position_ids[:, -new:]
+        if session.remote is None:
+            session.remote = InferenceSession(self.sequence, session.max_length, hidden.shape[0])
+        output = self._run(session.remote.step(hidden.detach(), attention_mask, position_ids))
+        if input_ids is not None:
+            previous = session.token_ids[:, :done] if session.token_ids is not None else input_ids[:, :0]
+            session.token_ids = torch.cat([previous, input_ids], dim=1)
+        return output
+
+
+class AutoDistributedModelForCausalLM:
+    """Entry point: `AutoDistributedModelForCausalLM.from_pretrained(MODEL, initial_peers=[...])`."""
+
+    @staticmethod
+    def from_pretrained(model: str, **kwargs) -> DistributedModelForCausalLM:
+        return DistributedModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def _auto_dtype(config: PretrainedConfig) -> torch.dtype:
+    found = getattr(config, "dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) else torch.float32

@@ -1,0 +1,196 @@
+"""The remote blocks of one model: routing, retries and forward/backward over chains of peers.
+
+A failed peer is banned for a while (longer each time it fails), the directory is refreshed at once,
+and the failed part of the chain is routed to other peers; only bad input fails immediately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import hivemind
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor, encode_optional, encode_tensor, parse_dtype
+from protocol.errors import BadRequestError, NoPeersError, SwarmError
+from swarm.directory import fetch_snapshot
+from swarm.snapshot import SwarmSnapshot
+from client.config import ClientConfig
+from client.routing import RouteHop, plan_forward_route, plan_inference_route
+from client.transport import ChannelPool
+
+logger = logging.getLogger(__name__)
+
+_MAX_BAN_S = 60.0
+
+
+def is_retriable(error: BaseException) -> bool:
+    """Bad input is the caller's to fix; anything else may work on another peer."""
+    return isinstance(error, SwarmError) and not isinstance(error, BadRequestError)
+
+
+@dataclass
+class HopRecord:
+    """What one hop of a forward pass was sent, kept for its backward."""
+
+    hop: RouteHop
+    inputs: torch.Tensor
+
+
+class BanList:
+    """Peers that failed recently; each repeated failure doubles the ban, up to a minute."""
+
+    def __init__(self, base_s: float):
+        self.base_s = base_s
+        self._until: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}
+
+    def ban(self, peer_id: str) -> None:
+        strikes = self._strikes.get(peer_id, 0) + 1
+        self._strikes[peer_id] = strikes
+        self._until[peer_id] = time.monotonic() + min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
+
+    def banned(self) -> set[str]:
+        now = time.monotonic()
+        return {peer for peer, until in self._until.items() if until > now}
+
+
+class RemoteSequence:
+    """Blocks [0, num_blocks) of a model as served by the swarm. Its coroutines run on the client's loop."""
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, config: ClientConfig):
+        self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
+        self.pool = ChannelPool(config.max_message_bytes)
+        self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
+        self._snapshot: SwarmSnapshot | None = None
+        self._snapshot_at = 0.0
+        self.failovers = 0
+
+    # --- directory and routing ---
+
+    async def snapshot(self, *, refresh: bool = False) -> SwarmSnapshot:
+        stale = time.monotonic() - self._snapshot_at > self.config.directory_refresh_s
+        if refresh or stale or self._snapshot is None:
+            self._snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
+            self._snapshot_at = time.monotonic()
+        return self._snapshot
+
+    async def plan(self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0,
+                   refresh: bool = False) -> list[RouteHop]:
+        """A route for blocks [start, end); waits up to `wait_for_peers_s` for the swarm to cover them."""
+        deadline = time.monotonic() + self.config.wait_for_peers_s
+        delay = self.config.retry_delay_s
+        while True:
+            snapshot = await self.snapshot(refresh=refresh)
+            try:
+                if inference:
+                    return plan_inference_route(snapshot, start, end, banned=self.bans.banned(),
+                                                min_cache_tokens=min_cache_tokens, model_name=self.prefix)
+                return plan_forward_route(snapshot, start, end, banned=self.bans.banned(), model_name=self.prefix)
+            except NoPeersError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            refresh = True
+
+    def hop_dtype(self, hop: RouteHop) -> torch.dtype:
+        info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
+        return parse_dtype(info.dtype) if info is not None else torch.float32
+
+    async def report_failure(self, hop: RouteHop, error: BaseException) -> None:
+        logger.warning("peer %s (blocks %d:%d) failed: %s", hop.peer_id, hop.start, hop.end, error)
+        self.bans.ban(hop.peer_id)
+        self.failovers += 1
+        await self.pool.drop(hop.endpoint)
+
+    async def backoff(self, attempt: int) -> None:
+        await asyncio.sleep(min(self.config.retry_delay_s * 2**attempt, 5.0))
+
+    # --- stateless forward / backward ---
+
+    async def _call_forward(self, hop: RouteHop, hidden, mask, positions) -> torch.Tensor:
+        request = pb.ForwardRequest(
+            span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+            hidden_states=encode_tensor(hidden.to(self.hop_dtype(hop))),
+            attention_mask=encode_optional(mask),
+            position_ids=encode_optional(positions),
+        )
+        response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
+        return decode_tensor(response.hidden_states, "hidden_states").to(hidden.dtype)
+
+    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions) -> torch.Tensor:
+        dtype = self.hop_dtype(hop)
+        request = pb.BackwardRequest(
+            span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+            hidden_states=encode_tensor(inputs.to(dtype)),
+            grad_outputs=encode_tensor(grad.to(dtype)),
+            attention_mask=encode_optional(mask),
+            position_ids=encode_optional(positions),
+        )
+        response = await self.pool.unary(hop.endpoint, "backward", request, self.config.request_timeout_s)
+        return decode_tensor(response.grad_inputs, "grad_inputs").to(grad.dtype)
+
+    async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None
+                      ) -> tuple[torch.Tensor, list[HopRecord]]:
+        """Run blocks [start, end); return the outputs and what each hop was sent (for backward)."""
+        end = self.num_blocks if end is None else end
+        records: list[HopRecord] = []
+        block, attempt, refresh = start, 0, False
+        while block < end:
+            route = await self.plan(block, end, inference=False, refresh=refresh)
+            for hop in route:
+                try:
+                    output = await self._call_forward(hop, hidden, mask, positions)
+                except Exception as exc:
+                    if not is_retriable(exc) or attempt >= self.config.max_retries:
+                        raise
+                    await self.report_failure(hop, exc)
+                    await self.backoff(attempt)
+                    attempt, refresh = attempt + 1, True
+                    break
+                records.append(HopRecord(hop, hidden))
+                hidden, block = output, hop.end
+        return hidden, records
+
+    async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions) -> torch.Tensor:
+        """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output."""
+        for record in reversed(records):
+            grad = await self._backward_hop(record.hop, record.inputs, grad, mask, positions, attempt=0)
+        return grad
+
+    async def _backward_hop(self, hop: RouteHop, inputs, grad, mask, positions, attempt: int) -> torch.Tensor:
+        try:
+            return await self._call_backward(hop, inputs, grad, mask, positions)
+        except Exception as exc:
+            if not is_retriable(exc) or attempt >= self.config.max_retries:
+                raise
+            await self.report_failure(hop, exc)
+            await self.backoff(attempt)
+        # any peers of these blocks recompute the same function: re-run their forward for their inputs
+        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end)
+        for record in reversed(records):
+            grad = await self._backward_hop(record.hop, record.inputs, grad, mask, positions, attempt + 1)
+        return grad
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+class RemoteBlocks(torch.autograd.Function):
+    """Autograd over the remote blocks: gradients flow back through the peers' backward RPCs."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, mask, positions, sequence: RemoteSequence, run) -> torch.Tensor:
+        output, records = run(sequence.forward(hidden.detach(), mask, positions))
+        ctx.sequence, ctx.run, ctx.records, ctx.mask, ctx.positions = sequence, run, records, mask, positions
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_inputs = ctx.run(ctx.sequence.backward(grad.contiguous(), ctx.records, ctx.mask, ctx.positions))
+        return grad_inputs, None, None, None, None

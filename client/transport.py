@@ -1,0 +1,81 @@
+"""gRPC channels to peers, and calls that turn every failure into a swarmlm error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
+from protocol.service import PeerStub, error_from_rpc
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelPool:
+    """One channel per peer endpoint, reused by every request. Lives on the client's event loop."""
+
+    def __init__(self, max_message_bytes: int):
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._stubs: dict[str, tuple[grpc.aio.Channel, PeerStub]] = {}
+
+    def stub(self, endpoint: str) -> PeerStub:
+        if endpoint not in self._stubs:
+            channel = grpc.aio.insecure_channel(endpoint, options=self._options)
+            self._stubs[endpoint] = (channel, PeerStub(channel))
+        return self._stubs[endpoint][1]
+
+    async def drop(self, endpoint: str) -> None:
+        """Forget a channel (its peer failed), so the next request reconnects."""
+        entry = self._stubs.pop(endpoint, None)
+        if entry is not None:
+            await entry[0].close(grace=None)
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close(grace=None)
+        self._stubs.clear()
+
+    async def unary(self, endpoint: str, method: str, request, timeout_s: float):
+        try:
+            return await getattr(self.stub(endpoint), method)(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, endpoint) from exc
+
+
+class InferenceStream:
+    """One open inference session on one peer: send a request, read its answer."""
+
+    def __init__(self, pool: ChannelPool, endpoint: str):
+        self.endpoint = endpoint
+        self._call = pool.stub(endpoint).inference()
+        self._closed = False
+
+    async def request(self, request: pb.InferenceRequest, timeout_s: float) -> pb.InferenceResponse:
+        try:
+            await asyncio.wait_for(self._call.write(request), timeout_s)
+            response = await asyncio.wait_for(self._call.read(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.endpoint) from exc
+        if response is grpc.aio.EOF:
+            raise PeerUnavailableError(f"peer {self.endpoint} closed the inference stream")
+        if response.WhichOneof("kind") == "error":
+            raise error_from_code(response.error.code, f"peer {self.endpoint}: {response.error.message}")
+        return response
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.wait_for(self._call.done_writing(), 1.0)
+        except (grpc.RpcError, asyncio.TimeoutError, SwarmError, RuntimeError):
+            pass
+        self._call.cancel()

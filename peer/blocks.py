@@ -1,0 +1,150 @@
+"""Load a span of transformer blocks straight from a checkpoint and run it.
+
+The blocks are the family's own transformers decoder-layer class (LlamaDecoderLayer, Qwen3DecoderLayer, ...),
+built on the meta device and filled with only their tensors, so a peer never holds the whole model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from protocol.errors import ModelNotFoundError
+from swarm.checkpoint import load_tensors
+
+logger = logging.getLogger(__name__)
+
+LAYER_PREFIX = "model.layers."
+_MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def family_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
+    """The decoder-layer and rotary-embedding classes of the model's family."""
+    model_type = config.model_type
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if causal_lm is None:
+        raise ModelNotFoundError(f"model type {model_type!r} has no causal-LM class in transformers")
+    family = causal_lm.removesuffix("ForCausalLM")
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    layer_cls = getattr(module, f"{family}DecoderLayer", None)
+    rotary_cls = getattr(module, f"{family}RotaryEmbedding", None)
+    if layer_cls is None or rotary_cls is None:
+        raise ModelNotFoundError(
+            f"model type {model_type!r} is not supported: expected {family}DecoderLayer and {family}RotaryEmbedding "
+            f"in {module.__name__}"
+        )
+    return layer_cls, rotary_cls
+
+
+def layer_types(config: PretrainedConfig) -> list[str]:
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    unknown = sorted(set(types) - set(_MASK_MAKERS))
+    if unknown:
+        raise ModelNotFoundError(f"layer types {unknown} are not supported yet (only {sorted(_MASK_MAKERS)})")
+    return types
+
+
+def resolve_dtype(config: PretrainedConfig, dtype: str) -> torch.dtype:
+    if dtype == "auto":
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(found, str):
+            found = getattr(torch, found, None)
+        return found if isinstance(found, torch.dtype) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class BlockSpan(nn.Module):
+    """Blocks [start, end) of a model, with the model's rotary embedding and mask rules."""
+
+    def __init__(self, config: PretrainedConfig, start: int, end: int, layers: nn.ModuleList, rotary: nn.Module):
+        super().__init__()
+        self.config, self.start, self.end = config, start, end
+        self.layers, self.rotary = layers, rotary
+        types = layer_types(config)
+        self.types = types[start:end]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.layers.parameters()).dtype
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+        prefix_length: int = 0,
+        blocks: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Run blocks `blocks` (default: all of the span) on hidden states of shape [batch, seq, hidden].
+
+        `prefix_length` tokens are already in `cache`; `attention_mask` covers prefix + new tokens.
+        """
+        start, end = blocks or (self.start, self.end)
+        types = self.types[start - self.start : end - self.start]
+        layers = self.layers[start - self.start : end - self.start]
+        # masks are sized against the first cache layer of each attention type among the blocks run
+        first_of_type = {kind: start + types.index(kind) for kind in set(types)}
+        if position_ids is None:
+            position_ids = torch.arange(prefix_length, prefix_length + hidden_states.shape[1]).unsqueeze(0)
+        position_ids = position_ids.to(hidden_states.device)
+        masks = {
+            kind: _MASK_MAKERS[kind](
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+                layer_idx=first if cache is not None else None,
+            )
+            for kind, first in first_of_type.items()
+        }
+        position_embeddings = self.rotary(hidden_states, position_ids)
+        for layer, kind in zip(layers, types):
+            hidden_states = layer(
+                hidden_states,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return hidden_states
+
+
+def load_span(
+    path: Path, config: PretrainedConfig, start: int, end: int, *, dtype: torch.dtype, device: torch.device
+) -> BlockSpan:
+    """Build blocks [start, end) from the checkpoint at `path`, reading only their tensors."""
+    if not 0 <= start < end <= config.num_hidden_layers:
+        raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
+    config._attn_implementation = "sdpa"
+    layer_cls, rotary_cls = family_classes(config)
+    wanted = {f"{LAYER_PREFIX}{i}." for i in range(start, end)}
+    tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
+    layers = []
+    for i in range(start, end):
+        prefix = f"{LAYER_PREFIX}{i}."
+        state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+        with torch.device("meta"):
+            layer = layer_cls(config, layer_idx=i)
+        missing = set(layer.state_dict()) - set(state)
+        if missing:
+            raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {sorted(missing)[:5]}")
+        layer.load_state_dict(state, strict=True, assign=True)
+        layers.append(layer.to(device=device, dtype=dtype))
+    rotary = rotary_cls(config=config).to(device)
+    span = BlockSpan(config, start, end, nn.ModuleList(layers), rotary).eval()
+    span.requires_grad_(False)
+    return span

@@ -1,0 +1,91 @@
+"""`swarmlm peer MODEL ...`: flags -> PeerConfig -> a running PeerServer until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from swarm.runtime import run_until_signal, wait_for_signal
+from peer.config import DTYPE_CHOICES, PeerConfig
+from peer.server import PeerServer
+
+logger = logging.getLogger(__name__)
+
+
+def _span(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END (e.g. 0:10), got {text!r}") from None
+    return start, end
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Serve a span of a model's blocks to the swarm.")
+    p.add_argument("model", help="Hugging Face checkpoint folder, or a hub id already in the local cache")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join through")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--blocks", type=_span, metavar="START:END", help="serve blocks [START, END)")
+    which.add_argument("--num-blocks", type=int, metavar="N", help="serve N blocks where the swarm is weakest")
+    p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
+    p.add_argument("--dht-port", type=int, default=0, help="DHT port (default: a free one)")
+    p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
+    p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
+    p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
+    p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
+    p.add_argument("--update-period", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
+    p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
+    p.add_argument("--cache-dir", help="where measurements are cached (default: ~/.cache/swarmlm)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> PeerConfig:
+    return PeerConfig(
+        model=args.model,
+        initial_peers=tuple(args.initial_peers),
+        blocks=args.blocks,
+        num_blocks=args.num_blocks,
+        dht_prefix=args.dht_prefix,
+        host=args.host,
+        port=args.port,
+        dht_port=args.dht_port,
+        device=args.device,
+        dtype=args.dtype,
+        cache_tokens=args.cache_tokens,
+        alloc_timeout_s=args.alloc_timeout,
+        session_timeout_s=args.session_timeout,
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+        update_period_s=args.update_period,
+        num_threads=args.num_threads,
+        throughput=args.throughput,
+        cache_dir=args.cache_dir,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+    async def main() -> int:
+        server = PeerServer(config)
+        try:
+            started = __import__("asyncio").create_task(server.start())
+            stop = __import__("asyncio").create_task(wait_for_signal())
+            done, _ = await __import__("asyncio").wait({started, stop}, return_when="FIRST_COMPLETED")
+            if started in done:
+                started.result()  # raise a startup failure
+                await stop
+            else:
+                started.cancel()
+        finally:
+            await server.shutdown()
+        return 0
+
+    return run_until_signal(main)

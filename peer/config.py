@@ -1,0 +1,71 @@
+"""Configuration of a peer daemon."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """What a peer serves and how; the CLI maps its flags onto this."""
+
+    model: str
+    """Local checkpoint folder, or a hub id already in the local cache."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of peers already in the swarm (e.g. the bootstrap node's)."""
+    blocks: tuple[int, int] | None = None
+    """Serve blocks [start, end); None picks the blocks the swarm covers least."""
+    num_blocks: int | None = None
+    """How many blocks to serve when `blocks` is not given; None serves all that fit."""
+    dht_prefix: str | None = None
+    """Name of the model in the DHT; derived from `model` when None."""
+    host: str = "127.0.0.1"
+    """Address the gRPC and DHT endpoints listen on (and announce)."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    dht_port: int = 0
+    """DHT (libp2p) port; 0 picks a free one."""
+    device: str = "cpu"
+    dtype: str = "auto"
+    """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    cache_tokens: int = 8192
+    """KV-cache budget in tokens (each session reserves batch x max_length)."""
+    alloc_timeout_s: float = 10.0
+    """How long a new session waits for cache space before it gets CacheFullError."""
+    session_timeout_s: float = 300.0
+    """An inference session idle this long is closed and its cache freed."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest gRPC message accepted or sent."""
+    update_period_s: float = 30.0
+    """How often the peer re-announces itself; records expire after about twice that."""
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+    throughput: float | None = None
+    """Announced throughput in tokens/s; None measures it once and caches the result."""
+    cache_dir: str | None = None
+    """Where measured throughput is cached; None uses the swarmlm cache directory."""
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None:
+            start, end = self.blocks
+            if not 0 <= start < end:
+                raise ValueError(f"blocks must be start:end with 0 <= start < end, got {start}:{end}")
+            if self.num_blocks is not None:
+                raise ValueError("give either blocks or num_blocks, not both")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
+        for name in ("cache_tokens", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:
+            raise ValueError(f"ports must be in 0..65535, got port={self.port} dht_port={self.dht_port}")

@@ -1,0 +1,242 @@
+"""gRPC handlers of the Peer service: decode, validate, compute on the span, encode.
+
+Every failure of one request becomes a typed error for that request only; the peer and its other sessions
+go on. Compute runs on one worker thread so the event loop stays free for the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import grpc
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_optional, decode_tensor, encode_tensor
+from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
+from protocol.service import ERROR_CODE_KEY, status_for
+from peer.blocks import BlockSpan
+from peer.cache import CacheBudget
+from peer import validation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    session_id: str
+    blocks: tuple[int, int]
+    max_length: int
+    batch_size: int
+    cache: object
+    position: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class HandlerLimits:
+    """Limits the handler enforces per request."""
+
+    session_timeout_s: float
+    """An inference session idle this long is closed and its cache freed."""
+    alloc_timeout_s: float
+    """Default wait for cache space when a session asks for none."""
+    max_alloc_timeout_s: float = 60.0
+    """Longest wait for cache space a client may ask for."""
+
+
+class PeerServicer:
+    """Implements forward, backward, inference and info over one BlockSpan."""
+
+    def __init__(
+        self,
+        span: BlockSpan,
+        prefix: str,
+        budget: CacheBudget,
+        limits: HandlerLimits,
+        info: Callable[[], pb.InfoResponse],
+    ):
+        self.span, self.prefix, self.budget, self.limits, self._info = span, prefix, budget, limits, info
+        self.hidden_size = span.config.hidden_size
+        self.max_positions = span.config.max_position_embeddings
+        self.sessions: dict[str, Session] = {}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # --- checks shared by all requests ---
+
+    def _blocks(self, span: pb.Span) -> tuple[int, int]:
+        if span.model != self.prefix:
+            raise WrongSpanError(f"this peer serves model {self.prefix!r}, not {span.model!r}")
+        if not self.span.start <= span.start < span.end <= self.span.end:
+            raise WrongSpanError(
+                f"this peer serves blocks {self.span.start}:{self.span.end}, not {span.start}:{span.end}"
+            )
+        return span.start, span.end
+
+    def _inputs(self, message, prefix_length: int = 0):
+        hidden = decode_tensor(message.hidden_states, "hidden_states") if message.HasField("hidden_states") else None
+        if hidden is None:
+            raise BadRequestError("hidden_states is missing")
+        validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
+        batch, seq, _ = hidden.shape
+        mask = validation.check_mask(
+            decode_optional(message, "attention_mask"), batch=batch, length=prefix_length + seq
+        )
+        positions = validation.check_positions(
+            decode_optional(message, "position_ids"), batch=batch, seq=seq, max_positions=self.max_positions
+        )
+        return hidden, mask, positions
+
+    # --- unary methods ---
+
+    async def _unary(self, context: grpc.aio.ServicerContext, work):
+        try:
+            return await work()
+        except SwarmError as exc:
+            error = exc
+        except Exception as exc:  # a bug of ours: report it, keep serving
+            logger.exception("request failed")
+            error = SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}")
+        await context.abort(status_for(error), str(error), trailing_metadata=((ERROR_CODE_KEY, error.code),))
+
+    async def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+        async def work():
+            blocks = self._blocks(request.span)
+            hidden, mask, positions = self._inputs(request)
+
+            def run():
+                with torch.inference_mode():
+                    return self.span(hidden, mask, positions, blocks=blocks)
+
+            out = await self._compute(run)
+            return pb.ForwardResponse(hidden_states=encode_tensor(out, request.output_compression))
+
+        return await self._unary(context, work)
+
+    async def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
+        async def work():
+            blocks = self._blocks(request.span)
+            hidden, mask, positions = self._inputs(request)
+            if not request.HasField("grad_outputs"):
+                raise BadRequestError("grad_outputs is missing")
+            grad = decode_tensor(request.grad_outputs, "grad_outputs")
+            validation.check_grad(grad, hidden)
+
+            def run():
+                # recompute the forward from the inputs: no per-request state is kept between calls
+                inputs = hidden.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    out = self.span(inputs, mask, positions, blocks=blocks)
+                    (grad_inputs,) = torch.autograd.grad(out, inputs, grad)
+                return grad_inputs
+
+            grad_inputs = await self._compute(run)
+            return pb.BackwardResponse(grad_inputs=encode_tensor(grad_inputs, request.output_compression))
+
+        return await self._unary(context, work)
+
+    async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return self._info()
+
+    # --- inference stream ---
+
+    async def inference(self, requests: AsyncIterator[pb.InferenceRequest], context) -> AsyncIterator[pb.InferenceResponse]:
+        """One session per stream: `open`, then `step`s, then `close` (or the stream ends, or it times out)."""
+        session: Session | None = None
+        async with contextlib.AsyncExitStack() as stack:
+            iterator = requests.__aiter__()
+            while True:
+                try:
+                    request = await asyncio.wait_for(iterator.__anext__(), self.limits.session_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    logger.info("session %s idle for %.0fs, closing it", session and session.session_id,
+                                self.limits.session_timeout_s)
+                    yield _error(UnknownSessionError(
+                        f"session timed out after {self.limits.session_timeout_s:.0f}s without requests; open a new one"))
+                    return
+                kind = request.WhichOneof("kind")
+                try:
+                    if kind == "open":
+                        if session is not None:
+                            raise BadRequestError(f"session {session.session_id} is already open on this stream")
+                        session = await self._open(request.open, stack)
+                        yield pb.InferenceResponse(
+                            opened=pb.SessionOpened(session_id=session.session_id, max_length=session.max_length))
+                    elif kind == "step":
+                        if session is None or request.step.session_id != session.session_id:
+                            raise UnknownSessionError(
+                                f"unknown session {request.step.session_id!r} on this stream; open it first")
+                        yield await self._step(session, request.step)
+                    elif kind == "close":
+                        return
+                    else:
+                        raise BadRequestError("an inference request must be one of open, step or close")
+                except SwarmError as exc:
+                    yield _error(exc)
+                except Exception as exc:
+                    logger.exception("inference request failed")
+                    yield _error(SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}"))
+
+    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack) -> Session:
+        blocks = self._blocks(request.span)
+        if not request.session_id:
+            raise BadRequestError("session_id is empty")
+        if request.session_id in self.sessions:
+            raise BadRequestError(f"session {request.session_id!r} is already open on this peer")
+        if request.max_length < 1 or request.batch_size < 1:
+            raise BadRequestError(f"max_length and batch_size must be >= 1, got {request.max_length}, {request.batch_size}")
+        if request.max_length > self.max_positions:
+            raise BadRequestError(f"max_length {request.max_length} exceeds the model's {self.max_positions} positions")
+        timeout = request.alloc_timeout_s or self.limits.alloc_timeout_s
+        await stack.enter_async_context(
+            self.budget.reserve(request.max_length * request.batch_size, min(timeout, self.limits.max_alloc_timeout_s))
+        )
+        session = Session(request.session_id, blocks, request.max_length, request.batch_size, self.span.new_cache())
+        self.sessions[session.session_id] = session
+        stack.callback(self.sessions.pop, session.session_id, None)
+        return session
+
+    async def _step(self, session: Session, step: pb.InferenceStep) -> pb.InferenceResponse:
+        hidden, mask, positions = self._inputs(step, step.prefix_length)
+        if hidden.shape[0] != session.batch_size:
+            raise BadRequestError(f"the session was opened for batch {session.batch_size}, got batch {hidden.shape[0]}")
+        if step.prefix_length > session.position:
+            raise BadRequestError(
+                f"step builds on {step.prefix_length} tokens but the session's cache holds {session.position}; "
+                f"replay the missing tokens first")
+        validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
+
+        def run():
+            if step.prefix_length < session.position:  # a retried or replayed step: forget what follows it
+                session.cache.crop(step.prefix_length)
+                session.position = step.prefix_length
+            try:
+                with torch.inference_mode():
+                    return self.span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)
+            except Exception:
+                session.cache.crop(step.prefix_length)  # some layers may have grown: keep the cache consistent
+                raise
+
+        out = await self._compute(run)
+        session.position = step.prefix_length + hidden.shape[1]
+        session.last_used = time.monotonic()
+        return pb.InferenceResponse(step=pb.StepResult(
+            hidden_states=encode_tensor(out, step.output_compression), step_id=step.step_id, position=session.position))
+
+
+def _error(exc: SwarmError) -> pb.InferenceResponse:
+    return pb.InferenceResponse(error=pb.Error(code=exc.code, message=str(exc)))

@@ -1,0 +1,186 @@
+"""The peer daemon's lifecycle: join the DHT, pick and load blocks, serve gRPC, announce, leave cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from pathlib import Path
+
+import grpc
+import psutil
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.records import PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model
+from protocol.service import make_generic_handler
+from swarm.checkpoint import load_config, resolve_model_path
+from swarm.dht import start_dht, visible_maddrs
+from swarm.directory import announce, fetch_snapshot
+from swarm.paths import default_cache_dir
+from swarm.placement import choose_span
+from peer.blocks import load_span, resolve_dtype
+from peer.cache import CacheBudget
+from peer.config import PeerConfig
+from peer.handler import HandlerLimits, PeerServicer
+from peer.throughput import measure_throughput
+
+logger = logging.getLogger(__name__)
+
+
+class PeerServer:
+    """One peer: `await start()`, serve until told to stop, then `await shutdown()` (idempotent)."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.dht = None
+        self.span = None
+        self.servicer: PeerServicer | None = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self.endpoint: str | None = None
+        self.throughput = 0.0
+        self.budget = CacheBudget(config.cache_tokens)
+        self.ready = asyncio.Event()
+        self._announcer: asyncio.Task | None = None
+        self._shut_down = False
+
+    @property
+    def peer_id(self) -> str:
+        return self.dht.peer_id.to_base58()
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        path = resolve_model_path(cfg.model)
+        self.model_config = load_config(path)
+        self.prefix = check_prefix(cfg.dht_prefix or prefix_for_model(cfg.model))
+        self.num_layers = self.model_config.num_hidden_layers
+        self.dtype = resolve_dtype(self.model_config, cfg.dtype)
+        self.model_record = ModelRecord(num_blocks=self.num_layers, repository=cfg.model)
+
+        self.dht = await asyncio.to_thread(
+            start_dht, cfg.initial_peers, host=cfg.host, port=cfg.dht_port
+        )
+        logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
+        start, end = await asyncio.to_thread(self._choose_blocks, path)
+        self.blocks = (start, end)
+        await self._announce(ServerState.JOINING)
+
+        logger.info("loading blocks %d:%d of %s (%s) on %s", start, end, cfg.model, self.dtype, cfg.device)
+        self.span = await asyncio.to_thread(
+            load_span, path, self.model_config, start, end, dtype=self.dtype, device=torch.device(cfg.device)
+        )
+        cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        self.throughput = cfg.throughput or await asyncio.to_thread(
+            measure_throughput, self.span, cache_file / "throughput.json"
+        )
+        self.servicer = PeerServicer(
+            self.span,
+            self.prefix,
+            self.budget,
+            HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s),
+            self._info,
+        )
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.grpc_server = grpc.aio.server(options=options)
+        self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))
+        port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}; choose another --port")
+        self.endpoint = f"{cfg.host}:{port}"
+        await self.grpc_server.start()
+
+        await self._announce(ServerState.ONLINE)
+        self._announcer = asyncio.create_task(self._announce_forever())
+        logger.info("ONLINE: serving blocks %d:%d of %s at %s", start, end, self.prefix, self.endpoint)
+        self.ready.set()
+
+    def _choose_blocks(self, path: Path) -> tuple[int, int]:
+        cfg = self.config
+        if cfg.blocks is not None:
+            start, end = cfg.blocks
+            if end > self.num_layers:
+                raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{self.num_layers}")
+            return start, end
+        count = cfg.num_blocks or self._blocks_that_fit()
+        snapshot = fetch_snapshot(self.dht, self.prefix, self.num_layers)
+        return choose_span(snapshot, min(count, self.num_layers))
+
+    def _blocks_that_fit(self) -> int:
+        """As many blocks as fit in half the free memory (the rest is left for cache and the system)."""
+        c = self.model_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        attn = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        block_bytes = (attn + mlp) * torch.empty((), dtype=self.dtype).element_size()
+        if self.config.device.startswith("cuda"):
+            free = torch.cuda.mem_get_info(torch.device(self.config.device))[0]
+        else:
+            free = psutil.virtual_memory().available
+        return max(1, min(self.num_layers, math.floor(free * 0.5 / block_bytes)))
+
+    def _server_info(self, state: ServerState) -> ServerInfo:
+        return ServerInfo(
+            state=state,
+            start_block=self.blocks[0],
+            end_block=self.blocks[1],
+            throughput=float(self.throughput),
+            cache_tokens_left=self.budget.tokens_left,
+            dtype=str(self.dtype).removeprefix("torch."),
+            version=PROTOCOL_VERSION,
+            endpoint=self.endpoint or f"{self.config.host}:0",
+        )
+
+    async def _announce(self, state: ServerState) -> None:
+        info = self._server_info(state)
+        expiration = 2 * self.config.update_period_s + 5
+        await asyncio.to_thread(
+            announce, self.dht, self.prefix, self.peer_id, info, self.model_record, expiration_s=expiration
+        )
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.update_period_s)
+            try:
+                await self._announce(ServerState.ONLINE)
+            except Exception as exc:  # the DHT may be briefly unreachable; try again next period
+                logger.warning("re-announcing failed: %s", exc)
+
+    def _info(self) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            peer_id=self.peer_id,
+            model=self.prefix,
+            start=self.blocks[0],
+            end=self.blocks[1],
+            version=PROTOCOL_VERSION,
+            dtype=str(self.dtype).removeprefix("torch."),
+            cache_tokens_left=self.budget.tokens_left,
+            throughput=self.throughput,
+            max_message_bytes=self.config.max_message_bytes,
+            open_sessions=len(self.servicer.sessions),
+        )
+
+    async def shutdown(self) -> None:
+        """Announce OFFLINE, stop serving, leave the DHT. Safe to call more than once."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._announcer is not None:
+            self._announcer.cancel()
+        if self.dht is not None and getattr(self, "blocks", None) is not None:
+            try:
+                await asyncio.wait_for(self._announce(ServerState.OFFLINE), timeout=5)
+            except Exception as exc:
+                logger.warning("could not announce OFFLINE: %s", exc)
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1.0)
+        if self.servicer is not None:
+            self.servicer.close()
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+        logger.info("peer stopped")

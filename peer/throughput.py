@@ -1,0 +1,53 @@
+"""A peer's compute throughput, measured once per (model shape, span length, dtype, device) and cached."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from peer.blocks import BlockSpan
+
+logger = logging.getLogger(__name__)
+
+_TOKENS = 64
+_REPEATS = 3
+
+
+def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
+    """Tokens/s of a forward pass over the whole span (best of a few runs of a 64-token batch)."""
+    config = span.config
+    key = (
+        f"{config.model_type}-h{config.hidden_size}-i{getattr(config, 'intermediate_size', 0)}"
+        f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{next(span.parameters()).device}"
+    )
+    cached = _read(cache_file)
+    if key in cached:
+        return cached[key]
+    hidden = torch.randn(1, _TOKENS, config.hidden_size, dtype=span.dtype, device=next(span.parameters()).device)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(_REPEATS):
+            began = time.perf_counter()
+            span(hidden)
+            best = min(best, time.perf_counter() - began)
+    throughput = _TOKENS / best
+    cached[key] = throughput
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps(cached, indent=1))
+    except OSError as exc:  # a read-only home must not stop a peer
+        logger.warning("could not cache throughput in %s: %s", cache_file, exc)
+    logger.info("measured throughput %.0f tokens/s for %s", throughput, key)
+    return throughput
+
+
+def _read(cache_file: Path) -> dict[str, float]:
+    try:
+        data = json.loads(cache_file.read_text())
+        return {k: float(v) for k, v in data.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}

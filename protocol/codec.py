@@ -1,0 +1,82 @@
+"""Tensor <-> protobuf `Tensor` codec: shape, dtype (bfloat16 included), optional float16 compression."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise BadRequestError(f"dtype {dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BadRequestError(f"unknown tensor dtype {name!r}; supported: {sorted(DTYPES)}") from None
+
+
+def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
+    """Serialize a tensor; FLOAT16 compression applies to floating tensors only."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    original = dtype_name(tensor.dtype)
+    if compression == pb.FLOAT16 and tensor.is_floating_point() and tensor.dtype != torch.float16:
+        tensor = tensor.to(torch.float16)
+    else:
+        compression = pb.NONE
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return pb.Tensor(shape=list(tensor.shape), dtype=original, data=data, compression=compression)
+
+
+def decode_tensor(message: pb.Tensor, name: str = "tensor") -> torch.Tensor:
+    """Deserialize a tensor, checking that its bytes match its shape and dtype."""
+    dtype = parse_dtype(message.dtype)
+    wire_dtype = torch.float16 if message.compression == pb.FLOAT16 else dtype
+    if message.compression not in (pb.NONE, pb.FLOAT16):
+        raise BadRequestError(f"{name}: unknown compression {message.compression}")
+    shape = tuple(message.shape)
+    if any(dim < 0 for dim in shape):
+        raise BadRequestError(f"{name}: negative dimension in shape {list(shape)}")
+    itemsize = torch.empty((), dtype=wire_dtype).element_size()
+    expected = math.prod(shape) * itemsize
+    if len(message.data) != expected:
+        raise BadRequestError(
+            f"{name}: shape {list(shape)} of {message.dtype} needs {expected} bytes, got {len(message.data)}"
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    tensor = torch.frombuffer(bytearray(message.data), dtype=wire_dtype).reshape(shape)
+    return tensor.to(dtype) if wire_dtype != dtype else tensor
+
+
+def encode_optional(tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:
+    return None if tensor is None else encode_tensor(tensor, compression)
+
+
+def decode_optional(message, field: str) -> torch.Tensor | None:
+    """Decode `message.field` if it was set, else None."""
+    return decode_tensor(getattr(message, field), field) if message.HasField(field) else None

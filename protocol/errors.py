@@ -1,0 +1,86 @@
+"""The one exception tree of swarmlm; remote errors cross the wire as codes.
+
+    SwarmError
+    ├── BadRequestError            bad_request        malformed message, wrong shape/dtype, NaN/inf
+    │   ├── MessageTooLargeError   message_too_large  a tensor or message over the configured limit
+    │   └── SequenceTooLongError   sequence_too_long  more tokens than the session's max_length
+    ├── UnknownSessionError        unknown_session    no such (or an expired) inference session
+    ├── WrongSpanError             wrong_span         the peer does not serve the requested blocks
+    ├── CacheFullError             cache_full         no KV-cache space within the allocation timeout
+    ├── PeerUnavailableError       peer_unavailable   a peer could not be reached or vanished mid-request
+    ├── NoPeersError               no_peers           nobody serves some blocks of a model
+    ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
+    ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
+    └── InternalError              internal           a bug on the remote side (its message is passed on)
+
+Each class has a wire `code`; `error_from_code` rebuilds the same type on the client.
+"""
+
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Base of every error swarmlm raises on purpose."""
+
+    code = "internal"
+
+
+class BadRequestError(SwarmError):
+    code = "bad_request"
+
+
+class MessageTooLargeError(BadRequestError):
+    code = "message_too_large"
+
+
+class SequenceTooLongError(BadRequestError):
+    code = "sequence_too_long"
+
+
+class UnknownSessionError(SwarmError):
+    code = "unknown_session"
+
+
+class WrongSpanError(SwarmError):
+    code = "wrong_span"
+
+
+class CacheFullError(SwarmError):
+    code = "cache_full"
+
+
+class PeerUnavailableError(SwarmError):
+    code = "peer_unavailable"
+
+
+class NoPeersError(SwarmError):
+    code = "no_peers"
+
+
+class ModelNotFoundError(SwarmError):
+    code = "model_not_found"
+
+
+class InvalidRecordError(SwarmError):
+    code = "invalid_record"
+
+
+class InternalError(SwarmError):
+    code = "internal"
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+ERROR_BY_CODE: dict[str, type[SwarmError]] = {cls.code: cls for cls in [SwarmError, *_all_subclasses(SwarmError)]}
+ERROR_BY_CODE["internal"] = InternalError
+
+
+def error_from_code(code: str, message: str) -> SwarmError:
+    """Rebuild a remote error as the same type; an unknown code becomes InternalError."""
+    return ERROR_BY_CODE.get(code, InternalError)(message)

@@ -1,0 +1,191 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NONE: _ClassVar[Compression]
+    FLOAT16: _ClassVar[Compression]
+NONE: Compression
+FLOAT16: Compression
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data", "compression")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    compression: Compression
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class Span(_message.Message):
+    __slots__ = ("model", "start", "end")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    start: int
+    end: int
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression")
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    span: Span
+    hidden_states: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    output_compression: Compression
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("hidden_states",)
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    hidden_states: Tensor
+    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BackwardRequest(_message.Message):
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression")
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    span: Span
+    hidden_states: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    grad_outputs: Tensor
+    output_compression: Compression
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class BackwardResponse(_message.Message):
+    __slots__ = ("grad_inputs",)
+    GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    grad_inputs: Tensor
+    def __init__(self, grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class InferenceRequest(_message.Message):
+    __slots__ = ("open", "step", "close")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    step: InferenceStep
+    close: CloseSession
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("span", "session_id", "max_length", "batch_size", "alloc_timeout_s")
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    span: Span
+    session_id: str
+    max_length: int
+    batch_size: int
+    alloc_timeout_s: float
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., batch_size: _Optional[int] = ..., alloc_timeout_s: _Optional[float] = ...) -> None: ...
+
+class InferenceStep(_message.Message):
+    __slots__ = ("session_id", "hidden_states", "attention_mask", "position_ids", "prefix_length", "step_id", "output_compression")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hidden_states: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    prefix_length: int
+    step_id: int
+    output_compression: Compression
+    def __init__(self, session_id: _Optional[str] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_length: _Optional[int] = ..., step_id: _Optional[int] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+
+class CloseSession(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class InferenceResponse(_message.Message):
+    __slots__ = ("opened", "step", "error")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    step: StepResult
+    error: Error
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "max_length")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    max_length: int
+    def __init__(self, session_id: _Optional[str] = ..., max_length: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("hidden_states", "step_id", "position")
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    hidden_states: Tensor
+    step_id: int
+    position: int
+    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., step_id: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    model: str
+    start: int
+    end: int
+    version: str
+    dtype: str
+    cache_tokens_left: int
+    throughput: float
+    max_message_bytes: int
+    open_sessions: int
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ...) -> None: ...

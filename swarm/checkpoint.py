@@ -1,0 +1,74 @@
+"""Read a Hugging Face checkpoint piecemeal: its config, and only the tensors a peer or client needs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from protocol.errors import ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint folder, or a hub id already in the local Hugging Face cache (nothing is downloaded)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; pass a Hugging Face checkpoint folder")
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; pass a Hugging Face checkpoint folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:  # the hub raises several kinds for "not cached" and for bad ids
+        raise ModelNotFoundError(
+            f"model {model!r} is neither a local folder nor a hub id in the local cache; "
+            f"download it first (e.g. `huggingface-cli download {model}`) or pass a checkpoint folder"
+        ) from exc
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise ModelNotFoundError(f"cannot read the config of {path}: {exc}") from exc
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ModelNotFoundError(f"{path} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are supported")
+
+
+def load_tensors(path: Path, wanted: Callable[[str], bool], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Read just the tensors whose names pass `wanted`, shard by shard (the rest never enter memory)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_files(path).items():
+        if wanted(name):
+            by_file.setdefault(file, []).append(name)
+    tensors = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return tensors

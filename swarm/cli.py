@@ -1,0 +1,55 @@
+"""The `swarmlm` command: one subcommand per role, each defined next to the code it runs.
+
+Subcommands are imported by name only when chosen, so `swarmlm --help` is instant and `swarm`
+keeps importing nothing from `peer` or `client` (the dependency direction the design fixes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+COMMANDS = {
+    "demo": ("client.demo", "run a whole swarm on this machine with the built-in model, chat, then stop"),
+    "bootstrap": ("swarm.bootstrap", "run a DHT bootstrap node and print the --initial-peers to use"),
+    "peer": ("peer.cli", "serve a span of a model's blocks"),
+    "status": ("swarm.status", "show which models and blocks the swarm serves, and by whom"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: swarmlm COMMAND [options]   (swarmlm COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"swarmlm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    configure_logging(os.environ.get("SWARMLM_LOG_LEVEL", "INFO").upper())
+    module = importlib.import_module(COMMANDS[name][0])
+    args = module.build_parser(f"swarmlm {name}").parse_args(rest)
+    if getattr(args, "cache_dir", "unset") is None:
+        args.cache_dir = os.environ.get("SWARMLM_CACHE_DIR")
+    try:
+        return module.run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`swarmlm status`: which models the swarm serves, who serves which blocks, and what is uncovered."""
+
+from __future__ import annotations
+
+import argparse
+
+from protocol.records import ServerState
+from swarm.dht import start_dht
+from swarm.directory import fetch_models, fetch_snapshot
+from swarm.snapshot import SwarmSnapshot
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Show the models of a swarm and who serves their blocks.")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
+    p.add_argument("--model", help="show only this DHT prefix")
+    return p
+
+
+def _ranges(blocks: list[int]) -> str:
+    parts, i = [], 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+            j += 1
+        parts.append(f"{blocks[i]}:{blocks[j] + 1}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> str:
+    lines = [f"model {prefix} ({repository}): {snapshot.num_blocks} blocks"]
+    servers = sorted(snapshot.servers.items(), key=lambda item: (item[1].start_block, item[1].end_block, item[0]))
+    for peer_id, info in servers:
+        lines.append(
+            f"  blocks {info.start_block:>3}:{info.end_block:<3}  {ServerState(info.state).name:<7}  {peer_id}  "
+            f"{info.endpoint}  {info.throughput:8.1f} tok/s  {info.dtype}  cache left {info.cache_tokens_left}"
+        )
+    uncovered = snapshot.uncovered_blocks()
+    lines.append(f"  uncovered blocks: {_ranges(uncovered)}" if uncovered else "  all blocks covered")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    dht = start_dht(args.initial_peers, client_mode=True)
+    try:
+        models = fetch_models(dht)
+        if args.model:
+            models = {k: v for k, v in models.items() if k == args.model}
+        if not models:
+            print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))
+            return 1
+        for prefix, record in sorted(models.items()):
+            print(format_snapshot(prefix, record.repository, fetch_snapshot(dht, prefix, record.num_blocks)))
+        return 0
+    finally:
+        dht.shutdown()

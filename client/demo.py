@@ -1,0 +1,83 @@
+"""`swarmlm demo`: a whole swarm on this machine (bootstrap, three peers, a client), one chat, then stop.
+
+The peers are real processes started through the `swarmlm` CLI on 127.0.0.1; every one of them is
+stopped on the way out, also on Ctrl+C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from swarm.checkpoint import load_config
+from swarm.default_model import DEFAULT_MODEL, resolve_default_model
+from swarm.paths import default_cache_dir
+from client.local_swarm import LocalSwarm, split_blocks
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 180.0
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a whole swarm on this machine, chat with it, then stop.")
+    p.add_argument("--model", help=f"checkpoint folder (default: the built-in {DEFAULT_MODEL})")
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.",
+                   help="the chat question to ask")
+    p.add_argument("--peers", type=int, default=3, help="how many peers split the blocks (default: 3)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default: 48)")
+    p.add_argument("--cache-dir", help="where the default model is converted to (default: ~/.cache/swarmlm)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer, TextStreamer
+
+    from client.model import AutoDistributedModelForCausalLM
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    model_path = Path(args.model) if args.model else resolve_default_model(cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    num_blocks = load_config(model_path).num_hidden_layers
+    spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
+    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-")))
+    model = None
+    try:
+        began = time.monotonic()
+        maddrs = swarm.start_bootstrap()
+        print(f"bootstrap node: {maddrs[0]}")
+        for i, (start, end) in enumerate(spans):
+            swarm.start_peer(f"peer{i}", str(model_path), "--blocks", f"{start}:{end}", "--cache-dir", str(cache_dir))
+            print(f"peer {i}: blocks {start}:{end}  (log: {swarm.log(f'peer{i}')})")
+        swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs)
+        print(f"swarm ready in {time.monotonic() - began:.1f}s\n")
+
+        messages = [{"role": "user", "content": args.prompt}]
+        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+        print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
+            started = time.perf_counter()
+            output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                    streamer=streamer)
+            elapsed = time.perf_counter() - started
+            route = [(s.hop.peer_id, s.hop.endpoint, s.hop.start, s.hop.end) for s in session.remote.spans]
+        new_tokens = output.shape[1] - input_ids.shape[1]
+        print("\nroute:")
+        for peer_id, endpoint, start, end in route:
+            print(f"  blocks {start:>2}:{end:<2} -> peer {peer_id} at {endpoint}")
+        print(f"{new_tokens} tokens in {elapsed:.2f}s ({new_tokens / elapsed:.1f} tokens/s, prefill included)")
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the swarm")
+        return 130
+    finally:
+        if model is not None:
+            model.shutdown()
+        swarm.stop()
+        print(f"all processes stopped (logs in {swarm.log_dir})")

@@ -29,8 +29,8 @@ _MAX_BAN_S = 60.0
 
 
 def is_retriable(error: BaseException) -> bool:
-    """Bad input is the caller's to fix; anything else may work on another peer."""
-    return isinstance(error, SwarmError) and not isinstance(error, BadRequestError)
+    """Bad input is the caller's to fix, and NoPeersError comes after waiting already; the rest may work elsewhere."""
+    return isinstance(error, SwarmError) and not isinstance(error, (BadRequestError, NoPeersError))
 
 
 @dataclass
@@ -69,6 +69,7 @@ class RemoteSequence:
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
         self.failovers = 0
+        self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
 
     # --- directory and routing ---
 
@@ -155,6 +156,7 @@ class RemoteSequence:
                     break
                 records.append(HopRecord(hop, hidden))
                 hidden, block = output, hop.end
+        self.last_route = [record.hop for record in records]
         return hidden, records
 
     async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions) -> torch.Tensor:

@@ -72,12 +72,28 @@ class InferenceSession:
         opened: list[SpanSession] = []
         try:
             for hop in route:
-                opened.append(await self._open(hop))
+                try:
+                    opened.append(await self._open(hop))
+                except Exception as exc:
+                    if is_retriable(exc):
+                        await self.sequence.report_failure(hop, exc)
+                    raise
         except BaseException:
             for span in opened:
                 await span.stream.close()
             raise
         return opened
+
+    async def _open_first_route(self) -> list[SpanSession]:
+        attempt = 0
+        while True:
+            try:
+                return await self._open_route(0, self.sequence.num_blocks, refresh=attempt > 0)
+            except Exception as exc:
+                if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
+                    raise
+            await self.sequence.backoff(attempt)
+            attempt += 1
 
     async def _send(self, span: SpanSession, hidden, mask, positions, prefix_length: int) -> torch.Tensor:
         request = pb.InferenceRequest(step=pb.InferenceStep(
@@ -142,7 +158,7 @@ class InferenceSession:
         elif mask is None and self.mask is not None:
             mask = torch.cat([self.mask, self.mask.new_ones(batch, new)], dim=1)
         if not self.spans:
-            self.spans = await self._open_route(0, self.sequence.num_blocks, refresh=False)
+            self.spans = await self._open_first_route()
 
         index, attempt = 0, 0
         while index < len(self.spans):

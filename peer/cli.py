@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
+from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
 from peer.config import DTYPE_CHOICES, PeerConfig
 from peer.server import PeerServer
@@ -76,14 +78,20 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         server = PeerServer(config)
         try:
-            started = __import__("asyncio").create_task(server.start())
-            stop = __import__("asyncio").create_task(wait_for_signal())
-            done, _ = await __import__("asyncio").wait({started, stop}, return_when="FIRST_COMPLETED")
+            # the DHT process is forked before our signal handlers exist, so it keeps the default ones
+            # and a SIGTERM to the whole process group stops it too
+            await server.join_swarm()
+            started = asyncio.create_task(server.start())
+            stop = asyncio.create_task(wait_for_signal())
+            done, _ = await asyncio.wait({started, stop}, return_when=asyncio.FIRST_COMPLETED)
             if started in done:
                 started.result()  # raise a startup failure
                 await stop
             else:
                 started.cancel()
+        except (SwarmError, ValueError, OSError) as exc:
+            logger.error("%s", exc)
+            return 1
         finally:
             await server.shutdown()
         return 0

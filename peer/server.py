@@ -6,7 +6,6 @@ import asyncio
 import logging
 import math
 from pathlib import Path
-
 import grpc
 import psutil
 import torch
@@ -15,7 +14,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.records import PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model
 from protocol.service import make_generic_handler
 from swarm.checkpoint import load_config, resolve_model_path
-from swarm.dht import start_dht, visible_maddrs
+from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.directory import announce, fetch_snapshot
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span
@@ -48,22 +47,28 @@ class PeerServer:
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
 
-    async def start(self) -> None:
+    async def join_swarm(self) -> None:
+        """Read the model's config and join the DHT (idempotent; `start()` calls it if needed)."""
+        if self.dht is not None:
+            return
         cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        path = resolve_model_path(cfg.model)
-        self.model_config = load_config(path)
+        self.path = resolve_model_path(cfg.model)
+        self.model_config = load_config(self.path)
         self.prefix = check_prefix(cfg.dht_prefix or prefix_for_model(cfg.model))
         self.num_layers = self.model_config.num_hidden_layers
         self.dtype = resolve_dtype(self.model_config, cfg.dtype)
         self.model_record = ModelRecord(num_blocks=self.num_layers, repository=cfg.model)
-
-        self.dht = await asyncio.to_thread(
-            start_dht, cfg.initial_peers, host=cfg.host, port=cfg.dht_port
-        )
+        if cfg.blocks is not None and cfg.blocks[1] > self.num_layers:
+            raise ValueError(f"--blocks {cfg.blocks[0]}:{cfg.blocks[1]} is outside the model's 0:{self.num_layers}")
+        self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port)
         logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
-        start, end = await asyncio.to_thread(self._choose_blocks, path)
+
+    async def start(self) -> None:
+        await self.join_swarm()
+        cfg, path = self.config, self.path
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        start, end = await asyncio.to_thread(self._choose_blocks)
         self.blocks = (start, end)
         await self._announce(ServerState.JOINING)
 
@@ -100,13 +105,10 @@ class PeerServer:
         logger.info("ONLINE: serving blocks %d:%d of %s at %s", start, end, self.prefix, self.endpoint)
         self.ready.set()
 
-    def _choose_blocks(self, path: Path) -> tuple[int, int]:
+    def _choose_blocks(self) -> tuple[int, int]:
         cfg = self.config
         if cfg.blocks is not None:
-            start, end = cfg.blocks
-            if end > self.num_layers:
-                raise ValueError(f"--blocks {start}:{end} is outside the model's 0:{self.num_layers}")
-            return start, end
+            return cfg.blocks
         count = cfg.num_blocks or self._blocks_that_fit()
         snapshot = fetch_snapshot(self.dht, self.prefix, self.num_layers)
         return choose_span(snapshot, min(count, self.num_layers))
@@ -136,12 +138,13 @@ class PeerServer:
             endpoint=self.endpoint or f"{self.config.host}:0",
         )
 
-    async def _announce(self, state: ServerState) -> None:
+    async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:
         info = self._server_info(state)
         expiration = 2 * self.config.update_period_s + 5
-        await asyncio.to_thread(
-            announce, self.dht, self.prefix, self.peer_id, info, self.model_record, expiration_s=expiration
-        )
+        stored = announce(self.dht, self.prefix, self.peer_id, info, self.model_record, expiration_s=expiration,
+                          wait=False)
+        # awaited as a future, not in a thread: a DHT that died must not keep the process from exiting
+        await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s)
 
     async def _announce_forever(self) -> None:
         while True:
@@ -174,13 +177,13 @@ class PeerServer:
             self._announcer.cancel()
         if self.dht is not None and getattr(self, "blocks", None) is not None:
             try:
-                await asyncio.wait_for(self._announce(ServerState.OFFLINE), timeout=5)
+                await self._announce(ServerState.OFFLINE, timeout_s=5)
             except Exception as exc:
-                logger.warning("could not announce OFFLINE: %s", exc)
+                logger.warning("could not announce OFFLINE: %r", exc)
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
         if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
+            stop_dht(self.dht)
         logger.info("peer stopped")

@@ -22,6 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -39,13 +40,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
-    """Serialize a tensor; FLOAT16 compression applies to floating tensors only."""
+    """Serialize a tensor; FLOAT16 compression applies to float32/float64 only (it would not shrink the rest)."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     original = dtype_name(tensor.dtype)
-    if compression == pb.FLOAT16 and tensor.is_floating_point() and tensor.dtype != torch.float16:
-        tensor = tensor.to(torch.float16)
+    if compression == pb.FLOAT16 and tensor.dtype in (torch.float32, torch.float64):
+        # clamp rather than overflow: inf would be rejected as bad input on the other side
+        tensor = tensor.clamp(-_FLOAT16_MAX, _FLOAT16_MAX).to(torch.float16)
     else:
         compression = pb.NONE
     data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

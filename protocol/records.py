@@ -16,7 +16,7 @@ from protocol.errors import InvalidRecordError
 
 PROTOCOL_VERSION = "1"
 MODEL_INDEX_KEY = "_swarmlm.models"
-_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class ServerState(enum.IntEnum):
@@ -90,7 +90,7 @@ def block_key(prefix: str, block: int) -> str:
 
 
 def check_prefix(prefix: str) -> str:
-    if not _PREFIX_PATTERN.match(prefix):
+    if not _PREFIX_PATTERN.fullmatch(prefix):
         raise ValueError(f"DHT prefix {prefix!r} must be 1-128 characters of letters, digits, '_' or '-'")
     return prefix
 

@@ -1,30 +1,37 @@
 """Swarm mechanics shared by peers and clients.
 
-- dht: starting hivemind DHT nodes (loopback by default, no NAT probing)
+- dht: starting and stopping hivemind DHT nodes (loopback by default, no NAT probing)
 - directory: reading/writing block records and the model index
 - snapshot: SwarmSnapshot, the input of placement and routing decisions
 - placement: which blocks a peer should serve (pure functions)
 - checkpoint: reading a checkpoint's config and selected tensors
 - default_model: the built-in default model, converted once from a shipped GGUF file
 - bootstrap, status, cli: the `swarmlm bootstrap`, `swarmlm status` and `swarmlm` commands
+
+Exports load on first use, so `swarmlm --help` does not pay for torch and hivemind.
 """
 
-from swarm.checkpoint import load_config, load_tensors, resolve_model_path
-from swarm.dht import start_dht, visible_maddrs
-from swarm.directory import announce, fetch_models, fetch_snapshot
-from swarm.placement import choose_span, should_move
-from swarm.snapshot import SwarmSnapshot
+import importlib
 
-__all__ = [
-    "SwarmSnapshot",
-    "announce",
-    "choose_span",
-    "fetch_models",
-    "fetch_snapshot",
-    "load_config",
-    "load_tensors",
-    "resolve_model_path",
-    "should_move",
-    "start_dht",
-    "visible_maddrs",
-]
+_EXPORTS = {
+    "SwarmSnapshot": "swarm.snapshot",
+    "announce": "swarm.directory",
+    "choose_span": "swarm.placement",
+    "fetch_models": "swarm.directory",
+    "fetch_snapshot": "swarm.directory",
+    "load_config": "swarm.checkpoint",
+    "load_tensors": "swarm.checkpoint",
+    "resolve_model_path": "swarm.checkpoint",
+    "should_move": "swarm.placement",
+    "start_dht": "swarm.dht",
+    "stop_dht": "swarm.dht",
+    "visible_maddrs": "swarm.dht",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'swarm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -28,6 +28,9 @@ def resolve_model_path(model: str) -> Path:
         return path
     if path.exists():
         raise ModelNotFoundError(f"{path} is a file; pass a Hugging Face checkpoint folder")
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ModelNotFoundError(f"model folder {model!r} does not exist; pass a Hugging Face checkpoint folder")
     try:
         from huggingface_hub import snapshot_download
 
@@ -35,8 +38,8 @@ def resolve_model_path(model: str) -> Path:
     except Exception as exc:  # the hub raises several kinds for "not cached" and for bad ids
         raise ModelNotFoundError(
             f"model {model!r} is neither a local folder nor a hub id in the local cache; "
-            f"download it first (e.g. `huggingface-cli download {model}`) or pass a checkpoint folder"
-        ) from exc
+            f"download it first (e.g. `hf download {model}`) or pass a checkpoint folder"
+        ) from None  # the hub's own chain of errors says nothing more useful
 
 
 def load_config(path: Path) -> PretrainedConfig:

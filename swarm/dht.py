@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Sequence
 
@@ -33,17 +34,45 @@ def start_dht(
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
-    return hivemind.DHT(
+    dht = hivemind.DHT(
         initial_peers=list(initial_peers),
         # no NAT probing or UPnP mapping: a node contacts only the peers it is given
         auto_nat=False,
         nat_port_map=False,
         client_mode=client_mode,
-        start=True,
-        await_ready=True,
+        start=False,
         startup_timeout=startup_timeout_s,
         **kwargs,
     )
+    # hivemind forks the node's process. Objects the child inherits from other threads (gRPC channels
+    # closed in this process, say) must not be finalized there: that crashes it. So collect here and
+    # freeze what is left, which keeps the child's garbage collector away from it.
+    gc.collect()
+    gc.freeze()
+    try:
+        dht.run_in_background(await_ready=False)
+    finally:
+        gc.unfreeze()
+    try:
+        dht.wait_until_ready(timeout=startup_timeout_s + 5)
+    except BaseException:
+        stop_dht(dht)
+        raise
+    return dht
+
+
+def stop_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:
+    """Shut a DHT node down, killing its process if it does not stop within `timeout_s`."""
+    if dht.is_alive():
+        try:
+            dht.shutdown()
+        except Exception as exc:  # a node whose process already died cannot be asked to stop
+            logger.debug("DHT shutdown failed: %r", exc)
+        dht.join(timeout_s)
+    if dht.is_alive():
+        logger.warning("the DHT process did not stop within %.0fs; killing it", timeout_s)
+        dht.kill()
+        dht.join(timeout_s)
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -1,0 +1,44 @@
+"""Fixtures shared by all tests: tiny random models (built once per session) and a real-process swarm."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `pytest` run without `python -m` does not put the repo root on sys.path
+    sys.path.insert(0, str(REPO))
+
+from tests.helpers.models import make_tiny_llama, make_tiny_qwen3  # noqa: E402
+from tests.helpers.processes import Swarm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory) -> Path:
+    """A 4-layer random Llama (GQA, untied head) saved as safetensors; its folder name is its DHT prefix."""
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=4, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tmp_path_factory) -> Path:
+    """A 4-layer random Qwen3 (GQA, q/k norms, tied head) saved as safetensors."""
+    return make_tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3", num_layers=4, seed=0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach the swarm's process logs to the report of a test that failed while using the `swarm` fixture."""
+    outcome = yield
+    report = outcome.get_result()
+    swarm = getattr(item, "funcargs", {}).get("swarm")
+    if report.failed and isinstance(swarm, Swarm):
+        report.sections.append(("swarm process logs", swarm.format_logs()))
+
+
+@pytest.fixture
+def swarm(tmp_path) -> Swarm:
+    """A Swarm under this test's tmp_path; every process it started is reaped afterwards, whatever happened."""
+    with Swarm(tmp_path / "swarm") as running:
+        yield running

@@ -1,0 +1,73 @@
+"""Tiny random-weight models built from a transformers config and saved as safetensors (nothing downloaded).
+
+Each builder seeds torch, builds `AutoModelForCausalLM.from_config(config)` in float32 and saves it with
+`save_pretrained(path)`; no tokenizer is written. The same seed gives the same weights, so a test can rebuild
+the reference model locally and compare it with what the swarm computes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+HIDDEN_SIZE = 64
+INTERMEDIATE_SIZE = 128
+NUM_HEADS = 4
+NUM_KV_HEADS = 2  # grouped-query attention: 2 query heads per key/value head
+VOCAB_SIZE = 128
+MAX_POSITIONS = 256
+
+
+def _common(num_layers: int) -> dict:
+    return dict(
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=num_layers,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def llama_config(num_layers: int = 4) -> LlamaConfig:
+    return LlamaConfig(**_common(num_layers), tie_word_embeddings=False)
+
+
+def qwen3_config(num_layers: int = 4) -> Qwen3Config:
+    return Qwen3Config(**_common(num_layers), head_dim=16, tie_word_embeddings=True)
+
+
+def qwen2_config(num_layers: int = 4) -> Qwen2Config:
+    return Qwen2Config(**_common(num_layers), tie_word_embeddings=True)
+
+
+def save_random_model(config: PretrainedConfig, path: str | Path, *, seed: int = 0) -> Path:
+    """Build a random-weight causal LM from `config` (seeded) and save it to `path` as safetensors."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_llama(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A Llama with GQA (4 heads, 2 kv heads), hidden 64, vocab 128, untied LM head."""
+    return save_random_model(llama_config(num_layers), path, seed=seed)
+
+
+def make_tiny_qwen3(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A Qwen3 (q/k norms, head_dim 16) with GQA, hidden 64, vocab 128, tied LM head."""
+    return save_random_model(qwen3_config(num_layers), path, seed=seed)
+
+
+def make_tiny_qwen2(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A Qwen2 (qkv biases) with GQA, hidden 64, vocab 128, tied LM head."""
+    return save_random_model(qwen2_config(num_layers), path, seed=seed)

@@ -1,0 +1,446 @@
+"""A real swarm on 127.0.0.1 for integration tests: bootstrap and peer processes that are always reaped.
+
+Every process runs `swarmlm ...` in its own session (`start_new_session=True`), so the process, the hivemind
+DHT process it forks and that one's p2pd daemon can all be found by session id and signalled as one group.
+`Swarm.close()` (also on exceptions, through `with` or the `swarm` fixture) stops every process group with
+SIGTERM, then SIGKILL after a bounded wait, and raises `LeftoverProcessError` if anything of ours survives.
+
+Each process writes stdout and stderr to files under the swarm's log folder; `Swarm.format_logs()` gives their
+tails, which waits that time out include in their error and the `swarm` fixture attaches to a failing test's report.
+
+    with Swarm(tmp_path) as swarm:
+        maddrs = swarm.start_bootstrap()
+        peer = swarm.start_peer(model_path, "--blocks", "0:2")
+        swarm.wait_online("tiny-llama", [(0, 2)])
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+
+T = TypeVar("T")
+
+LOG_TAIL_CHARS = 4000
+STOP_TIMEOUT_S = 10.0  # SIGTERM -> SIGKILL; a healthy peer announces OFFLINE and exits in about 2 s
+KILL_TIMEOUT_S = 10.0
+
+
+class LeftoverProcessError(AssertionError):
+    """Processes of ours were still running after the swarm was stopped."""
+
+
+def swarmlm_command() -> list[str]:
+    """The `swarmlm` console script of this interpreter's environment, or `python -m swarm.cli` without one."""
+    script = Path(sys.executable).parent / "swarmlm"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "swarm.cli"]
+
+
+def child_env(cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        SWARMLM_LOG_LEVEL="INFO",
+        SWARMLM_CACHE_DIR=str(cache_dir),
+        PYTHONUNBUFFERED="1",  # logs reach the files as they happen, so a timed-out wait shows where it hung
+        # several processes share a 2-core machine: one compute thread each keeps them from starving each other
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        # nothing is downloaded in tests
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
+    return env
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose session id is `sid`: a process we started and all it spawned."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return found
+
+
+def describe(procs: Sequence[psutil.Process]) -> str:
+    lines = []
+    for proc in procs:
+        try:
+            lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except psutil.Error:
+            lines.append(f"  pid {proc.pid}: (gone)")
+    return "\n".join(lines)
+
+
+def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return text if len(text) <= chars else "..." + text[-chars:]
+
+
+class ManagedProcess:
+    """One `swarmlm` process in its own session, with stdout/stderr in files."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str]):
+        self.name = name
+        self.args = list(args)
+        self.stdout_path = log_dir / f"{name}.out"
+        self.stderr_path = log_dir / f"{name}.err"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+            )
+        self.pid = self.popen.pid
+        # The session id equals the pid (start_new_session); the DHT process and p2pd inherit it.
+        self.sid = self.pid
+        self.expected_alive = True  # False once a test stops it on purpose: its exit is not a failure then
+        self.seen_members: dict[int, psutil.Process] = {}
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def members(self) -> list[psutil.Process]:
+        """The live processes of this session, also remembered so that `leftovers` can check them later."""
+        members = session_members(self.sid)
+        for proc in members:
+            self.seen_members.setdefault(proc.pid, proc)
+        return members
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of this session still alive, including any seen earlier (even if they changed session)."""
+        current = {proc.pid: proc for proc in session_members(self.sid)}
+        for pid, proc in self.seen_members.items():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    current.setdefault(pid, proc)
+            except psutil.Error:
+                continue
+        return list(current.values())
+
+    def signal_group(self, sig: int) -> None:
+        self.members()  # remember the children before they may be re-parented or vanish
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        for proc in self.leftovers():  # anything that left our group (setsid/setpgid) still gets the signal
+            try:
+                if os.getpgid(proc.pid) != self.pid:
+                    proc.send_signal(sig)
+            except (ProcessLookupError, psutil.Error):
+                continue
+
+    def wait_gone(self, timeout_s: float) -> list[psutil.Process]:
+        """Wait until the main process has exited and nothing of its session is left; return what is left."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.popen.poll()  # reap our direct child so it does not linger as a zombie
+            left = self.leftovers()
+            if not left and self.popen.returncode is not None:
+                return []
+            if time.monotonic() >= deadline:
+                return left
+            time.sleep(0.1)
+
+    def logs(self) -> str:
+        status = "running" if self.alive() else f"exited with {self.returncode}"
+        return (
+            f"===== {self.name} (pid {self.pid}, {status}): {' '.join(self.args)}\n"
+            f"----- stdout ({self.stdout_path})\n{_tail(self.stdout_path)}\n"
+            f"----- stderr ({self.stderr_path})\n{_tail(self.stderr_path)}\n"
+        )
+
+
+class BootstrapProcess(ManagedProcess):
+    maddrs: list[str]
+
+
+class PeerProcess(ManagedProcess):
+    model_path: Path
+    cache_dir: Path
+
+
+class Swarm:
+    """Bootstrap and peer processes on 127.0.0.1, a client-mode DHT to watch them, and guaranteed cleanup."""
+
+    def __init__(self, workdir: str | Path):
+        self.workdir = Path(workdir)
+        self.log_dir = self.workdir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = child_env(self.workdir / "swarmlm-cache")
+        self.processes: list[ManagedProcess] = []
+        self.bootstrap: BootstrapProcess | None = None
+        self.initial_peers: list[str] = []
+        self._dht = None
+        self._dht_members: list[psutil.Process] = []
+        self._names: dict[str, int] = {}
+        self._closed = False
+        self.needed_sigkill: list[str] = []  # names of processes that ignored SIGTERM at close()
+
+    # lifecycle
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close(check=exc_info[0] is None)
+
+    def close(self, *, check: bool = True) -> None:
+        """Stop every process group (SIGTERM, then SIGKILL), stop the watching DHT, and make sure nothing is left.
+
+        Raises:
+            LeftoverProcessError: (when `check`) something of ours survived SIGKILL.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        problems = []
+        if self._dht is not None:
+            problems += self._shutdown_dht()
+        running = [proc for proc in self.processes if proc.leftovers() or proc.alive()]
+        for proc in running:
+            proc.expected_alive = False
+            proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in running:
+            left = proc.wait_gone(max(0.0, deadline - time.monotonic()))
+            if left:
+                self.needed_sigkill.append(proc.name)
+                print(
+                    f"swarm: {proc.name} was still running {STOP_TIMEOUT_S} s after SIGTERM to its process group; "
+                    f"sending SIGKILL to:\n{describe(left)}",
+                    file=sys.stderr,
+                )
+                proc.signal_group(signal.SIGKILL)
+        for proc in running:
+            left = proc.wait_gone(KILL_TIMEOUT_S)
+            if left:
+                problems.append(f"{proc.name} left processes behind after SIGKILL:\n{describe(left)}")
+        if problems and check:
+            raise LeftoverProcessError("\n".join(problems) + "\n" + self.format_logs())
+
+    def _shutdown_dht(self) -> list[str]:
+        dht, self._dht = self._dht, None
+        try:
+            dht.shutdown()
+        except Exception as exc:  # still reap its processes below
+            print(f"watching DHT shutdown failed: {exc!r}", file=sys.stderr)
+        gone, alive = psutil.wait_procs(self._dht_members, timeout=KILL_TIMEOUT_S)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        if alive:
+            return [f"the watching DHT left processes behind after shutdown():\n{describe(alive)}"]
+        return []
+
+    # starting processes
+
+    def spawn(self, name: str, *args: str) -> ManagedProcess:
+        """Start `swarmlm ARGS...` as a managed process named `name` (numbered if the name was used)."""
+        return self._spawn(ManagedProcess, name, list(args))
+
+    def _spawn(self, cls: type[T], name: str, args: list[str]) -> T:
+        assert not self._closed, "this swarm was closed"
+        count = self._names.get(name, 0)
+        self._names[name] = count + 1
+        unique = name if count == 0 else f"{name}-{count}"
+        proc = cls(unique, swarmlm_command() + args, self.log_dir, self.env)
+        self.processes.append(proc)
+        return proc
+
+    def start_bootstrap(self, *extra_args: str, timeout_s: float = 60.0) -> list[str]:
+        """Start `swarmlm bootstrap EXTRA...`, wait for the multiaddrs it prints, and make them the initial peers."""
+        proc = self._spawn(BootstrapProcess, "bootstrap", ["bootstrap", *extra_args])
+
+        def printed_maddrs() -> list[str] | None:
+            lines = proc.stdout().splitlines()
+            if not any(line.startswith("--initial-peers ") for line in lines):
+                return None  # the multiaddr lines come first; the --initial-peers line ends the announcement
+            return [line.strip() for line in lines if line.startswith("/ip4/")]
+
+        proc.maddrs = self.wait_for(printed_maddrs, timeout_s, f"{proc.name} to print its multiaddrs", watch=[proc])
+        assert proc.maddrs, f"{proc.name} printed no /ip4/ multiaddrs\n{proc.logs()}"
+        self.bootstrap = proc
+        self.initial_peers = proc.maddrs
+        return proc.maddrs
+
+    def start_peer(self, model_path: str | Path, *extra_args: str) -> PeerProcess:
+        """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`."""
+        assert self.initial_peers, "start_bootstrap() first"
+        count = self._names.get("peer", 0)
+        cache_dir = self.workdir / f"peer-cache-{count}"
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            "peer",
+            str(model_path),
+            "--initial-peers",
+            *self.initial_peers,
+            "--throughput",
+            "1000",
+            "--update-period",
+            "5",
+            "--cache-dir",
+            str(cache_dir),
+            *extra_args,
+        ]
+        proc = self._spawn(PeerProcess, "peer", args)
+        proc.model_path, proc.cache_dir = Path(model_path), cache_dir
+        return proc
+
+    def run(self, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        """Run `swarmlm ARGS...` to completion (bounded), returning its exit code and output; nothing is left."""
+        name = args[0].lstrip("-") if args else "swarmlm"
+        proc = self.spawn(name or "swarmlm", *args)
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.expected_alive = False
+            proc.signal_group(signal.SIGKILL)
+            proc.wait_gone(KILL_TIMEOUT_S)
+            raise TimeoutError(f"`swarmlm {' '.join(args)}` ran over {timeout_s} s\n{proc.logs()}") from None
+        proc.expected_alive = False
+        left = proc.wait_gone(5.0)
+        if left:
+            raise LeftoverProcessError(f"`swarmlm {' '.join(args)}` exited but left:\n{describe(left)}\n{proc.logs()}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout(), proc.stderr())
+
+    # stopping processes
+
+    def kill(self, proc: ManagedProcess, sig: int = signal.SIGKILL, *, group: bool = True) -> None:
+        """Send `sig` to the process's whole group (its DHT process and p2pd too), or with group=False to it alone.
+
+        SIGKILL to the group is a machine dying; SIGTERM to the process alone is an operator stopping it.
+        """
+        proc.expected_alive = False
+        if group:
+            proc.signal_group(sig)
+        else:
+            proc.members()
+            proc.popen.send_signal(sig)
+
+    def terminate(self, proc: ManagedProcess, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> int:
+        """Send `sig` to the process alone and wait until it and everything it spawned are gone; its exit code.
+
+        Raises:
+            TimeoutError: it did not exit in time, or left processes behind (they are then killed).
+        """
+        self.kill(proc, sig, group=False)
+        left = proc.wait_gone(timeout_s)
+        if left:
+            still_running = proc.alive()
+            proc.signal_group(signal.SIGKILL)
+            proc.wait_gone(KILL_TIMEOUT_S)
+            what = "did not exit" if still_running else "exited but left processes behind"
+            raise TimeoutError(
+                f"{proc.name} {what} within {timeout_s} s of signal {sig}:\n{describe(left)}\n{proc.logs()}"
+            )
+        return proc.returncode
+
+    # watching the swarm
+
+    @property
+    def dht(self):
+        """A client-mode DHT node joined through the bootstrap, started on first use."""
+        if self._dht is None:
+            from swarm.dht import start_dht
+
+            assert self.initial_peers, "start_bootstrap() first"
+            self._dht = start_dht(self.initial_peers, client_mode=True)
+            # hivemind runs the node in a forked process that spawns p2pd: remember them to reap them
+            self._dht_members = [psutil.Process(self._dht.pid)]
+            self._dht_members += self._dht_members[0].children(recursive=True)
+        return self._dht
+
+    def snapshot(self, prefix: str, num_blocks: int | None = None):
+        """The current SwarmSnapshot of a model; `num_blocks` from the model index when not given (None if absent)."""
+        from swarm.directory import fetch_models, fetch_snapshot
+
+        if num_blocks is None:
+            record = fetch_models(self.dht).get(prefix)
+            if record is None:
+                return None
+            num_blocks = record.num_blocks
+        return fetch_snapshot(self.dht, prefix, num_blocks)
+
+    def wait_online(self, prefix: str, expected_spans: Sequence[tuple[int, int]], timeout_s: float = 60.0):
+        """Poll the DHT until, for each span, some peer announces exactly that span as ONLINE; the snapshot.
+
+        Fails early, with logs, if a peer that should be running has exited.
+        """
+        wanted = [tuple(span) for span in expected_spans]
+
+        def all_online():
+            snapshot = self.snapshot(prefix)
+            if snapshot is None:
+                return None
+            spans = {(info.start_block, info.end_block) for info in snapshot.online().values()}
+            return snapshot if all(span in spans for span in wanted) else None
+
+        return self.wait_for(all_online, timeout_s, f"spans {wanted} of {prefix!r} to be ONLINE", poll_s=0.5)
+
+    def wait_for(
+        self,
+        probe: Callable[[], T | None],
+        timeout_s: float,
+        what: str,
+        *,
+        poll_s: float = 0.2,
+        watch: Sequence[ManagedProcess] | None = None,
+    ) -> T:
+        """Call `probe` until it returns something truthy; fail with every process's logs on timeout.
+
+        Args:
+            watch: processes whose exit fails the wait at once (default: all that should be running).
+        """
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        while True:
+            try:
+                result = probe()
+                if result:
+                    return result
+            except Exception as exc:  # a DHT read may fail while the swarm is still forming
+                last_error = exc
+            watched = watch if watch is not None else [p for p in self.processes if p.expected_alive]
+            dead = [p for p in watched if not p.alive()]
+            if dead:
+                names = ", ".join(f"{p.name} (exit {p.returncode})" for p in dead)
+                raise AssertionError(f"while waiting for {what}: {names} exited\n{self.format_logs()}")
+            if time.monotonic() >= deadline:
+                detail = f"; last probe error: {last_error!r}" if last_error else ""
+                raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}{detail}\n{self.format_logs()}")
+            time.sleep(poll_s)
+
+    def format_logs(self) -> str:
+        """The tail of every process's stdout and stderr."""
+        if not self.processes:
+            return "(no processes were started)"
+        return "\n".join(proc.logs() for proc in self.processes)
+

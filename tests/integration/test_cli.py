@@ -1,0 +1,186 @@
+"""The `swarmlm` command as users run it: real bootstrap and peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from protocol.records import ServerState, prefix_for_model
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def peer_id_of(maddr: str) -> str:
+    assert "/p2p/" in maddr, maddr
+    return maddr.rsplit("/p2p/", 1)[1]
+
+
+def test_bootstrap_prints_maddrs_and_keeps_its_identity(swarm, tmp_path):
+    identity = tmp_path / "bootstrap.key"
+    maddrs = swarm.start_bootstrap("--identity", str(identity))
+    assert identity.is_file(), "the identity file was not created"
+    assert all(m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs), maddrs  # loopback unless told otherwise
+    first_id = {peer_id_of(m) for m in maddrs}
+    assert len(first_id) == 1, maddrs
+    stdout = swarm.bootstrap.stdout()
+    assert f"--initial-peers {' '.join(maddrs)}" in stdout.splitlines(), stdout
+
+    first = swarm.bootstrap
+    assert swarm.terminate(first, timeout_s=20) == 0, first.logs()
+    key = identity.read_bytes()
+
+    again = swarm.start_bootstrap("--identity", str(identity))
+    assert {peer_id_of(m) for m in again} == first_id, (maddrs, again)
+    assert identity.read_bytes() == key, "restarting rewrote the identity file"
+    assert swarm.terminate(swarm.bootstrap, timeout_s=20) == 0, swarm.bootstrap.logs()
+
+
+def test_bootstrap_without_identity_gets_a_fresh_peer_id_each_time(swarm):
+    first = {peer_id_of(m) for m in swarm.start_bootstrap()}
+    swarm.terminate(swarm.bootstrap, timeout_s=20)
+    second = {peer_id_of(m) for m in swarm.start_bootstrap()}
+    assert first.isdisjoint(second), (first, second)
+
+
+def test_placement_picks_uncovered_blocks_and_status_shows_coverage(swarm, tiny_llama_path):
+    prefix = prefix_for_model(str(tiny_llama_path))
+    swarm.start_bootstrap()
+    swarm.start_peer(tiny_llama_path, "--blocks", "0:2")
+    swarm.wait_online(prefix, [(0, 2)])
+    swarm.start_peer(tiny_llama_path, "--num-blocks", "2")  # no --blocks: placement chooses
+    snapshot = swarm.wait_online(prefix, [(0, 2), (2, 4)])
+
+    assert snapshot.num_blocks == 4
+    spans = sorted((info.start_block, info.end_block) for info in snapshot.online().values())
+    assert spans == [(0, 2), (2, 4)], snapshot
+    assert snapshot.uncovered_blocks() == []
+    for info in snapshot.online().values():
+        assert info.throughput == 1000.0 and info.dtype == "float32" and info.endpoint.startswith("127.0.0.1:")
+
+    status = swarm.run("status", "--initial-peers", *swarm.initial_peers, timeout_s=60)
+    assert status.returncode == 0, status.stderr
+    out = status.stdout
+    assert f"model {prefix} ({tiny_llama_path}): 4 blocks" in out, out
+    assert "all blocks covered" in out, out
+    for peer_id, info in snapshot.online().items():
+        line = next((line for line in out.splitlines() if peer_id in line), None)
+        assert line is not None, f"{peer_id} missing from status:\n{out}"
+        assert f"{info.start_block}:{info.end_block}" in line.replace(" ", "") and "ONLINE" in line, line
+
+    only = swarm.run("status", "--initial-peers", *swarm.initial_peers, "--model", "no-such-model", timeout_s=60)
+    assert only.returncode != 0 and "no models announced" in only.stdout, only
+
+
+def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(swarm, tiny_llama_path):
+    prefix = prefix_for_model(str(tiny_llama_path))
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(tiny_llama_path, "--blocks", "1:3")
+    snapshot = swarm.wait_online(prefix, [(1, 3)])
+    (peer_id,) = snapshot.online()
+    members = peer.members()
+    assert any("p2pd" in " ".join(p.cmdline()) for p in members), "expected the peer's p2pd in its session"
+
+    # SIGTERM to the main process only, as `kill PID` does: it must take its DHT process and p2pd down itself
+    assert swarm.terminate(peer, timeout_s=30) == 0, peer.logs()
+
+    def left_the_dht():
+        info = swarm.snapshot(prefix, 4).servers.get(peer_id)
+        return info is None or info.state == ServerState.OFFLINE
+
+    swarm.wait_for(left_the_dht, 10, f"{peer_id} to turn OFFLINE or vanish", watch=[])
+
+
+def test_sigint_stops_a_peer_cleanly(swarm, tiny_llama_path):
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
+    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    assert swarm.terminate(peer, timeout_s=30, sig=signal.SIGINT) == 0, peer.logs()
+
+
+def test_ctrl_c_in_a_terminal_stops_a_peer(swarm, tiny_llama_path):
+    # Ctrl+C signals the whole foreground process group: the peer, its DHT process and p2pd at once
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
+    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    swarm.kill(peer, signal.SIGINT)
+    left = peer.wait_gone(20)
+    assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
+
+
+def test_sigterm_to_the_process_group_stops_a_peer(swarm, tiny_llama_path):
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
+    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    swarm.kill(peer, signal.SIGTERM)
+    left = peer.wait_gone(15)
+    if left:
+        swarm.kill(peer, signal.SIGKILL)
+    assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
+
+
+def test_sigkill_of_a_peer_leaves_nothing_behind(swarm, tiny_llama_path):
+    # what fault tests do to simulate a dying machine: the peer, its DHT process and p2pd all vanish at once
+    swarm.start_bootstrap()
+    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
+    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    members = peer.members()
+    assert len(members) >= 3, members  # the peer, its hivemind DHT process, p2pd
+    swarm.kill(peer)
+    assert not peer.wait_gone(10), peer.logs()
+    assert peer.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--blocks", "5"], "expected START:END"),
+        (["--blocks", "3:1"], "0 <= start < end"),
+        (["--dtype", "float8"], "invalid choice: 'float8'"),
+        (["--num-blocks", "0"], "num_blocks must be >= 1"),
+        (["--port", "70000"], "0..65535"),
+    ],
+    ids=["blocks-not-a-span", "blocks-reversed", "dtype-float8", "num-blocks-0", "port-out-of-range"],
+)
+def test_peer_rejects_bad_arguments(swarm, tiny_llama_path, args, message):
+    result = swarm.run("peer", str(tiny_llama_path), *args, timeout_s=60)  # run() also checks nothing is left
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_peer_rejects_a_missing_model_folder(swarm, tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = swarm.run("peer", str(missing), timeout_s=60)
+    assert result.returncode != 0
+    assert str(missing) in result.stderr and "does not exist" in result.stderr, result.stderr
+
+
+def test_peer_rejects_blocks_past_the_models_end(swarm, tiny_llama_path):
+    # detected only after the peer joined the DHT: its DHT process and p2pd must still go away
+    result = swarm.run("peer", str(tiny_llama_path), "--blocks", "2:9", timeout_s=90)
+    assert result.returncode != 0
+    assert "--blocks 2:9 is outside the model's 0:4" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("case", ["missing-model", "blocks-past-the-end"])
+def test_peer_startup_errors_come_without_a_traceback(swarm, tiny_llama_path, tmp_path, case):
+    args = [str(tmp_path / "no-such-model")] if case == "missing-model" else [str(tiny_llama_path), "--blocks", "2:9"]
+    result = swarm.run("peer", *args, timeout_s=90)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_help(swarm):
+    top = swarm.run("--help", timeout_s=30)
+    assert top.returncode == 0, top.stderr
+    for command in ("bootstrap", "peer", "status", "demo"):
+        assert f"  {command}" in top.stdout, top.stdout
+
+    peer = swarm.run("peer", "--help", timeout_s=60)
+    assert peer.returncode == 0, peer.stderr
+    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period", "--cache-dir"):
+        assert flag in peer.stdout, peer.stdout
+
+    unknown = swarm.run("frobnicate", timeout_s=30)
+    assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr, unknown

@@ -1,0 +1,167 @@
+"""protocol.codec: tensors survive the wire exactly (or, compressed, closely), and bad messages are typed errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_optional, decode_tensor, encode_optional, encode_tensor
+from protocol.errors import BadRequestError
+
+SHAPES = [(), (0,), (5,), (2, 3), (2, 0, 4), (1, 1, 64), (2, 7, 16)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]
+
+
+def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype == torch.int64:
+        # both signs and values beyond 32 bits, so a narrowing or sign bug shows
+        return torch.randint(-(2**40), 2**40, shape, generator=gen, dtype=torch.int64)
+    return (torch.randn(shape, generator=gen) * 10).to(dtype)
+
+
+def roundtrip(message: pb.Tensor) -> torch.Tensor:
+    """Decode after a real serialization, as a peer would receive it."""
+    return decode_tensor(pb.Tensor.FromString(message.SerializeToString()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_roundtrip_is_exact(shape, dtype):
+    tensor = sample(shape, dtype)
+    message = encode_tensor(tensor)
+    assert message.compression == pb.NONE
+    assert list(message.shape) == list(shape)
+    assert message.dtype == str(dtype).removeprefix("torch.")
+    decoded = roundtrip(message)
+    assert decoded.dtype == dtype
+    assert decoded.shape == tensor.shape
+    assert torch.equal(decoded, tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int16, torch.int8, torch.uint8], ids=str)
+def test_roundtrip_other_supported_dtypes(dtype):
+    tensor = sample((3, 4), dtype) if dtype.is_floating_point else torch.arange(12, dtype=dtype).reshape(3, 4)
+    decoded = roundtrip(encode_tensor(tensor))
+    assert decoded.dtype == dtype
+    assert torch.equal(decoded, tensor)
+
+
+def test_non_contiguous_and_grad_tensors_are_encoded_by_value():
+    base = torch.randn(4, 6, requires_grad=True)
+    view = base.t()[1:, ::2]  # non-contiguous, part of an autograd graph
+    decoded = roundtrip(encode_tensor(view))
+    assert not decoded.requires_grad
+    assert torch.equal(decoded, view.detach())
+
+
+def test_decoded_tensor_is_writable_and_does_not_alias_the_message():
+    message = encode_tensor(torch.zeros(3))
+    decoded = decode_tensor(message)
+    decoded += 1  # would fail (or corrupt the message) if it viewed the protobuf's immutable bytes
+    assert torch.equal(decode_tensor(message), torch.zeros(3))
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (2, 3, 64)], ids=str)
+def test_float16_compression_of_float32_is_close_and_restores_dtype(shape):
+    tensor = sample(shape, torch.float32)
+    message = encode_tensor(tensor, pb.FLOAT16)
+    assert message.compression == pb.FLOAT16
+    assert message.dtype == "float32"
+    assert len(message.data) == tensor.numel() * 2  # half the bytes of float32
+    decoded = roundtrip(message)
+    assert decoded.dtype == torch.float32
+    assert decoded.shape == tensor.shape
+    torch.testing.assert_close(decoded, tensor, rtol=1e-3, atol=1e-3)
+
+
+def test_float16_compression_of_float16_is_a_no_op():
+    tensor = sample((4, 4), torch.float16)
+    message = encode_tensor(tensor, pb.FLOAT16)
+    assert message.compression == pb.NONE
+    assert torch.equal(roundtrip(message), tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.int32, torch.uint8], ids=str)
+def test_float16_compression_is_ignored_for_non_floating_tensors(dtype):
+    tensor = sample((3, 5), dtype) if dtype in (torch.int64, torch.bool) else torch.arange(15, dtype=dtype).reshape(3, 5)
+    message = encode_tensor(tensor, pb.FLOAT16)
+    assert message.compression == pb.NONE
+    assert message.dtype == str(dtype).removeprefix("torch.")
+    decoded = roundtrip(message)
+    assert decoded.dtype == dtype
+    assert torch.equal(decoded, tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_float16_compression_keeps_large_values_finite(dtype):
+    tensor = torch.tensor([1e5, -3e5, 1.0], dtype=dtype)
+    decoded = roundtrip(encode_tensor(tensor, pb.FLOAT16))
+    assert torch.isfinite(decoded).all(), decoded
+
+
+def test_encode_rejects_an_unsupported_dtype():
+    with pytest.raises(BadRequestError, match="complex64"):
+        encode_tensor(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -8], ids=["one-short", "one-extra", "one-element-short"])
+def test_decode_rejects_wrong_byte_length(delta):
+    good = encode_tensor(torch.zeros(2, 4))
+    bad = pb.Tensor(shape=good.shape, dtype=good.dtype, data=good.data[:delta] if delta < 0 else good.data + b"\0")
+    with pytest.raises(BadRequestError, match=r"needs 32 bytes, got (31|33|24)") as info:
+        decode_tensor(bad, "hidden_states")
+    assert "hidden_states" in str(info.value)
+    assert "[2, 4]" in str(info.value)
+
+
+def test_decode_rejects_wrong_byte_length_under_compression():
+    good = encode_tensor(torch.zeros(2, 4), pb.FLOAT16)
+    # 32 bytes is right for float32 but the wire dtype is float16: 16 bytes
+    bad = pb.Tensor(shape=[2, 4], dtype="float32", data=b"\0" * 32, compression=pb.FLOAT16)
+    assert len(good.data) == 16
+    with pytest.raises(BadRequestError, match="needs 16 bytes, got 32"):
+        decode_tensor(bad)
+
+
+def test_decode_rejects_data_for_an_empty_shape():
+    with pytest.raises(BadRequestError, match="needs 0 bytes, got 4"):
+        decode_tensor(pb.Tensor(shape=[0, 3], dtype="float32", data=b"\0" * 4))
+
+
+@pytest.mark.parametrize("dtype", ["float8", "torch.float32", "", "complex64"])
+def test_decode_rejects_unknown_dtype(dtype):
+    with pytest.raises(BadRequestError, match="unknown tensor dtype") as info:
+        decode_tensor(pb.Tensor(shape=[1], dtype=dtype, data=b"\0" * 4))
+    assert repr(dtype) in str(info.value)
+
+
+def test_decode_rejects_negative_dimension():
+    with pytest.raises(BadRequestError, match=r"negative dimension in shape \[-1, 4\]") as info:
+        decode_tensor(pb.Tensor(shape=[-1, 4], dtype="float32", data=b""), "grad_outputs")
+    assert "grad_outputs" in str(info.value)
+
+
+def test_decode_rejects_negative_dimensions_whose_product_matches():
+    # (-2) * (-2) = 4 elements = 16 bytes: the byte count alone would not catch it
+    with pytest.raises(BadRequestError, match="negative dimension"):
+        decode_tensor(pb.Tensor(shape=[-2, -2], dtype="float32", data=b"\0" * 16))
+
+
+def test_decode_rejects_unknown_compression():
+    message = pb.Tensor(shape=[1], dtype="float32", data=b"\0" * 4, compression=7)
+    with pytest.raises(BadRequestError, match="unknown compression 7"):
+        decode_tensor(message)
+
+
+def test_optional_helpers():
+    assert encode_optional(None) is None
+    request = pb.ForwardRequest(hidden_states=encode_tensor(torch.ones(1, 2, 3)))
+    assert decode_optional(request, "attention_mask") is None
+    assert torch.equal(decode_optional(request, "hidden_states"), torch.ones(1, 2, 3))
+    request.attention_mask.CopyFrom(pb.Tensor(shape=[2], dtype="int64", data=b"\0"))
+    with pytest.raises(BadRequestError, match="attention_mask"):
+        decode_optional(request, "attention_mask")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, get_layer_types_and_kwargs
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -45,7 +45,8 @@ def family_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.M
 
 
 def layer_types(config: PretrainedConfig) -> list[str]:
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    """Attention type per layer, by the rule the model's KV cache uses (Mistral: sliding if `sliding_window`)."""
+    types, _ = get_layer_types_and_kwargs(config)
     unknown = sorted(set(types) - set(_MASK_MAKERS))
     if unknown:
         raise ModelNotFoundError(f"layer types {unknown} are not supported yet (only {sorted(_MASK_MAKERS)})")

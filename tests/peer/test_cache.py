@@ -1,0 +1,69 @@
+"""The KV-cache budget: reservations, waiting with a timeout, and release."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from peer.cache import CacheBudget
+from protocol.errors import CacheFullError
+
+
+def test_reserve_and_release():
+    async def go():
+        budget = CacheBudget(100)
+        async with budget.reserve(60, timeout_s=1):
+            assert budget.tokens_left == 40
+            async with budget.reserve(40, timeout_s=1):
+                assert budget.tokens_left == 0
+        assert budget.tokens_left == 100
+
+    asyncio.run(go())
+
+
+def test_waits_for_space_then_times_out():
+    async def go():
+        budget = CacheBudget(100)
+        async with budget.reserve(80, timeout_s=1):
+            with pytest.raises(CacheFullError, match="after waiting 0.2s"):
+                async with budget.reserve(30, timeout_s=0.2):
+                    pass
+        assert budget.tokens_left == 100
+
+    asyncio.run(go())
+
+
+def test_a_waiting_session_gets_space_once_freed():
+    async def go():
+        budget = CacheBudget(100)
+        order = []
+
+        async def holder():
+            async with budget.reserve(80, timeout_s=1):
+                await asyncio.sleep(0.1)
+                order.append("released")
+
+        async def waiter():
+            await asyncio.sleep(0.02)
+            async with budget.reserve(50, timeout_s=2):
+                order.append("acquired")
+
+        await asyncio.gather(holder(), waiter())
+        assert order == ["released", "acquired"]
+
+    asyncio.run(go())
+
+
+def test_more_than_the_whole_budget_fails_at_once():
+    async def go():
+        with pytest.raises(CacheFullError, match="whole budget is 100"):
+            async with CacheBudget(100).reserve(101, timeout_s=10):
+                pass
+
+    asyncio.run(go())
+
+
+def test_budget_must_be_positive():
+    with pytest.raises(ValueError, match="must be positive"):
+        CacheBudget(0)

@@ -68,7 +68,9 @@ class RemoteSequence:
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
-        self.failovers = 0
+        self.failovers = 0  # peer failures seen (each one bans the peer and re-routes)
+        self.recovery_s = 0.0  # time inference sessions spent recovering from them
+        self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
 
     # --- directory and routing ---
@@ -89,8 +91,10 @@ class RemoteSequence:
             snapshot = await self.snapshot(refresh=refresh)
             try:
                 if inference:
-                    return plan_inference_route(snapshot, start, end, banned=self.bans.banned(),
-                                                min_cache_tokens=min_cache_tokens, model_name=self.prefix)
+                    await self.measure_rtts(snapshot)
+                    return plan_inference_route(snapshot, start, end, client_rtt_s=self.rtts,
+                                                banned=self.bans.banned(), min_cache_tokens=min_cache_tokens,
+                                                model_name=self.prefix)
                 return plan_forward_route(snapshot, start, end, banned=self.bans.banned(), model_name=self.prefix)
             except NoPeersError:
                 if time.monotonic() + delay > deadline:
@@ -99,6 +103,20 @@ class RemoteSequence:
             delay = min(delay * 2, 5.0)
             refresh = True
 
+    async def measure_rtts(self, snapshot: SwarmSnapshot, timeout_s: float = 1.0) -> None:
+        """Ping (an Info call) every ONLINE peer not measured yet; one that does not answer gets `timeout_s`."""
+
+        async def ping(peer_id: str, endpoint: str) -> None:
+            began = time.perf_counter()
+            try:
+                await self.pool.unary(endpoint, "info", pb.InfoRequest(), timeout_s)
+                self.rtts[peer_id] = time.perf_counter() - began
+            except SwarmError:
+                self.rtts[peer_id] = timeout_s
+
+        unknown = [(pid, info.endpoint) for pid, info in snapshot.online().items() if pid not in self.rtts]
+        await asyncio.gather(*(ping(pid, endpoint) for pid, endpoint in unknown))
+
     def hop_dtype(self, hop: RouteHop) -> torch.dtype:
         info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
         return parse_dtype(info.dtype) if info is not None else torch.float32
@@ -106,6 +124,7 @@ class RemoteSequence:
     async def report_failure(self, hop: RouteHop, error: BaseException) -> None:
         logger.warning("peer %s (blocks %d:%d) failed: %s", hop.peer_id, hop.start, hop.end, error)
         self.bans.ban(hop.peer_id)
+        self.rtts.pop(hop.peer_id, None)  # measure it afresh if it comes back
         self.failovers += 1
         await self.pool.drop(hop.endpoint)
 

@@ -8,6 +8,7 @@ and the step goes on; the outputs are the same as without the failure.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class InferenceSession:
         self.mask: torch.Tensor | None = None  # [batch, position], kept only once padding appears
         self.closed = False
         self.recoveries = 0
+        self.recovery_s = 0.0  # time spent re-routing and replaying after failures
 
     @property
     def cache_tokens(self) -> int:
@@ -130,15 +132,20 @@ class InferenceSession:
 
     async def _recover(self, index: int, attempt: int) -> int:
         """Replace span `index`, retrying with back-off; returns the attempts used so far."""
-        while True:
-            await self.sequence.backoff(attempt)
-            attempt += 1
-            try:
-                await self._replace(index)
-                return attempt
-            except Exception as exc:
-                if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
-                    raise
+        began = time.perf_counter()
+        try:
+            while True:
+                await self.sequence.backoff(attempt)
+                attempt += 1
+                try:
+                    await self._replace(index)
+                    return attempt
+                except Exception as exc:
+                    if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
+                        raise
+        finally:
+            self.recovery_s += time.perf_counter() - began
+            self.sequence.recovery_s += time.perf_counter() - began
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """Send `hidden` [batch, new, hidden] for tokens at `positions`; `mask` covers past + new tokens or is None."""

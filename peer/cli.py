@@ -40,6 +40,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
     p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
     p.add_argument("--update-period", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
+    p.add_argument("--rebalance-period", type=float, default=60.0, metavar="S",
+                   help="how often a peer without --blocks considers moving (default: 60, randomised)")
+    p.add_argument("--balance-margin", type=float, default=0.15,
+                   help="move only for a bottleneck gain above this fraction (default: 0.15)")
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
     p.add_argument("--cache-dir", help="where measurements are cached (default: ~/.cache/swarmlm)")
@@ -63,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         session_timeout_s=args.session_timeout,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
         update_period_s=args.update_period,
+        rebalance_period_s=args.rebalance_period,
+        balance_margin=args.balance_margin,
         num_threads=args.num_threads,
         throughput=args.throughput,
         cache_dir=args.cache_dir,

@@ -41,6 +41,10 @@ class PeerConfig:
     """Largest gRPC message accepted or sent."""
     update_period_s: float = 30.0
     """How often the peer re-announces itself; records expire after about twice that."""
+    rebalance_period_s: float = 60.0
+    """Roughly how often a peer that chose its own blocks checks whether moving would help the swarm."""
+    balance_margin: float = 0.15
+    """Move only if the swarm's bottleneck throughput would rise by more than this fraction."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
     throughput: float | None = None
@@ -64,7 +68,9 @@ class PeerConfig:
         for name in ("cache_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s"):
+        if self.balance_margin < 0:
+            raise ValueError(f"balance_margin must be >= 0, got {self.balance_margin}")
+        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s", "rebalance_period_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:

@@ -56,17 +56,22 @@ class PeerServicer:
 
     def __init__(
         self,
-        span: BlockSpan,
+        model_config,
         prefix: str,
         budget: CacheBudget,
         limits: HandlerLimits,
         info: Callable[[], pb.InfoResponse],
     ):
-        self.span, self.prefix, self.budget, self.limits, self._info = span, prefix, budget, limits, info
-        self.hidden_size = span.config.hidden_size
-        self.max_positions = span.config.max_position_embeddings
+        self.prefix, self.budget, self.limits, self._info = prefix, budget, limits, info
+        self.span: BlockSpan | None = None  # None while the peer loads or moves its blocks
+        self.hidden_size = model_config.hidden_size
+        self.max_positions = model_config.max_position_embeddings
         self.sessions: dict[str, Session] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+    def set_span(self, span: BlockSpan | None) -> None:
+        """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
+        self.span = span
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -79,6 +84,8 @@ class PeerServicer:
     def _blocks(self, span: pb.Span) -> tuple[int, int]:
         if span.model != self.prefix:
             raise WrongSpanError(f"this peer serves model {self.prefix!r}, not {span.model!r}")
+        if self.span is None:
+            raise WrongSpanError("this peer is loading its blocks; use another peer or try again shortly")
         if not self.span.start <= span.start < span.end <= self.span.end:
             raise WrongSpanError(
                 f"this peer serves blocks {self.span.start}:{self.span.end}, not {span.start}:{span.end}"
@@ -116,9 +123,11 @@ class PeerServicer:
             blocks = self._blocks(request.span)
             hidden, mask, positions = self._inputs(request)
 
+            span = self.span
+
             def run():
                 with torch.inference_mode():
-                    return self.span(hidden, mask, positions, blocks=blocks)
+                    return span(hidden, mask, positions, blocks=blocks)
 
             out = await self._compute(run)
             return pb.ForwardResponse(hidden_states=encode_tensor(out, request.output_compression))
@@ -134,11 +143,13 @@ class PeerServicer:
             grad = decode_tensor(request.grad_outputs, "grad_outputs")
             validation.check_grad(grad, hidden)
 
+            span = self.span
+
             def run():
                 # recompute the forward from the inputs: no per-request state is kept between calls
                 inputs = hidden.detach().requires_grad_(True)
                 with torch.enable_grad():
-                    out = self.span(inputs, mask, positions, blocks=blocks)
+                    out = span(inputs, mask, positions, blocks=blocks)
                     (grad_inputs,) = torch.autograd.grad(out, inputs, grad)
                 return grad_inputs
 
@@ -205,12 +216,18 @@ class PeerServicer:
         await stack.enter_async_context(
             self.budget.reserve(request.max_length * request.batch_size, min(timeout, self.limits.max_alloc_timeout_s))
         )
+        if self.span is None:  # it started moving while this session waited for cache
+            raise WrongSpanError("this peer is moving to other blocks; use another peer")
         session = Session(request.session_id, blocks, request.max_length, request.batch_size, self.span.new_cache())
         self.sessions[session.session_id] = session
         stack.callback(self.sessions.pop, session.session_id, None)
         return session
 
     async def _step(self, session: Session, step: pb.InferenceStep) -> pb.InferenceResponse:
+        span = self.span
+        if span is None or not span.start <= session.blocks[0] < session.blocks[1] <= span.end:
+            raise WrongSpanError(f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
+                                 f"continue the session on another peer")
         hidden, mask, positions = self._inputs(step, step.prefix_length)
         if hidden.shape[0] != session.batch_size:
             raise BadRequestError(f"the session was opened for batch {session.batch_size}, got batch {hidden.shape[0]}")
@@ -226,7 +243,7 @@ class PeerServicer:
                 session.position = step.prefix_length
             try:
                 with torch.inference_mode():
-                    return self.span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)
+                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)
             except Exception:
                 session.cache.crop(step.prefix_length)  # some layers may have grown: keep the cache consistent
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from pathlib import Path
 import grpc
 import psutil
@@ -17,7 +18,7 @@ from swarm.checkpoint import load_config, resolve_model_path
 from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.directory import announce, fetch_snapshot
 from swarm.paths import default_cache_dir
-from swarm.placement import choose_span
+from swarm.placement import choose_span, should_move
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
@@ -41,6 +42,9 @@ class PeerServer:
         self.budget = CacheBudget(config.cache_tokens)
         self.ready = asyncio.Event()
         self._announcer: asyncio.Task | None = None
+        self._rebalancer: asyncio.Task | None = None
+        self.blocks: tuple[int, int] | None = None
+        self.state = ServerState.JOINING
         self._shut_down = False
 
     @property
@@ -65,23 +69,12 @@ class PeerServer:
 
     async def start(self) -> None:
         await self.join_swarm()
-        cfg, path = self.config, self.path
+        cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        start, end = await asyncio.to_thread(self._choose_blocks)
-        self.blocks = (start, end)
-        await self._announce(ServerState.JOINING)
-
-        logger.info("loading blocks %d:%d of %s (%s) on %s", start, end, cfg.model, self.dtype, cfg.device)
-        self.span = await asyncio.to_thread(
-            load_span, path, self.model_config, start, end, dtype=self.dtype, device=torch.device(cfg.device)
-        )
-        cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-        self.throughput = cfg.throughput or await asyncio.to_thread(
-            measure_throughput, self.span, cache_file / "throughput.json"
-        )
+        # serve first (the endpoint goes into every record), with no blocks until they are loaded
         self.servicer = PeerServicer(
-            self.span,
+            self.model_config,
             self.prefix,
             self.budget,
             HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s),
@@ -100,10 +93,52 @@ class PeerServer:
         self.endpoint = f"{cfg.host}:{port}"
         await self.grpc_server.start()
 
-        await self._announce(ServerState.ONLINE)
+        await self._serve_blocks(await asyncio.to_thread(self._choose_blocks))
         self._announcer = asyncio.create_task(self._announce_forever())
-        logger.info("ONLINE: serving blocks %d:%d of %s at %s", start, end, self.prefix, self.endpoint)
+        if cfg.blocks is None:  # blocks the operator chose stay put
+            self._rebalancer = asyncio.create_task(self._rebalance_forever())
         self.ready.set()
+
+    async def _serve_blocks(self, blocks: tuple[int, int]) -> None:
+        """Announce JOINING for `blocks`, load them, then serve them and announce ONLINE."""
+        cfg = self.config
+        self.blocks, self.state = blocks, ServerState.JOINING
+        if not self.throughput:  # until measured: nonzero, so newcomers see these blocks as taken
+            self.throughput = cfg.throughput or 1.0
+        await self._announce(self.state)
+        logger.info("loading blocks %d:%d of %s (%s) on %s", *blocks, cfg.model, self.dtype, cfg.device)
+        self.span = await asyncio.to_thread(
+            load_span, self.path, self.model_config, *blocks, dtype=self.dtype, device=torch.device(cfg.device)
+        )
+        cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        self.throughput = cfg.throughput or await asyncio.to_thread(
+            measure_throughput, self.span, cache_file / "throughput.json"
+        )
+        self.servicer.set_span(self.span)
+        self.state = ServerState.ONLINE
+        await self._announce(self.state)
+        logger.info("ONLINE: serving blocks %d:%d of %s at %s", *blocks, self.prefix, self.endpoint)
+
+    async def _rebalance_forever(self) -> None:
+        """Every ~rebalance period (randomised, so peers do not all decide at once) move if the swarm gains enough."""
+        while True:
+            await asyncio.sleep(self.config.rebalance_period_s * random.uniform(0.5, 1.5))
+            try:
+                snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
+                target = should_move(snapshot, self.peer_id, balance_margin=self.config.balance_margin)
+                if target is not None:
+                    await self._move(target)
+            except Exception as exc:  # a failed check or move is retried next period
+                logger.warning("rebalancing failed: %r", exc)
+
+    async def _move(self, blocks: tuple[int, int]) -> None:
+        """Leave the current blocks (their sessions fail over to other peers) and serve `blocks` instead."""
+        logger.info("moving from blocks %d:%d to %d:%d to balance the swarm", *self.blocks, *blocks)
+        self.state = ServerState.OFFLINE
+        await self._announce(self.state)
+        self.servicer.set_span(None)
+        self.span = None  # free the old blocks before loading the new ones
+        await self._serve_blocks(blocks)
 
     def _choose_blocks(self) -> tuple[int, int]:
         cfg = self.config
@@ -150,7 +185,7 @@ class PeerServer:
         while True:
             await asyncio.sleep(self.config.update_period_s)
             try:
-                await self._announce(ServerState.ONLINE)
+                await self._announce(self.state)
             except Exception as exc:  # the DHT may be briefly unreachable; try again next period
                 logger.warning("re-announcing failed: %s", exc)
 
@@ -158,8 +193,8 @@ class PeerServer:
         return pb.InfoResponse(
             peer_id=self.peer_id,
             model=self.prefix,
-            start=self.blocks[0],
-            end=self.blocks[1],
+            start=self.blocks[0] if self.blocks else 0,
+            end=self.blocks[1] if self.blocks else 0,
             version=PROTOCOL_VERSION,
             dtype=str(self.dtype).removeprefix("torch."),
             cache_tokens_left=self.budget.tokens_left,
@@ -173,9 +208,10 @@ class PeerServer:
         if self._shut_down:
             return
         self._shut_down = True
-        if self._announcer is not None:
-            self._announcer.cancel()
-        if self.dht is not None and getattr(self, "blocks", None) is not None:
+        for task in (self._announcer, self._rebalancer):
+            if task is not None:
+                task.cancel()
+        if self.dht is not None and self.blocks is not None:
             try:
                 await self._announce(ServerState.OFFLINE, timeout_s=5)
             except Exception as exc:

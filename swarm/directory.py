@@ -25,33 +25,35 @@ async def _get_many(dht: hivemind.DHT, node: Any, keys: list[str]) -> dict[str, 
     return {key: (value.value if value is not None else None) for key, value in found.items()}
 
 
-def _subkey_values(raw: Any) -> dict[Any, Any]:
+def _subkey_values(raw: Any) -> dict[Any, tuple[float, Any]]:
+    """subkey -> (expiration time, value) of a dictionary record."""
     if not isinstance(raw, dict):
         return {}
-    return {subkey: getattr(item, "value", item) for subkey, item in raw.items()}
+    return {subkey: (getattr(item, "expiration_time", 0.0), getattr(item, "value", item)) for subkey, item in raw.items()}
 
 
 def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnapshot:
     """Read every block record of a model and merge them into one snapshot (one ServerInfo per peer)."""
     keys = [block_key(prefix, block) for block in range(num_blocks)]
     found = dht.run_coroutine(partial(_get_many, keys=keys))
-    servers: dict[str, ServerInfo] = {}
+    # a peer that moved has records of its old span too: its latest announcement wins
+    latest: dict[str, tuple[float, ServerInfo]] = {}
     for key in keys:
-        for peer_id, value in _subkey_values(found.get(key)).items():
-            if not isinstance(peer_id, str) or peer_id in servers:
+        for peer_id, (expiration, value) in _subkey_values(found.get(key)).items():
+            if not isinstance(peer_id, str) or (peer_id in latest and latest[peer_id][0] >= expiration):
                 continue
             try:
-                servers[peer_id] = ServerInfo.from_wire(value)
+                latest[peer_id] = (expiration, ServerInfo.from_wire(value))
             except InvalidRecordError as exc:
                 logger.debug("skipping record of %s under %s: %s", peer_id, key, exc)
-    return SwarmSnapshot(num_blocks=num_blocks, servers=servers)
+    return SwarmSnapshot(num_blocks=num_blocks, servers={peer_id: info for peer_id, (_, info) in latest.items()})
 
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:
     """The model index: DHT prefix -> ModelRecord."""
     found = dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]))
     models = {}
-    for prefix, value in _subkey_values(found.get(MODEL_INDEX_KEY)).items():
+    for prefix, (_, value) in _subkey_values(found.get(MODEL_INDEX_KEY)).items():
         try:
             models[prefix] = ModelRecord.from_wire(value)
         except InvalidRecordError as exc:

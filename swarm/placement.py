@@ -56,8 +56,9 @@ def should_move(snapshot: SwarmSnapshot, peer_id: str, *, balance_margin: float 
     """The span `peer_id` should move to for rebalancing, or None to stay where it is.
 
     The peer's own contribution is removed, the weakest window of its current length is found, and
-    the move is proposed only if it raises the swarm bottleneck by more than `balance_margin`
-    (relative) and leaves no block uncovered that was covered before. The margin is hysteresis:
+    the move is proposed only if it leaves no block uncovered that was covered before, and it
+    either covers blocks nobody served or raises the swarm bottleneck by more than `balance_margin`
+    (relative). The margin is hysteresis:
     a move costs a reload and drops the peer's sessions, and peers decide from slightly stale,
     mutually inconsistent snapshots, so moving on any gain would let them chase each other around
     the model forever. A peer absent from the snapshot, or OFFLINE, is told to stay.
@@ -80,16 +81,18 @@ def should_move(snapshot: SwarmSnapshot, peer_id: str, *, balance_margin: float 
     if (new_start, new_end) == (start, end):
         return None
 
-    moved = list(without_peer)
-    for block in range(new_start, new_end):
-        moved[block] += info.throughput
-    if not swarm_bottleneck(moved) > swarm_bottleneck(current) * (1.0 + balance_margin):
-        return None
     # Coverage is checked apart from throughput: a zero-throughput server still serves its blocks.
     covered_before = _covered_blocks(snapshot.live().values(), snapshot.num_blocks)
     others = [other for pid, other in snapshot.live().items() if pid != peer_id]
     covered_after = _covered_blocks(others, snapshot.num_blocks) | set(range(new_start, new_end))
     if not covered_before <= covered_after:
+        return None
+    if len(covered_after) > len(covered_before):
+        return new_start, new_end  # serves blocks nobody served, even if others stay uncovered
+    moved = list(without_peer)
+    for block in range(new_start, new_end):
+        moved[block] += info.throughput
+    if not swarm_bottleneck(moved) > swarm_bottleneck(current) * (1.0 + balance_margin):
         return None
     return new_start, new_end
 

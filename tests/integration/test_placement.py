@@ -1,0 +1,52 @@
+"""Peers that choose their own blocks cover the model, stay put when balanced, and re-cover a dead peer's blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from protocol.records import prefix_for_model
+from tests.helpers.models import make_tiny_llama
+
+NUM_LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-placement", num_layers=NUM_LAYERS, seed=2)
+
+
+def _online_spans(swarm, prefix):
+    snapshot = swarm.snapshot(prefix, NUM_LAYERS)
+    return snapshot, {pid: (i.start_block, i.end_block) for pid, i in snapshot.online().items()}
+
+
+def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path):
+    prefix = prefix_for_model(str(model_path))
+    swarm.start_bootstrap()
+    options = ("--num-blocks", "2", "--rebalance-period", "2", "--update-period", "2")
+    peers = []
+    served = []
+    for expected in [(0, 2), (2, 4), (4, 6), (0, 2)]:  # each newcomer takes the weakest blocks
+        peers.append(swarm.start_peer(model_path, *options))
+        served.append(expected)
+        swarm.wait_for(lambda: sorted(_online_spans(swarm, prefix)[1].values()) == sorted(served),
+                       timeout_s=60, what=f"ONLINE spans {served}")
+    snapshot, spans = _online_spans(swarm, prefix)
+    assert not snapshot.uncovered_blocks()
+
+    # balanced: nobody moves (hysteresis), across several rebalancing periods
+    time.sleep(6)
+    assert _online_spans(swarm, prefix)[1] == spans
+
+    # the only peer of blocks 2:4 dies; one of the two peers of 0:2 moves there
+    (lonely,) = [pid for pid, span in spans.items() if span == (2, 4)]
+    victim = next(p for p in peers if p.stderr().find(lonely) >= 0)
+    swarm.kill(victim)
+    swarm.wait_for(lambda: not swarm.snapshot(prefix, NUM_LAYERS).uncovered_blocks()
+                   and (2, 4) in _online_spans(swarm, prefix)[1].values() and lonely not in
+                   _online_spans(swarm, prefix)[1], timeout_s=60, what="blocks 2:4 to be served again",
+                   watch=[p for p in peers if p is not victim])
+    final = _online_spans(swarm, prefix)[1]
+    assert sorted(final.values()) == [(0, 2), (2, 4), (4, 6)]

@@ -196,3 +196,49 @@ def test_cache_budget_is_enforced_with_a_timeout(peer):
             await pool.close()
 
     run(go())
+
+
+def test_cache_of_a_killed_client_is_freed(peer, tmp_path):
+    """A client process that dies (SIGKILL) mid-session: its stream breaks and the peer frees its cache."""
+    import subprocess
+    import sys
+
+    endpoint, prefix, _ = peer
+    script = tmp_path / "doomed_client.py"
+    script.write_text(f"""
+import asyncio, sys
+from client.transport import ChannelPool, InferenceStream
+from protocol import swarmlm_pb2 as pb
+
+async def main():
+    stream = InferenceStream(ChannelPool(1 << 26), {endpoint!r})
+    await stream.request(pb.InferenceRequest(open=pb.OpenSession(
+        span=pb.Span(model={prefix!r}, start=0, end=4), session_id="doomed", max_length=64, batch_size=1)), 30)
+    print("opened", flush=True)
+    await asyncio.sleep(300)
+
+asyncio.run(main())
+""")
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "opened"
+
+        async def open_64(session_id: str, timeout_s: float):
+            pool = ChannelPool(1 << 26)
+            stream = InferenceStream(pool, endpoint)
+            try:
+                request = _open(prefix, session_id, max_length=64)
+                request.open.alloc_timeout_s = timeout_s
+                await stream.request(request, 30)
+            finally:
+                await stream.close()
+                await pool.close()
+
+        with pytest.raises(CacheFullError):  # the live client holds 64 of the 96 tokens
+            run(open_64("while-alive", 0.5))
+        child.kill()
+        child.wait(10)
+        run(open_64("after-death", 10.0))  # waits (bounded) until the dead client's cache is freed
+    finally:
+        child.kill()
+        child.wait(10)

@@ -17,6 +17,7 @@ COMMANDS = {
     "bootstrap": ("swarm.bootstrap", "run a DHT bootstrap node and print the --initial-peers to use"),
     "peer": ("peer.cli", "serve a span of a model's blocks"),
     "status": ("swarm.status", "show which models and blocks the swarm serves, and by whom"),
+    "bench": ("bench.cli", "measure the swarm against the local model and the bare wire"),
 }
 
 

@@ -129,7 +129,9 @@ class RemoteSequence:
         await self.pool.drop(hop.endpoint)
 
     async def backoff(self, attempt: int) -> None:
-        await asyncio.sleep(min(self.config.retry_delay_s * 2**attempt, 5.0))
+        """No wait before the first retry (the failed peer is banned, others are likely fine), then exponential."""
+        if attempt > 0:
+            await asyncio.sleep(min(self.config.retry_delay_s * 2 ** (attempt - 1), 5.0))
 
     # --- stateless forward / backward ---
 

@@ -76,6 +76,10 @@ class BlockSpan(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.layers.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.layers.parameters()).device
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
@@ -97,9 +101,12 @@ class BlockSpan(nn.Module):
         layers = self.layers[start - self.start : end - self.start]
         # masks are sized against the first cache layer of each attention type among the blocks run
         first_of_type = {kind: start + types.index(kind) for kind in set(types)}
+        device = self.device
+        hidden_states = hidden_states.to(device)
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
         if position_ids is None:
             position_ids = torch.arange(prefix_length, prefix_length + hidden_states.shape[1]).unsqueeze(0)
-        position_ids = position_ids.to(hidden_states.device)
+        position_ids = position_ids.to(device)
         masks = {
             kind: _MASK_MAKERS[kind](
                 config=self.config,

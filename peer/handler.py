@@ -147,10 +147,10 @@ class PeerServicer:
 
             def run():
                 # recompute the forward from the inputs: no per-request state is kept between calls
-                inputs = hidden.detach().requires_grad_(True)
+                inputs = hidden.to(span.device).requires_grad_(True)
                 with torch.enable_grad():
                     out = span(inputs, mask, positions, blocks=blocks)
-                    (grad_inputs,) = torch.autograd.grad(out, inputs, grad)
+                    (grad_inputs,) = torch.autograd.grad(out, inputs, grad.to(span.device))
                 return grad_inputs
 
             grad_inputs = await self._compute(run)

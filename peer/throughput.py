@@ -19,20 +19,22 @@ _REPEATS = 3
 
 def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
     """Tokens/s of a forward pass over the whole span (best of a few runs of a 64-token batch)."""
-    config = span.config
+    config, device = span.config, span.device
     key = (
         f"{config.model_type}-h{config.hidden_size}-i{getattr(config, 'intermediate_size', 0)}"
-        f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{next(span.parameters()).device}"
+        f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{device}"
     )
     cached = _read(cache_file)
     if key in cached:
         return cached[key]
-    hidden = torch.randn(1, _TOKENS, config.hidden_size, dtype=span.dtype, device=next(span.parameters()).device)
+    hidden = torch.randn(1, _TOKENS, config.hidden_size, dtype=span.dtype, device=device)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(_REPEATS):
             began = time.perf_counter()
             span(hidden)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # kernels run asynchronously: wait before reading the clock
             best = min(best, time.perf_counter() - began)
     throughput = _TOKENS / best
     cached[key] = throughput

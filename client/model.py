@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.records import check_prefix, prefix_for_model
 from swarm.checkpoint import load_config, load_tensors, resolve_model_path
-from swarm.dht import start_dht
+from swarm.dht import start_dht, stop_dht
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteBlocks, RemoteSequence
@@ -160,7 +160,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             self._run(self.sequence.close())
             self.sequence = None
         if self._dht is not None:
-            self._dht.shutdown()
+            stop_dht(self._dht)
             self._dht = None
         if self._loop is not None:
             self._loop.close()

@@ -27,6 +27,8 @@ from peer import validation
 
 logger = logging.getLogger(__name__)
 
+INLINE_COMPUTE_TOKENS = 4  # steps up to this many tokens (batch x length) compute on the event loop
+
 
 @dataclass
 class Session:
@@ -67,6 +69,7 @@ class PeerServicer:
         self.hidden_size = model_config.hidden_size
         self.max_positions = model_config.max_position_embeddings
         self.sessions: dict[str, Session] = {}
+        self._busy = 0  # computations running on the compute thread
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def set_span(self, span: BlockSpan | None) -> None:
@@ -76,8 +79,19 @@ class PeerServicer:
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _compute(self, fn, tokens: int):
+        """Run `fn` on the compute thread; a step of a few tokens runs right here instead.
+
+        A decode step takes milliseconds, and the two thread switches around it cost a good share of
+        that on a busy machine; a longer computation goes to the thread so the network is served meanwhile.
+        """
+        if tokens <= INLINE_COMPUTE_TOKENS and not self._busy:
+            return fn()
+        self._busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self._busy -= 1
 
     # --- checks shared by all requests ---
 
@@ -129,7 +143,7 @@ class PeerServicer:
                 with torch.inference_mode():
                     return span(hidden, mask, positions, blocks=blocks)
 
-            out = await self._compute(run)
+            out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
             return pb.ForwardResponse(hidden_states=encode_tensor(out, request.output_compression))
 
         return await self._unary(context, work)
@@ -153,7 +167,7 @@ class PeerServicer:
                     (grad_inputs,) = torch.autograd.grad(out, inputs, grad.to(span.device))
                 return grad_inputs
 
-            grad_inputs = await self._compute(run)
+            grad_inputs = await self._compute(run, hidden.shape[0] * hidden.shape[1] * 3)
             return pb.BackwardResponse(grad_inputs=encode_tensor(grad_inputs, request.output_compression))
 
         return await self._unary(context, work)
@@ -248,7 +262,7 @@ class PeerServicer:
                 session.cache.crop(step.prefix_length)  # some layers may have grown: keep the cache consistent
                 raise
 
-        out = await self._compute(run)
+        out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
         return pb.InferenceResponse(step=pb.StepResult(

@@ -49,10 +49,17 @@ class LocalSwarm:
         with open(self.log(name), "w") as log:
             child = subprocess.Popen(
                 [self.python, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})},
+                stdin=subprocess.DEVNULL, start_new_session=True, env=self._env(env),
             )
         self.children[name] = child
         return child
+
+    @staticmethod
+    def _env(extra: dict[str, str] | None) -> dict[str, str]:
+        env = dict(os.environ)
+        # processes sharing this machine's cores: idle OpenMP threads should sleep, not spin
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        return {**env, **(extra or {})}
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
         child = self.start("bootstrap", "bootstrap")

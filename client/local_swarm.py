@@ -96,7 +96,20 @@ class LocalSwarm:
         raise TimeoutError(f"peers of {prefix} not ONLINE within {timeout_s:.0f}s; logs in {self.log_dir}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a child's whole process group (SIGKILL: the machine died)."""
         _signal_group(self.children[name], sig)
+
+    def stop_child(self, name: str, timeout_s: float = 10.0) -> None:
+        """Stop one child cleanly (SIGTERM, then SIGKILL to its group) and forget it."""
+        child = self.children.pop(name)
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(child, signal.SIGKILL)
+        child.wait()
 
     def tail(self, name: str, lines: int = 20) -> str:
         try:
@@ -108,8 +121,9 @@ class LocalSwarm:
         if self._dht is not None:
             self._dht.shutdown()
             self._dht = None
-        for child in self.children.values():
-            _signal_group(child, signal.SIGTERM)
+        for child in reversed(list(self.children.values())):  # peers first: the bootstrap node relays their OFFLINE
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)  # the process itself, which then stops its DHT process
         deadline = time.monotonic() + timeout_s
         for child in self.children.values():
             try:

@@ -211,9 +211,9 @@ class PeerServer:
         for task in (self._announcer, self._rebalancer):
             if task is not None:
                 task.cancel()
-        if self.dht is not None and self.blocks is not None:
+        if self.dht is not None and self.blocks is not None and self.dht.is_alive():
             try:
-                await self._announce(ServerState.OFFLINE, timeout_s=5)
+                await self._announce(ServerState.OFFLINE, timeout_s=3)
             except Exception as exc:
                 logger.warning("could not announce OFFLINE: %r", exc)
         if self.grpc_server is not None:

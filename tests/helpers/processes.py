@@ -223,16 +223,19 @@ class Swarm:
         if self._dht is not None:
             problems += self._shutdown_dht()
         running = [proc for proc in self.processes if proc.leftovers() or proc.alive()]
-        for proc in running:
+        for proc in reversed(running):  # peers before the bootstrap node, so they can still announce OFFLINE
             proc.expected_alive = False
-            proc.signal_group(signal.SIGTERM)
+            if proc.alive():
+                proc.popen.send_signal(signal.SIGTERM)  # as an operator would: the process then stops its children
+            else:
+                proc.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in running:
             left = proc.wait_gone(max(0.0, deadline - time.monotonic()))
             if left:
                 self.needed_sigkill.append(proc.name)
                 print(
-                    f"swarm: {proc.name} was still running {STOP_TIMEOUT_S} s after SIGTERM to its process group; "
+                    f"swarm: {proc.name} was still running {STOP_TIMEOUT_S} s after SIGTERM; "
                     f"sending SIGKILL to:\n{describe(left)}",
                     file=sys.stderr,
                 )

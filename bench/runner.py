@@ -1,0 +1,104 @@
+"""Runs a Plan: per model, the wire scenario, then each split of its blocks with the model scenarios.
+
+Each scenario runs under `_Collector.attempt`: a failure is logged with its traceback and recorded, and the run goes
+on with the next one (peers and clients are still stopped by the harness's context managers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from bench import models
+from bench.harness import ModelRun
+from bench.load import OutsideLoad
+from bench.plan import Plan
+from bench.scenarios import concurrency, decode, prefill, startup, train, wire
+from bench.stats import Row
+
+logger = logging.getLogger(__name__)
+
+
+class _Collector:
+    def __init__(self):
+        self.rows: list[Row] = []
+        self.errors: list[str] = []
+
+    def attempt(self, what: str, fn: Callable[[], list[Row] | None]) -> None:
+        logger.info("running %s", what)
+        began = time.monotonic()
+        try:
+            with OutsideLoad() as load:
+                found = fn() or []
+        except Exception as exc:
+            logger.error("%s failed:\n%s", what, traceback.format_exc())
+            self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
+            return
+        logger.info("%s done in %.1fs (other processes kept %.2f cores busy)", what, time.monotonic() - began,
+                    load.cores or 0.0)
+        for row in found:
+            row.extra.setdefault("outside_load_cores", load.cores)
+        self.rows += found
+
+
+def _wire(plan: Plan, model: models.BenchModel) -> list[Row]:
+    results = wire.measure(model.config.hidden_size, plan.dtype, train_batch=plan.train_batch,
+                           train_seq=plan.train_seq, calls=plan.wire_calls, repeats=plan.repeats,
+                           threads=plan.peer_threads, omp_passive=plan.peer_omp_passive)
+    return wire.rows_from(model.name, model.config.hidden_size, plan.dtype, results)
+
+
+def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _Collector) -> None:
+    wanted = set(plan.scenarios)
+    probe: dict = {}
+    if "startup" in wanted:
+        out.attempt(f"{model.name}/memory probe", lambda: probe.update(startup.whole_model_probe(model, plan)))
+    largest = max(plan.peer_counts)
+    # decode runs on every split; the other scenarios on the largest one (3 peers by default)
+    counts = sorted(set(plan.peer_counts) if "decode" in wanted else {largest}, reverse=True)
+    with ModelRun(model, plan, log_dir) as model_run:
+        for count in counts:
+            name = f"{model.name}/{count} peers"
+            full = count == largest
+            try:
+                with model_run.split(count) as split:
+                    if "decode" in wanted:
+                        out.attempt(f"{name}/decode", lambda: decode.run(model_run, split))
+                        model_run.note_memory(split, "after decode")
+                    for scenario, module in (("prefill", prefill), ("train", train), ("concurrency", concurrency)):
+                        if scenario in wanted and full:
+                            out.attempt(f"{name}/{scenario}", lambda: module.run(model_run, split))
+                            model_run.note_memory(split, f"after {scenario}")
+            except Exception as exc:
+                logger.error("%s: the swarm failed:\n%s", name, traceback.format_exc())
+                out.errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {log_dir})")
+                continue
+            if "startup" in wanted and full and probe:
+                out.attempt(f"{name}/startup", lambda: startup.run(model_run, split, probe))
+
+
+def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) -> tuple[list[Row], list[str], dict]:
+    """Every scenario of `plan` over every model; returns rows, errors and the models' descriptions."""
+    out = _Collector()
+    descriptions = {}
+    for name in plan.configs:
+        try:
+            model = models.resolve(name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype,
+                                   device=plan.device)
+        except Exception as exc:
+            logger.error("model %s unavailable:\n%s", name, traceback.format_exc())
+            out.errors.append(f"{name}: model unavailable: {type(exc).__name__}: {exc}")
+            continue
+        descriptions[name] = model.description
+        if "wire" in plan.scenarios:
+            out.attempt(f"{name}/wire", lambda: _wire(plan, model))
+        if plan.needs_swarm:
+            try:
+                _model_scenarios(plan, model, out_dir / "logs" / name, out)
+            except Exception as exc:  # the bootstrap node failed to start, say
+                logger.error("%s: %s", name, traceback.format_exc())
+                out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    return out.rows, out.errors, descriptions

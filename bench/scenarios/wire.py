@@ -1,0 +1,262 @@
+"""Wire overhead: one hop of our RPC with no model compute, vs a bare gRPC echo of the same bytes.
+
+All in one fresh process (see `measure`), on one event loop (the client library's kind), over loopback TCP:
+  bare    grpc.aio unary echo of the raw tensor bytes (generic handler, no protobuf)
+  ours    the client's request building (encode_tensor, protobuf), a real PeerServicer (decode, validation,
+          compute thread hop, encode) over a span that returns its input unchanged, and the client's decode;
+          decode-step and prefill payloads go over the inference stream, the training payload over Forward
+  p2p     hivemind's P2P unary call echoing the same tensor message (libp2p through the p2pd daemons)
+The ratio is ours / bare per call; the target is at most 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor, encode_optional, encode_tensor
+from protocol.service import make_generic_handler
+from peer.cache import CacheBudget
+from peer.handler import HandlerLimits, PeerServicer
+from client.loop import BackgroundLoop
+from client.transport import ChannelPool, InferenceStream
+from bench.stats import Row, Summary, Target
+
+WIRE_TARGET = Target("ratio", "<=", 1.5, "<= 1.5x bare echo")
+_MAX_BYTES = 256 * 1024 * 1024
+_PREFIX = "bench-echo"
+
+
+class _Config:
+    def __init__(self, hidden_size: int):
+        self.hidden_size, self.max_position_embeddings = hidden_size, 1 << 20
+
+
+class _NoCache:
+    def crop(self, length: int) -> None:
+        pass
+
+
+class EchoSpan:
+    """Stands in for a BlockSpan: no compute, the output is the input."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        self.config, self.dtype, self.start, self.end = _Config(hidden_size), dtype, 0, 1
+
+    def new_cache(self) -> _NoCache:
+        return _NoCache()
+
+    def __call__(self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None):
+        return hidden
+
+
+def echo_servicer(span: EchoSpan) -> PeerServicer:
+    """The peer's real servicer over the echo span (built either way its constructor has been written)."""
+    budget, limits = CacheBudget(1 << 30), HandlerLimits(session_timeout_s=600, alloc_timeout_s=5)
+    if hasattr(PeerServicer, "set_span"):  # servicer built from the model config, the span set once loaded
+        servicer = PeerServicer(span.config, _PREFIX, budget, limits, pb.InfoResponse)
+        servicer.set_span(span)
+        return servicer
+    return PeerServicer(span, _PREFIX, budget, limits, pb.InfoResponse)
+
+
+@dataclass(frozen=True)
+class Payload:
+    name: str
+    shape: tuple[int, int, int]
+    stream: bool  # inference stream (decode, prefill) or unary Forward (training)
+
+
+async def _bare_server(servicer: PeerServicer) -> tuple[grpc.aio.Server, int]:
+    async def unary(request: bytes, context) -> bytes:
+        return request
+
+    echo = grpc.method_handlers_generic_handler("bench.Echo", {"Unary": grpc.unary_unary_rpc_method_handler(unary)})
+    options = [("grpc.max_receive_message_length", _MAX_BYTES), ("grpc.max_send_message_length", _MAX_BYTES)]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((echo, make_generic_handler(servicer)))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+async def _p2p_pair():
+    from hivemind.p2p import P2P
+
+    common = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], auto_nat=False, nat_port_map=False, use_relay=False)
+    server = await P2P.create(**common)
+    try:
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs(), **common)
+    except BaseException:
+        await server.shutdown()
+        raise
+
+    async def echo(request: pb.Tensor, context) -> pb.Tensor:
+        return request
+
+    await server.add_protobuf_handler("echo", echo, pb.Tensor)
+    return server, client
+
+
+async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload], calls: int, repeats: int) -> dict:
+    servicer = echo_servicer(EchoSpan(hidden_size, dtype))
+    server, port = await _bare_server(servicer)
+    endpoint = f"127.0.0.1:{port}"
+    pool = ChannelPool(_MAX_BYTES)
+    channel = grpc.aio.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", _MAX_BYTES),
+                                                           ("grpc.max_send_message_length", _MAX_BYTES)])
+    bare_call = channel.unary_unary("/bench.Echo/Unary")
+    p2p_server = p2p_client = None
+    results: dict = {"payloads": {}}
+    try:
+        try:
+            p2p_server, p2p_client = await _p2p_pair()
+        except Exception as exc:  # reported as not measured, with the reason
+            results["p2p_error"] = f"{type(exc).__name__}: {exc}"
+        for payload in payloads:
+            tensor = torch.randn(payload.shape).to(dtype)
+            raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            seq = payload.shape[1]
+            positions = torch.arange(seq).unsqueeze(0)
+            stream, session_id = None, uuid.uuid4().hex
+            if payload.stream:
+                stream = InferenceStream(pool, endpoint)
+                await stream.request(pb.InferenceRequest(open=pb.OpenSession(
+                    span=pb.Span(model=_PREFIX, start=0, end=1), session_id=session_id, max_length=seq,
+                    batch_size=payload.shape[0])), 30)
+
+            async def ours():
+                if stream is not None:
+                    request = pb.InferenceRequest(step=pb.InferenceStep(
+                        session_id=session_id, hidden_states=encode_tensor(tensor.to(dtype)),
+                        attention_mask=encode_optional(None), position_ids=encode_optional(positions),
+                        prefix_length=0))
+                    response = await stream.request(request, 60)
+                    return decode_tensor(response.step.hidden_states, "hidden_states").to(tensor.dtype)
+                request = pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
+                                            hidden_states=encode_tensor(tensor.to(dtype)),
+                                            position_ids=encode_optional(positions))
+                response = await pool.unary(endpoint, "forward", request, 60)
+                return decode_tensor(response.hidden_states, "hidden_states").to(tensor.dtype)
+
+            async def bare():
+                return await bare_call(raw, timeout=60)
+
+            message = pb.Tensor(shape=list(payload.shape), dtype=str(dtype).removeprefix("torch."), data=raw)
+
+            async def p2p():
+                return await p2p_client.call_protobuf_handler(p2p_server.peer_id, "echo", message, pb.Tensor)
+
+            methods = {"bare": bare, "ours": ours}
+            if p2p_client is not None:
+                methods["p2p"] = p2p
+            samples = {name: [] for name in methods}
+            errors = {}
+            for name, fn in methods.items():  # warm-up; a transport that refuses the payload is reported so
+                try:
+                    for _ in range(10):
+                        await fn()
+                except Exception as exc:
+                    errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            working = {name: fn for name, fn in methods.items() if name not in errors}
+            for _ in range(repeats * calls):  # interleaved call by call: load on the machine hits all alike
+                for name, fn in working.items():
+                    began = time.perf_counter()
+                    await fn()
+                    samples[name].append(time.perf_counter() - began)
+            if stream is not None:
+                await stream.close()
+            results["payloads"][payload.name] = {"samples": samples, "errors": errors, "bytes": len(raw),
+                                                 "path": "inference stream step" if payload.stream else "Forward unary"}
+    finally:
+        await channel.close(grace=None)
+        await pool.close()
+        await server.stop(grace=None)
+        servicer.close()
+        for p2p_node in (p2p_client, p2p_server):
+            if p2p_node is not None:
+                await p2p_node.shutdown()
+    return results
+
+
+def payloads_for(hidden_size: int, train_batch: int, train_seq: int) -> list[Payload]:
+    return [Payload("decode step", (1, 1, hidden_size), True), Payload("prefill 128", (1, 128, hidden_size), True),
+            Payload(f"train {train_batch}x{train_seq}", (train_batch, train_seq, hidden_size), False)]
+
+
+def measure(hidden_size: int, dtype: str, *, train_batch: int, train_seq: int, calls: int, repeats: int,
+            threads: int, omp_passive: bool = True) -> dict:
+    """Run the measurement in a fresh process and return its samples (seconds per call) and errors.
+
+    A fresh process because a gRPC server leaves threads behind, and hivemind forks its DHT process: a fork
+    after gRPC was used in-process can hang. It also gets the peers' torch threads and OpenMP wait policy.
+    """
+    command = [sys.executable, "-m", "bench.scenarios.wire", "--hidden", str(hidden_size), "--dtype", dtype,
+               "--train-batch", str(train_batch), "--train-seq", str(train_seq), "--calls", str(calls),
+               "--repeats", str(repeats), "--threads", str(threads)]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else None
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[2], env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"the wire measurement failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rows_from(config_name: str, hidden_size: int, dtype: str, results: dict) -> list[Row]:
+    rows = []
+    for name, found in results["payloads"].items():
+        samples, errors = found["samples"], found["errors"]
+        if not samples.get("bare") or not samples.get("ours"):
+            raise RuntimeError(f"wire {name}: {errors}")
+        bare = Summary.of(samples["bare"]).scaled(1e3)
+        variant = f"{name}, {found['bytes'] / 1024:.0f} KiB"
+        p2p = samples.get("p2p") or []
+        extra = {"hidden_size": hidden_size, "dtype": dtype, "bytes": found["bytes"], "path": found["path"]}
+        if not p2p:
+            extra["p2p"] = "not measured: " + (errors.get("p2p") or results.get("p2p_error") or "unknown")
+        rows.append(Row(scenario="wire", config=config_name, variant=variant, metric="ours per hop", unit="ms",
+                        ours=Summary.of(samples["ours"]).scaled(1e3), reference=bare, reference_name="bare gRPC echo",
+                        target=WIRE_TARGET, extra=extra))
+        if p2p:
+            rows.append(Row(scenario="wire", config=config_name, variant=variant, metric="hivemind P2P unary",
+                            unit="ms", ours=Summary.of(p2p).scaled(1e3), reference=bare,
+                            reference_name="bare gRPC echo", extra={"bytes": found["bytes"]}))
+        else:
+            rows[-1].extra["p2p"] = extra.get("p2p")
+    return rows
+
+
+def _main() -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scenarios.wire")
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--train-batch", type=int, default=4)
+    p.add_argument("--train-seq", type=int, default=256)
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    payloads = payloads_for(args.hidden, args.train_batch, args.train_seq)
+    loop = BackgroundLoop(name="bench-wire")
+    try:
+        results = loop.run(_measure(args.hidden, getattr(torch, args.dtype), payloads, args.calls, args.repeats))
+    finally:
+        loop.close()
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

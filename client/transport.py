@@ -64,6 +64,8 @@ class InferenceStream:
             raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.endpoint) from exc
+        except asyncio.InvalidStateError as exc:  # the call already ended (the peer died or dropped it)
+            raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {exc}") from exc
         if response is grpc.aio.EOF:
             raise PeerUnavailableError(f"peer {self.endpoint} closed the inference stream")
         if response.WhichOneof("kind") == "error":

@@ -1,0 +1,49 @@
+"""Transport failures become swarmlm errors the client can fail over on (a real gRPC server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from client.transport import ChannelPool, InferenceStream
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import PeerUnavailableError
+from protocol.service import make_generic_handler
+
+
+class EndsStreams:
+    """A peer that ends every inference stream at once, as one does when it dies or drops a session."""
+
+    async def inference(self, requests, context):
+        return
+        yield  # an async generator that yields nothing
+
+    async def forward(self, request, context):
+        raise NotImplementedError
+
+    backward = info = forward
+
+
+def test_writing_to_a_finished_stream_is_a_peer_failure():
+    async def go():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((make_generic_handler(EndsStreams()),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = ChannelPool(1 << 20)
+        stream = InferenceStream(pool, f"127.0.0.1:{port}")
+        request = pb.InferenceRequest(open=pb.OpenSession(session_id="s", max_length=4, batch_size=1))
+        try:
+            with pytest.raises(PeerUnavailableError):
+                await stream.request(request, 5)  # the stream ends instead of answering
+            await asyncio.sleep(0.2)
+            with pytest.raises(PeerUnavailableError, match="127.0.0.1"):
+                await stream.request(request, 5)  # the call is finished: writing must not escape as InvalidStateError
+        finally:
+            await stream.close()
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(go())

@@ -46,6 +46,8 @@ class ChannelPool:
             return await getattr(self.stub(endpoint), method)(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, endpoint) from exc
+        except grpc.aio.UsageError as exc:  # its channel was closed under it, after another request failed
+            raise PeerUnavailableError(f"peer {endpoint}: {exc}") from exc
 
 
 class InferenceStream:
@@ -64,7 +66,7 @@ class InferenceStream:
             raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.endpoint) from exc
-        except asyncio.InvalidStateError as exc:  # the call already ended (the peer died or dropped it)
+        except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call or its channel already ended
             raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {exc}") from exc
         if response is grpc.aio.EOF:
             raise PeerUnavailableError(f"peer {self.endpoint} closed the inference stream")

@@ -7,6 +7,7 @@ import logging
 import math
 import random
 from pathlib import Path
+
 import grpc
 import psutil
 import torch

@@ -209,6 +209,8 @@ class PeerServer:
         if self._shut_down:
             return
         self._shut_down = True
+        if self.dht is None:
+            return  # it never got as far as joining: nothing to stop
         for task in (self._announcer, self._rebalancer):
             if task is not None:
                 task.cancel()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +34,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer, TextStreamer
 
     from client.model import AutoDistributedModelForCausalLM
 
+    # SIGTERM stops the demo like Ctrl+C does: through the cleanup below, not around it
+    signal.signal(signal.SIGTERM, _interrupt)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     model_path = Path(args.model) if args.model else resolve_default_model(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{new_tokens} tokens in {elapsed:.2f}s ({new_tokens / elapsed:.1f} tokens/s, prefill included)")
         return 0
     except KeyboardInterrupt:
-        print("\ninterrupted; stopping the swarm")
+        print("\ninterrupted; stopping the swarm", flush=True)
         return 130
     finally:
         if model is not None:

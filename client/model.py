@@ -7,7 +7,6 @@ repetition penalty, stopping criteria, streamers) is Hugging Face's own; only th
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 from typing import Iterator
 
@@ -16,11 +15,10 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.records import check_prefix, prefix_for_model
-from swarm.checkpoint import load_config, load_tensors, resolve_model_path
+from swarm.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
 from swarm.dht import start_dht, stop_dht
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
@@ -32,22 +30,13 @@ logger = logging.getLogger(__name__)
 LOCAL_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
-def _norm_class(config: PretrainedConfig) -> type[nn.Module]:
-    family = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type].removesuffix("ForCausalLM")
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    norm = getattr(module, f"{family}RMSNorm", None)
-    if norm is None:
-        raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: no {family}RMSNorm")
-    return norm
-
-
 class _LocalParts(nn.Module):
     """Named like the checkpoint's `model.` prefix so its tensors load by name."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.norm = _norm_class(config)(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = family_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class ClientSession:
@@ -121,7 +110,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         path = resolve_model_path(model)
         config = load_config(path)
         if isinstance(dtype, str):
-            dtype = _auto_dtype(config) if dtype == "auto" else getattr(torch, dtype)
+            dtype = checkpoint_dtype(config) if dtype == "auto" else getattr(torch, dtype)
         with torch.device("meta"):
             instance = cls(config)
         tensors = load_tensors(path, lambda name: name in LOCAL_TENSORS, dtype=dtype)
@@ -269,9 +258,3 @@ class AutoDistributedModelForCausalLM:
     def from_pretrained(model: str, **kwargs) -> DistributedModelForCausalLM:
         return DistributedModelForCausalLM.from_pretrained(model, **kwargs)
 
-
-def _auto_dtype(config: PretrainedConfig) -> torch.dtype:
-    found = getattr(config, "dtype", None)
-    if isinstance(found, str):
-        found = getattr(torch, found, None)
-    return found if isinstance(found, torch.dtype) else torch.float32

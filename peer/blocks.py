@@ -6,7 +6,6 @@ built on the meta device and filled with only their tensors, so a peer never hol
 
 from __future__ import annotations
 
-import importlib
 import logging
 from pathlib import Path
 
@@ -15,33 +14,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, get_layer_types_and_kwargs
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from protocol.errors import ModelNotFoundError
-from swarm.checkpoint import load_tensors
+from swarm.checkpoint import checkpoint_dtype, family_class, load_tensors
 
 logger = logging.getLogger(__name__)
 
 LAYER_PREFIX = "model.layers."
 _MASK_MAKERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-def family_classes(config: PretrainedConfig) -> tuple[type[nn.Module], type[nn.Module]]:
-    """The decoder-layer and rotary-embedding classes of the model's family."""
-    model_type = config.model_type
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if causal_lm is None:
-        raise ModelNotFoundError(f"model type {model_type!r} has no causal-LM class in transformers")
-    family = causal_lm.removesuffix("ForCausalLM")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    layer_cls = getattr(module, f"{family}DecoderLayer", None)
-    rotary_cls = getattr(module, f"{family}RotaryEmbedding", None)
-    if layer_cls is None or rotary_cls is None:
-        raise ModelNotFoundError(
-            f"model type {model_type!r} is not supported: expected {family}DecoderLayer and {family}RotaryEmbedding "
-            f"in {module.__name__}"
-        )
-    return layer_cls, rotary_cls
 
 
 def layer_types(config: PretrainedConfig) -> list[str]:
@@ -55,10 +35,7 @@ def layer_types(config: PretrainedConfig) -> list[str]:
 
 def resolve_dtype(config: PretrainedConfig, dtype: str) -> torch.dtype:
     if dtype == "auto":
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(found, str):
-            found = getattr(torch, found, None)
-        return found if isinstance(found, torch.dtype) else torch.float32
+        return checkpoint_dtype(config)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
@@ -138,7 +115,8 @@ def load_span(
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
     config._attn_implementation = "sdpa"
-    layer_cls, rotary_cls = family_classes(config)
+    layer_cls = family_class(config, "DecoderLayer")
+    rotary_cls = family_class(config, "RotaryEmbedding")
     wanted = {f"{LAYER_PREFIX}{i}." for i in range(start, end)}
     tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
     layers = []

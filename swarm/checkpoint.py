@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from protocol.errors import ModelNotFoundError
 
@@ -35,7 +37,7 @@ def resolve_model_path(model: str) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, local_files_only=True))
-    except Exception as exc:  # the hub raises several kinds for "not cached" and for bad ids
+    except Exception:  # the hub raises several kinds for "not cached" and for bad ids
         raise ModelNotFoundError(
             f"model {model!r} is neither a local folder nor a hub id in the local cache; "
             f"download it first (e.g. `hf download {model}`) or pass a checkpoint folder"
@@ -75,3 +77,25 @@ def load_tensors(path: Path, wanted: Callable[[str], bool], dtype: torch.dtype |
                 tensor = f.get_tensor(name)
                 tensors[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
     return tensors
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype the checkpoint declares ("auto" on both peers and clients), float32 if it declares none."""
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if isinstance(found, torch.dtype) else torch.float32
+
+
+def family_class(config: PretrainedConfig, suffix: str) -> type:
+    """A class of the model's transformers family by suffix: "DecoderLayer" gives LlamaDecoderLayer for Llama."""
+    model_type = config.model_type
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if causal_lm is None:
+        raise ModelNotFoundError(f"model type {model_type!r} has no causal-LM class in transformers")
+    family = causal_lm.removesuffix("ForCausalLM")
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    found = getattr(module, f"{family}{suffix}", None)
+    if found is None:
+        raise ModelNotFoundError(f"model type {model_type!r} is not supported: no {family}{suffix} in {module.__name__}")
+    return found

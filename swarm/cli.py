@@ -6,7 +6,6 @@ keeps importing nothing from `peer` or `client` (the dependency direction the de
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os

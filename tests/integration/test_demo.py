@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,7 +9,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 SWARMLM = str(Path(sys.executable).with_name("swarmlm"))
 

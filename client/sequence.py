@@ -15,7 +15,8 @@ import hivemind
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, encode_optional, encode_tensor, parse_dtype
+from protocol.codec import decode_tensor, parse_dtype
+from protocol.packing import Packer
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from swarm.directory import fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
@@ -136,26 +137,28 @@ class RemoteSequence:
     # --- stateless forward / backward ---
 
     async def _call_forward(self, hop: RouteHop, hidden, mask, positions) -> torch.Tensor:
-        request = pb.ForwardRequest(
+        packer = Packer()
+        request = packer.pack(pb.ForwardRequest(
             span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-            hidden_states=encode_tensor(hidden.to(self.hop_dtype(hop))),
-            attention_mask=encode_optional(mask),
-            position_ids=encode_optional(positions),
-        )
+            hidden_states=packer.tensor(hidden.to(self.hop_dtype(hop))),
+            attention_mask=packer.optional(mask),
+            position_ids=packer.optional(positions),
+        ))
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
-        return decode_tensor(response.hidden_states, "hidden_states").to(hidden.dtype)
+        return decode_tensor(response.message.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
 
     async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
-        request = pb.BackwardRequest(
+        packer = Packer()
+        request = packer.pack(pb.BackwardRequest(
             span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-            hidden_states=encode_tensor(inputs.to(dtype)),
-            grad_outputs=encode_tensor(grad.to(dtype)),
-            attention_mask=encode_optional(mask),
-            position_ids=encode_optional(positions),
-        )
+            hidden_states=packer.tensor(inputs.to(dtype)),
+            grad_outputs=packer.tensor(grad.to(dtype)),
+            attention_mask=packer.optional(mask),
+            position_ids=packer.optional(positions),
+        ))
         response = await self.pool.unary(hop.endpoint, "backward", request, self.config.request_timeout_s)
-        return decode_tensor(response.grad_inputs, "grad_inputs").to(grad.dtype)
+        return decode_tensor(response.message.grad_inputs, "grad_inputs", response.payload).to(grad.dtype)
 
     async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None
                       ) -> tuple[torch.Tensor, list[HopRecord]]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, encode_optional, encode_tensor
+from protocol.codec import decode_tensor
+from protocol.packing import Packer
 from protocol.errors import BadRequestError
 from client.routing import RouteHop
 from client.sequence import RemoteSequence, is_retriable
@@ -98,13 +99,15 @@ class InferenceSession:
             attempt += 1
 
     async def _send(self, span: SpanSession, hidden, mask, positions, prefix_length: int) -> torch.Tensor:
-        request = pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=span.session_id, hidden_states=encode_tensor(hidden.to(self.sequence.hop_dtype(span.hop))),
-            attention_mask=encode_optional(mask), position_ids=encode_optional(positions),
-            prefix_length=prefix_length))
+        packer = Packer()
+        request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
+            session_id=span.session_id, hidden_states=packer.tensor(hidden.to(self.sequence.hop_dtype(span.hop))),
+            attention_mask=packer.optional(mask), position_ids=packer.optional(positions),
+            prefix_length=prefix_length)))
         response = await span.stream.request(request, self.sequence.config.request_timeout_s)
-        span.position = response.step.position
-        return decode_tensor(response.step.hidden_states, "hidden_states").to(hidden.dtype)
+        step = response.message.step
+        span.position = step.position
+        return decode_tensor(step.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
 
     async def _replace(self, index: int) -> None:
         """Route span `index` to other peers and replay its history into them."""

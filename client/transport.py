@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from protocol import swarmlm_pb2 as pb
+from protocol.packing import Received
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.service import PeerStub, error_from_rpc
 
@@ -58,10 +58,10 @@ class InferenceStream:
         self._call = pool.stub(endpoint).inference()
         self._closed = False
 
-    async def request(self, request: pb.InferenceRequest, timeout_s: float) -> pb.InferenceResponse:
+    async def request(self, request, timeout_s: float) -> Received:
+        """Send an InferenceRequest (or its `Packed` form) and return the answer with its payload."""
         try:
-            await asyncio.wait_for(self._call.write(request), timeout_s)
-            response = await asyncio.wait_for(self._call.read(), timeout_s)
+            response = await asyncio.wait_for(self._exchange(request), timeout_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
         except grpc.RpcError as exc:
@@ -70,9 +70,14 @@ class InferenceStream:
             raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {exc}") from exc
         if response is grpc.aio.EOF:
             raise PeerUnavailableError(f"peer {self.endpoint} closed the inference stream")
-        if response.WhichOneof("kind") == "error":
-            raise error_from_code(response.error.code, f"peer {self.endpoint}: {response.error.message}")
+        if response.message.WhichOneof("kind") == "error":
+            error = response.message.error
+            raise error_from_code(error.code, f"peer {self.endpoint}: {error.message}")
         return response
+
+    async def _exchange(self, request):
+        await self._call.write(request)
+        return await self._call.read()
 
     async def close(self) -> None:
         if self._closed:

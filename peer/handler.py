@@ -18,7 +18,8 @@ import grpc
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_optional, decode_tensor, encode_tensor
+from protocol.codec import decode_optional, decode_tensor
+from protocol.packing import Packer, Received
 from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.blocks import BlockSpan
@@ -106,17 +107,17 @@ class PeerServicer:
             )
         return span.start, span.end
 
-    def _inputs(self, message, prefix_length: int = 0):
-        hidden = decode_tensor(message.hidden_states, "hidden_states") if message.HasField("hidden_states") else None
+    def _inputs(self, message, payload: memoryview, prefix_length: int = 0):
+        hidden = decode_optional(message, "hidden_states", payload)
         if hidden is None:
             raise BadRequestError("hidden_states is missing")
         validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
         batch, seq, _ = hidden.shape
         mask = validation.check_mask(
-            decode_optional(message, "attention_mask"), batch=batch, length=prefix_length + seq
+            decode_optional(message, "attention_mask", payload), batch=batch, length=prefix_length + seq
         )
         positions = validation.check_positions(
-            decode_optional(message, "position_ids"), batch=batch, seq=seq, max_positions=self.max_positions
+            decode_optional(message, "position_ids", payload), batch=batch, seq=seq, max_positions=self.max_positions
         )
         return hidden, mask, positions
 
@@ -132,10 +133,12 @@ class PeerServicer:
             error = SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}")
         await context.abort(status_for(error), str(error), trailing_metadata=((ERROR_CODE_KEY, error.code),))
 
-    async def forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+    async def forward(self, received: Received, context):
+        request: pb.ForwardRequest = received.message
+
         async def work():
             blocks = self._blocks(request.span)
-            hidden, mask, positions = self._inputs(request)
+            hidden, mask, positions = self._inputs(request, received.payload)
 
             span = self.span
 
@@ -144,17 +147,20 @@ class PeerServicer:
                     return span(hidden, mask, positions, blocks=blocks)
 
             out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
-            return pb.ForwardResponse(hidden_states=encode_tensor(out, request.output_compression))
+            packer = Packer()
+            return packer.pack(pb.ForwardResponse(hidden_states=packer.tensor(out, request.output_compression)))
 
         return await self._unary(context, work)
 
-    async def backward(self, request: pb.BackwardRequest, context) -> pb.BackwardResponse:
+    async def backward(self, received: Received, context):
+        request: pb.BackwardRequest = received.message
+
         async def work():
             blocks = self._blocks(request.span)
-            hidden, mask, positions = self._inputs(request)
+            hidden, mask, positions = self._inputs(request, received.payload)
             if not request.HasField("grad_outputs"):
                 raise BadRequestError("grad_outputs is missing")
-            grad = decode_tensor(request.grad_outputs, "grad_outputs")
+            grad = decode_tensor(request.grad_outputs, "grad_outputs", received.payload)
             validation.check_grad(grad, hidden)
 
             span = self.span
@@ -168,7 +174,8 @@ class PeerServicer:
                 return grad_inputs
 
             grad_inputs = await self._compute(run, hidden.shape[0] * hidden.shape[1] * 3)
-            return pb.BackwardResponse(grad_inputs=encode_tensor(grad_inputs, request.output_compression))
+            packer = Packer()
+            return packer.pack(pb.BackwardResponse(grad_inputs=packer.tensor(grad_inputs, request.output_compression)))
 
         return await self._unary(context, work)
 
@@ -177,14 +184,14 @@ class PeerServicer:
 
     # --- inference stream ---
 
-    async def inference(self, requests: AsyncIterator[pb.InferenceRequest], context) -> AsyncIterator[pb.InferenceResponse]:
+    async def inference(self, requests: AsyncIterator[Received], context) -> AsyncIterator:
         """One session per stream: `open`, then `step`s, then `close` (or the stream ends, or it times out)."""
         session: Session | None = None
         async with contextlib.AsyncExitStack() as stack:
             iterator = requests.__aiter__()
             while True:
                 try:
-                    request = await asyncio.wait_for(iterator.__anext__(), self.limits.session_timeout_s)
+                    received = await asyncio.wait_for(iterator.__anext__(), self.limits.session_timeout_s)
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
@@ -193,6 +200,7 @@ class PeerServicer:
                     yield _error(UnknownSessionError(
                         f"session timed out after {self.limits.session_timeout_s:.0f}s without requests; open a new one"))
                     return
+                request: pb.InferenceRequest = received.message
                 kind = request.WhichOneof("kind")
                 try:
                     if kind == "open":
@@ -205,7 +213,7 @@ class PeerServicer:
                         if session is None or request.step.session_id != session.session_id:
                             raise UnknownSessionError(
                                 f"unknown session {request.step.session_id!r} on this stream; open it first")
-                        yield await self._step(session, request.step)
+                        yield await self._step(session, request.step, received.payload)
                     elif kind == "close":
                         return
                     else:
@@ -237,12 +245,12 @@ class PeerServicer:
         stack.callback(self.sessions.pop, session.session_id, None)
         return session
 
-    async def _step(self, session: Session, step: pb.InferenceStep) -> pb.InferenceResponse:
+    async def _step(self, session: Session, step: pb.InferenceStep, payload: memoryview):
         span = self.span
         if span is None or not span.start <= session.blocks[0] < session.blocks[1] <= span.end:
             raise WrongSpanError(f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
                                  f"continue the session on another peer")
-        hidden, mask, positions = self._inputs(step, step.prefix_length)
+        hidden, mask, positions = self._inputs(step, payload, step.prefix_length)
         if hidden.shape[0] != session.batch_size:
             raise BadRequestError(f"the session was opened for batch {session.batch_size}, got batch {hidden.shape[0]}")
         if step.prefix_length > session.position:
@@ -265,8 +273,10 @@ class PeerServicer:
         out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
-        return pb.InferenceResponse(step=pb.StepResult(
-            hidden_states=encode_tensor(out, step.output_compression), step_id=step.step_id, position=session.position))
+        packer = Packer()
+        return packer.pack(pb.InferenceResponse(step=pb.StepResult(
+            hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
+            position=session.position)))
 
 
 def _error(exc: SwarmError) -> pb.InferenceResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -39,8 +40,11 @@ def parse_dtype(name: str) -> torch.dtype:
         raise BadRequestError(f"unknown tensor dtype {name!r}; supported: {sorted(DTYPES)}") from None
 
 
-def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
-    """Serialize a tensor; FLOAT16 compression applies to float32/float64 only (it would not shrink the rest)."""
+def wire_form(tensor: torch.Tensor, compression: int = pb.NONE) -> tuple[torch.Tensor, str, int]:
+    """The contiguous CPU tensor to send, its dtype's name and the compression applied.
+
+    FLOAT16 compression applies to float32/float64 only (it would not shrink the rest).
+    """
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
@@ -50,12 +54,22 @@ def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor
         tensor = tensor.clamp(-_FLOAT16_MAX, _FLOAT16_MAX).to(torch.float16)
     else:
         compression = pb.NONE
-    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return tensor.contiguous(), original, compression
+
+
+def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
+    """A `Tensor` message holding the bytes itself (`packing.Packer` sends large ones with fewer copies)."""
+    tensor, original, compression = wire_form(tensor, compression)
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
     return pb.Tensor(shape=list(tensor.shape), dtype=original, data=data, compression=compression)
 
 
-def decode_tensor(message: pb.Tensor, name: str = "tensor") -> torch.Tensor:
-    """Deserialize a tensor, checking that its bytes match its shape and dtype."""
+def decode_tensor(message: pb.Tensor, name: str = "tensor", payload: memoryview | None = None) -> torch.Tensor:
+    """Deserialize a tensor, checking that its bytes match its shape and dtype.
+
+    A tensor in the message's `payload` is read in place when it is aligned: it then shares memory with the
+    received message (private to this request), so it costs no copy.
+    """
     dtype = parse_dtype(message.dtype)
     wire_dtype = torch.float16 if message.compression == pb.FLOAT16 else dtype
     if message.compression not in (pb.NONE, pb.FLOAT16):
@@ -65,20 +79,40 @@ def decode_tensor(message: pb.Tensor, name: str = "tensor") -> torch.Tensor:
         raise BadRequestError(f"{name}: negative dimension in shape {list(shape)}")
     itemsize = torch.empty((), dtype=wire_dtype).element_size()
     expected = math.prod(shape) * itemsize
-    if len(message.data) != expected:
+    if message.in_payload:
+        if message.data:
+            raise BadRequestError(f"{name}: a tensor in the payload must not carry data of its own")
+        available = len(payload) if payload is not None else 0
+        if message.offset + expected > available:
+            raise BadRequestError(f"{name}: shape {list(shape)} of {message.dtype} needs {expected} bytes at "
+                                  f"offset {message.offset} of the payload, which has {available}")
+    elif len(message.data) != expected:
         raise BadRequestError(
             f"{name}: shape {list(shape)} of {message.dtype} needs {expected} bytes, got {len(message.data)}"
         )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    tensor = torch.frombuffer(bytearray(message.data), dtype=wire_dtype).reshape(shape)
+    if message.in_payload:
+        tensor = _view(payload, wire_dtype, message.offset, expected // itemsize)
+        if tensor.data_ptr() % itemsize:  # a sender that did not align it: copy rather than read unaligned
+            tensor = tensor.clone()
+    else:
+        tensor = torch.frombuffer(bytearray(message.data), dtype=wire_dtype)
+    tensor = tensor.reshape(shape)
     return tensor.to(dtype) if wire_dtype != dtype else tensor
+
+
+def _view(buffer: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+    # torch warns (once per process) that the received bytes are read-only; they are ours alone to use
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
 
 
 def encode_optional(tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:
     return None if tensor is None else encode_tensor(tensor, compression)
 
 
-def decode_optional(message, field: str) -> torch.Tensor | None:
+def decode_optional(message, field: str, payload: memoryview | None = None) -> torch.Tensor | None:
     """Decode `message.field` if it was set, else None."""
-    return decode_tensor(getattr(message, field), field) if message.HasField(field) else None
+    return decode_tensor(getattr(message, field), field, payload) if message.HasField(field) else None

@@ -1,17 +1,20 @@
 """The Peer service's method table, derived from swarmlm.proto; handlers and stubs are built from it.
 
-Unary errors travel as a gRPC status plus the trailing metadata `ERROR_CODE_KEY`; stream errors as an
+Messages with a `payload` field are received as `packing.Received` (the message and its payload, left in
+place) and may be sent as `packing.Packed`; see protocol/packing.py. Unary errors travel as a gRPC status plus the trailing metadata `ERROR_CODE_KEY`; stream errors as an
 `Error` message on the stream, so one bad step does not end the session.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
 
 from protocol import swarmlm_pb2 as pb
+from protocol.packing import unpack
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
@@ -36,6 +39,22 @@ class Method:
     response: type
     client_streaming: bool
     server_streaming: bool
+
+    @property
+    def request_deserializer(self) -> Callable[[bytes], Any]:
+        return _deserializer(self.request)
+
+    @property
+    def response_deserializer(self) -> Callable[[bytes], Any]:
+        return _deserializer(self.response)
+
+
+def _deserializer(cls) -> Callable[[bytes], Any]:
+    return functools.partial(unpack, cls) if "payload" in cls.DESCRIPTOR.fields_by_name else cls.FromString
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()  # a protobuf message or a packing.Packed
 
 
 METHODS: dict[str, Method] = {
@@ -74,7 +93,7 @@ def _method_handler(method: Method, func: Callable) -> grpc.RpcMethodHandler:
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(method.client_streaming, method.server_streaming)]
-    return make(func, request_deserializer=method.request.FromString, response_serializer=method.response.SerializeToString)
+    return make(func, request_deserializer=method.request_deserializer, response_serializer=_serialize)
 
 
 def make_generic_handler(servicer: Any) -> grpc.GenericRpcHandler:
@@ -96,8 +115,8 @@ class PeerStub:
             }[(method.client_streaming, method.server_streaming)]
             call = kind(
                 method.path,
-                request_serializer=method.request.SerializeToString,
-                response_deserializer=method.response.FromString,
+                request_serializer=_serialize,
+                response_deserializer=method.response_deserializer,
             )
             setattr(self, name.lower(), call)
 

@@ -15,16 +15,20 @@ NONE: Compression
 FLOAT16: Compression
 
 class Tensor(_message.Message):
-    __slots__ = ("shape", "dtype", "data", "compression")
+    __slots__ = ("shape", "dtype", "data", "compression", "in_payload", "offset")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    IN_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     data: bytes
     compression: Compression
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    in_payload: bool
+    offset: int
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ..., in_payload: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Span(_message.Message):
     __slots__ = ("model", "start", "end")
@@ -37,56 +41,70 @@ class Span(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression", "backward_id", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
     attention_mask: Tensor
     position_ids: Tensor
     output_compression: Compression
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    backward_id: str
+    payload: bytes
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("hidden_states",)
+    __slots__ = ("hidden_states", "payload")
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     hidden_states: Tensor
-    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    payload: bytes
+    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_ID_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
     attention_mask: Tensor
     position_ids: Tensor
     grad_outputs: Tensor
     output_compression: Compression
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    backward_id: str
+    payload: bytes
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
-    __slots__ = ("grad_inputs",)
+    __slots__ = ("grad_inputs", "payload")
     GRAD_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     grad_inputs: Tensor
-    def __init__(self, grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    payload: bytes
+    def __init__(self, grad_inputs: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class InferenceRequest(_message.Message):
-    __slots__ = ("open", "step", "close")
+    __slots__ = ("open", "step", "close", "payload")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     step: InferenceStep
     close: CloseSession
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
+    payload: bytes
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("span", "session_id", "max_length", "batch_size", "alloc_timeout_s")
@@ -127,14 +145,16 @@ class CloseSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class InferenceResponse(_message.Message):
-    __slots__ = ("opened", "step", "error")
+    __slots__ = ("opened", "step", "error", "payload")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     step: StepResult
     error: Error
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    payload: bytes
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "max_length")

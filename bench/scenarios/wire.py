@@ -2,7 +2,7 @@
 
 All in one fresh process (see `measure`), on one event loop (the client library's kind), over loopback TCP:
   bare    grpc.aio unary echo of the raw tensor bytes (generic handler, no protobuf)
-  ours    the client's request building (encode_tensor, protobuf), a real PeerServicer (decode, validation,
+  ours    the client's request building (packing.Packer, protobuf), a real PeerServicer (decode, validation,
           compute thread hop, encode) over a span that returns its input unchanged, and the client's decode;
           decode-step and prefill payloads go over the inference stream, the training payload over Forward
   p2p     hivemind's P2P unary call echoing the same tensor message (libp2p through the p2pd daemons)
@@ -25,7 +25,8 @@ import grpc
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, encode_optional, encode_tensor
+from protocol.codec import decode_tensor
+from protocol.packing import Packer
 from protocol.service import make_generic_handler
 from peer.cache import CacheBudget
 from peer.handler import HandlerLimits, PeerServicer
@@ -138,17 +139,20 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
 
             async def ours():
                 if stream is not None:
-                    request = pb.InferenceRequest(step=pb.InferenceStep(
-                        session_id=session_id, hidden_states=encode_tensor(tensor.to(dtype)),
-                        attention_mask=encode_optional(None), position_ids=encode_optional(positions),
-                        prefix_length=0))
+                    packer = Packer()
+                    request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
+                        session_id=session_id, hidden_states=packer.tensor(tensor.to(dtype)),
+                        position_ids=packer.tensor(positions), prefix_length=0)))
                     response = await stream.request(request, 60)
-                    return decode_tensor(response.step.hidden_states, "hidden_states").to(tensor.dtype)
-                request = pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
-                                            hidden_states=encode_tensor(tensor.to(dtype)),
-                                            position_ids=encode_optional(positions))
+                    return decode_tensor(response.message.step.hidden_states, "hidden_states",
+                                         response.payload).to(tensor.dtype)
+                packer = Packer()
+                request = packer.pack(pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
+                                                        hidden_states=packer.tensor(tensor.to(dtype)),
+                                                        position_ids=packer.tensor(positions)))
                 response = await pool.unary(endpoint, "forward", request, 60)
-                return decode_tensor(response.hidden_states, "hidden_states").to(tensor.dtype)
+                return decode_tensor(response.message.hidden_states, "hidden_states",
+                                     response.payload).to(tensor.dtype)
 
             async def bare():
                 return await bare_call(raw, timeout=60)

@@ -11,7 +11,7 @@ import torch
 from client.transport import ChannelPool, InferenceStream
 from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import encode_tensor
+from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
@@ -20,6 +20,7 @@ from protocol.errors import (
     UnknownSessionError,
     WrongSpanError,
 )
+from protocol.packing import Packer
 from protocol.records import prefix_for_model
 from swarm.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE
@@ -90,6 +91,29 @@ def test_bad_forward_gets_typed_error(peer, hidden, extra, error, words):
     with pytest.raises(error) as caught:
         run(_forward(endpoint, request))
     assert words in str(caught.value)
+
+
+def test_forward_with_payload_matches_local_span(peer):
+    """Hidden states large enough to travel in the payload (see protocol/packing.py) come back exact."""
+    endpoint, prefix, span = peer
+    hidden = _hidden(2, 160, HIDDEN_SIZE)
+    packer = Packer()
+    request = packer.pack(pb.ForwardRequest(span=_span(prefix), hidden_states=packer.tensor(hidden)))
+    assert request.message.hidden_states.in_payload
+    received = run(_forward(endpoint, request))
+    assert received.message.hidden_states.in_payload
+    with torch.inference_mode():
+        expected = span(hidden)
+    got = decode_tensor(received.message.hidden_states, "hidden_states", received.payload)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_payload_reference_past_the_payload_is_bad_request(peer):
+    endpoint, prefix, _ = peer
+    request = pb.ForwardRequest(span=_span(prefix), payload=b"\0" * 64, hidden_states=pb.Tensor(
+        shape=[1, 2, HIDDEN_SIZE], dtype="float32", in_payload=True, offset=32))
+    with pytest.raises(BadRequestError, match="hidden_states: shape .* at offset 32 of the payload, which has 64"):
+        run(_forward(endpoint, request))
 
 
 def test_wrong_span_and_model(peer):
@@ -166,10 +190,8 @@ def test_bad_steps_do_not_disturb_the_session_or_others(peer):
             await b.close()
             await pool.close()
 
-    from protocol.codec import decode_tensor
-
     outputs = run(go())
-    got = torch.cat([decode_tensor(o.step.hidden_states) for o in outputs], dim=1)
+    got = torch.cat([decode_tensor(o.message.step.hidden_states, "hidden_states", o.payload) for o in outputs], dim=1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 

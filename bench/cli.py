@@ -158,8 +158,8 @@ NOTES = [
     "in this same process, with the same checkpoint folder and dtype, alternating with the swarm runs.",
     "Decode: each forward of one new token is timed (embeddings and LM head included on both sides); the swarm "
     "inside an inference session, the reference with its DynamicCache.",
-    "Forward+backward: blocks frozen on both sides (peers only return input gradients and recompute their "
-    "forward); embeddings and LM head trainable.",
+    "Forward+backward: blocks frozen on both sides (peers only return input gradients, from the activations "
+    "they kept since the forward); embeddings and LM head trainable.",
     "Concurrency: N inference sessions at once through one client library instance (one channel per peer).",
     "Wire: client and an echo peer (real PeerServicer, identity span) in one fresh process, one event loop, "
     "torch threads as a peer's; calls of the three transports interleaved one by one.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import hivemind
@@ -40,6 +41,8 @@ class HopRecord:
 
     hop: RouteHop
     inputs: torch.Tensor
+    backward_id: str = ""
+    """Under which id the peer was asked to keep this hop's activations ("" if it was not)."""
 
 
 class BanList:
@@ -136,18 +139,19 @@ class RemoteSequence:
 
     # --- stateless forward / backward ---
 
-    async def _call_forward(self, hop: RouteHop, hidden, mask, positions) -> torch.Tensor:
+    async def _call_forward(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
         packer = Packer()
         request = packer.pack(pb.ForwardRequest(
             span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
             hidden_states=packer.tensor(hidden.to(self.hop_dtype(hop))),
             attention_mask=packer.optional(mask),
             position_ids=packer.optional(positions),
+            backward_id=backward_id,
         ))
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
         return decode_tensor(response.message.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
 
-    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions) -> torch.Tensor:
+    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
         request = packer.pack(pb.BackwardRequest(
@@ -156,21 +160,27 @@ class RemoteSequence:
             grad_outputs=packer.tensor(grad.to(dtype)),
             attention_mask=packer.optional(mask),
             position_ids=packer.optional(positions),
+            backward_id=backward_id,
         ))
         response = await self.pool.unary(hop.endpoint, "backward", request, self.config.request_timeout_s)
         return decode_tensor(response.message.grad_inputs, "grad_inputs", response.payload).to(grad.dtype)
 
-    async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None
-                      ) -> tuple[torch.Tensor, list[HopRecord]]:
-        """Run blocks [start, end); return the outputs and what each hop was sent (for backward)."""
+    async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None,
+                      keep_for_backward: bool = False) -> tuple[torch.Tensor, list[HopRecord]]:
+        """Run blocks [start, end); return the outputs and what each hop was sent (for backward).
+
+        With `keep_for_backward`, peers are asked to keep their activations until the backward, which then
+        need not recompute the forward.
+        """
         end = self.num_blocks if end is None else end
         records: list[HopRecord] = []
         block, attempt, refresh = start, 0, False
         while block < end:
             route = await self.plan(block, end, inference=False, refresh=refresh)
             for hop in route:
+                backward_id = uuid.uuid4().hex if keep_for_backward else ""
                 try:
-                    output = await self._call_forward(hop, hidden, mask, positions)
+                    output = await self._call_forward(hop, hidden, mask, positions, backward_id)
                 except Exception as exc:
                     if not is_retriable(exc) or attempt >= self.config.max_retries:
                         raise
@@ -178,7 +188,7 @@ class RemoteSequence:
                     await self.backoff(attempt)
                     attempt, refresh = attempt + 1, True
                     break
-                records.append(HopRecord(hop, hidden))
+                records.append(HopRecord(hop, hidden, backward_id))
                 hidden, block = output, hop.end
         self.last_route = [record.hop for record in records]
         return hidden, records
@@ -186,21 +196,22 @@ class RemoteSequence:
     async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions) -> torch.Tensor:
         """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output."""
         for record in reversed(records):
-            grad = await self._backward_hop(record.hop, record.inputs, grad, mask, positions, attempt=0)
+            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)
         return grad
 
-    async def _backward_hop(self, hop: RouteHop, inputs, grad, mask, positions, attempt: int) -> torch.Tensor:
+    async def _backward_hop(self, record: HopRecord, grad, mask, positions, attempt: int) -> torch.Tensor:
+        hop, inputs = record.hop, record.inputs
         try:
-            return await self._call_backward(hop, inputs, grad, mask, positions)
+            return await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id)
         except Exception as exc:
             if not is_retriable(exc) or attempt >= self.config.max_retries:
                 raise
             await self.report_failure(hop, exc)
             await self.backoff(attempt)
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
-        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end)
+        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
         for record in reversed(records):
-            grad = await self._backward_hop(record.hop, record.inputs, grad, mask, positions, attempt + 1)
+            grad = await self._backward_hop(record, grad, mask, positions, attempt + 1)
         return grad
 
     async def close(self) -> None:
@@ -212,7 +223,9 @@ class RemoteBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, mask, positions, sequence: RemoteSequence, run) -> torch.Tensor:
-        output, records = run(sequence.forward(hidden.detach(), mask, positions))
+        # only a forward whose backward will come asks the peers to keep activations for it
+        keep = ctx.needs_input_grad[0]
+        output, records = run(sequence.forward(hidden.detach(), mask, positions, keep_for_backward=keep))
         ctx.sequence, ctx.run, ctx.records, ctx.mask, ctx.positions = sequence, run, records, mask, positions
         return output
 

@@ -39,6 +39,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
     p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
     p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
+    p.add_argument("--activation-cache-mb", type=float, default=1024.0,
+                   help="memory for forward activations kept for their backward, in MiB; 0 recomputes the "
+                        "forward in every backward (default: 1024)")
     p.add_argument("--update-period", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
     p.add_argument("--rebalance-period", type=float, default=60.0, metavar="S",
                    help="how often a peer without --blocks considers moving (default: 60, randomised)")
@@ -66,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         alloc_timeout_s=args.alloc_timeout,
         session_timeout_s=args.session_timeout,
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+        activation_cache_mb=args.activation_cache_mb,
         update_period_s=args.update_period,
         rebalance_period_s=args.rebalance_period,
         balance_margin=args.balance_margin,

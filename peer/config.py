@@ -39,6 +39,10 @@ class PeerConfig:
     """An inference session idle this long is closed and its cache freed."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent."""
+    activation_cache_mb: float = 1024.0
+    """Memory for forward activations kept for their backward (0: always recompute in backward)."""
+    activation_ttl_s: float = 60.0
+    """How long kept activations wait for their backward."""
     update_period_s: float = 30.0
     """How often the peer re-announces itself; records expire after about twice that."""
     rebalance_period_s: float = 60.0
@@ -68,9 +72,12 @@ class PeerConfig:
         for name in ("cache_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.activation_cache_mb < 0:
+            raise ValueError(f"activation_cache_mb must be >= 0, got {self.activation_cache_mb}")
         if self.balance_margin < 0:
             raise ValueError(f"balance_margin must be >= 0, got {self.balance_margin}")
-        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s", "rebalance_period_s"):
+        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s", "rebalance_period_s",
+                     "activation_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:

@@ -22,6 +22,7 @@ from protocol.codec import decode_optional, decode_tensor
 from protocol.packing import Packer, Received
 from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
 from protocol.service import ERROR_CODE_KEY, status_for
+from peer.activations import ActivationStore, Kept
 from peer.blocks import BlockSpan
 from peer.cache import CacheBudget
 from peer import validation
@@ -52,6 +53,10 @@ class HandlerLimits:
     """Default wait for cache space when a session asks for none."""
     max_alloc_timeout_s: float = 60.0
     """Longest wait for cache space a client may ask for."""
+    activation_bytes: int = 0
+    """Memory for forward activations kept for their backward (0: backward always recomputes)."""
+    activation_ttl_s: float = 60.0
+    """How long kept activations wait for their backward."""
 
 
 class PeerServicer:
@@ -70,12 +75,14 @@ class PeerServicer:
         self.hidden_size = model_config.hidden_size
         self.max_positions = model_config.max_position_embeddings
         self.sessions: dict[str, Session] = {}
+        self.activations = ActivationStore(limits.activation_bytes, limits.activation_ttl_s)
         self._busy = 0  # computations running on the compute thread
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
         self.span = span
+        self.activations.clear()  # they belong to the blocks served so far
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -140,9 +147,11 @@ class PeerServicer:
             blocks = self._blocks(request.span)
             hidden, mask, positions = self._inputs(request, received.payload)
 
-            span = self.span
+            span, keep_id = self.span, request.backward_id
 
             def run():
+                if keep_id and self.activations.enabled:
+                    return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions)
                 with torch.inference_mode():
                     return span(hidden, mask, positions, blocks=blocks)
 
@@ -166,11 +175,12 @@ class PeerServicer:
             span = self.span
 
             def run():
-                # recompute the forward from the inputs: no per-request state is kept between calls
-                inputs = hidden.to(span.device).requires_grad_(True)
+                kept = self.activations.pop(request.backward_id) if request.backward_id else None
+                if kept is None or not kept.matches(blocks, hidden, mask, positions):
+                    # recompute the forward: the kept one expired, was evicted, or was kept by another peer
+                    kept = self._forward_graph(span, blocks, hidden, mask, positions)
                 with torch.enable_grad():
-                    out = span(inputs, mask, positions, blocks=blocks)
-                    (grad_inputs,) = torch.autograd.grad(out, inputs, grad.to(span.device))
+                    (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
                 return grad_inputs
 
             grad_inputs = await self._compute(run, hidden.shape[0] * hidden.shape[1] * 3)
@@ -178,6 +188,18 @@ class PeerServicer:
             return packer.pack(pb.BackwardResponse(grad_inputs=packer.tensor(grad_inputs, request.output_compression)))
 
         return await self._unary(context, work)
+
+    def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions) -> Kept:
+        inputs = hidden.to(span.device).requires_grad_(True)
+        with torch.enable_grad(), ActivationStore.counting(span) as saved:
+            outputs = span(inputs, mask, positions, blocks=blocks)
+        return Kept(blocks, inputs, outputs, mask, positions, saved.bytes)
+
+    def _forward_keeping(self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions) -> torch.Tensor:
+        """Forward with autograd, keeping the graph for the backward with `keep_id` if it fits."""
+        kept = self._forward_graph(span, blocks, hidden, mask, positions)
+        self.activations.put(keep_id, kept)
+        return kept.outputs.detach()
 
     async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return self._info()

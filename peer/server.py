@@ -78,7 +78,9 @@ class PeerServer:
             self.model_config,
             self.prefix,
             self.budget,
-            HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s),
+            HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s,
+                          activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
+                          activation_ttl_s=cfg.activation_ttl_s),
             self._info,
         )
         options = [

@@ -2,8 +2,8 @@
 
 Both sides do the same fine-tuning work: the transformer blocks are frozen (peers never update theirs; the
 local model's blocks get requires_grad=False) and gradients flow through them to the trainable embeddings
-and LM head. The peers recompute their forward in backward (they keep no state between calls); that cost
-is part of what is measured.
+and LM head. Peers keep each forward's activations for its backward (peer/activations.py), with their
+default memory for it; a backward that misses them recomputes the forward.
 """
 
 from __future__ import annotations

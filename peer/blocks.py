@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, get_layer_types_and_kwargs
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from protocol.errors import ModelNotFoundError
+from protocol.errors import BadRequestError, ModelNotFoundError
 from swarm.checkpoint import checkpoint_dtype, family_class, load_tensors
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,24 @@ class BlockSpan(nn.Module):
                 position_embeddings=position_embeddings,
             )
         return hidden_states
+
+
+def rewind_cache(cache: DynamicCache, length: int) -> None:
+    """Forget every token after the first `length` in each layer (after a failed step, layers may differ).
+
+    Raises BadRequestError where that is impossible: a sliding-window layer past its window no longer holds
+    the states to go back to.
+    """
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra <= 0:
+            continue
+        try:
+            layer.crop(-extra)  # transformers' crop takes the number of tokens to remove, as a negative int
+        except RuntimeError as exc:
+            raise BadRequestError(
+                f"cannot go back to {length} tokens: a sliding-window layer keeps only its last "
+                f"{getattr(layer, 'sliding_window', '?')} tokens; replay the sequence in a new session") from exc
 
 
 def load_span(

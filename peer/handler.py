@@ -23,7 +23,7 @@ from protocol.packing import Packer, Received
 from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
-from peer.blocks import BlockSpan
+from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer import validation
 
@@ -282,14 +282,17 @@ class PeerServicer:
         validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
 
         def run():
-            if step.prefix_length < session.position:  # a retried or replayed step: forget what follows it
-                session.cache.crop(step.prefix_length)
+            if step.prefix_length < session.position:  # a retried step, or a branch: forget what follows it
+                rewind_cache(session.cache, step.prefix_length)
                 session.position = step.prefix_length
             try:
                 with torch.inference_mode():
                     return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)
             except Exception:
-                session.cache.crop(step.prefix_length)  # some layers may have grown: keep the cache consistent
+                try:  # some layers may have grown: keep the cache consistent
+                    rewind_cache(session.cache, step.prefix_length)
+                except BadRequestError:  # cannot: start the session afresh, so no step builds on a bad cache
+                    session.cache, session.position = span.new_cache(), 0
                 raise
 
         out = await self._compute(run, hidden.shape[0] * hidden.shape[1])

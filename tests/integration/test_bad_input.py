@@ -154,6 +154,31 @@ def _step(session_id: str, hidden: torch.Tensor, prefix_length: int) -> pb.Infer
                                                      prefix_length=prefix_length))
 
 
+def test_step_that_rewinds_the_cache_matches_local(peer):
+    """A step at a prefix shorter than the cache (a retried step, or a branch) forgets what followed it."""
+    endpoint, prefix, span = peer
+    tokens, branch = _hidden(1, 8, HIDDEN_SIZE), _hidden(1, 2, HIDDEN_SIZE)
+    with torch.no_grad():
+        expected = span(torch.cat([tokens[:, :5], branch], dim=1))[:, 5:]
+
+    async def go():
+        pool = ChannelPool(1 << 26)
+        stream = InferenceStream(pool, endpoint)
+        try:
+            await stream.request(_open(prefix, "rewinds", max_length=16), 30)
+            await stream.request(_step("rewinds", tokens[:, :5], 0), 30)
+            await stream.request(_step("rewinds", tokens[:, 5:], 5), 30)
+            response = await stream.request(_step("rewinds", branch, 5), 30)
+            return response.message.step
+        finally:
+            await stream.close()
+            await pool.close()
+
+    step = run(go())
+    assert step.position == 7
+    torch.testing.assert_close(decode_tensor(step.hidden_states), expected, atol=1e-5, rtol=0)
+
+
 def test_bad_steps_do_not_disturb_the_session_or_others(peer):
     """Session A runs a whole sequence while session B sends every kind of bad step; A's result is exact."""
     endpoint, prefix, span = peer

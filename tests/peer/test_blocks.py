@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from peer.blocks import load_span
+from peer.blocks import load_span, rewind_cache
+from protocol.errors import BadRequestError
 from swarm.checkpoint import load_config
 from tests.helpers.models import llama_config, qwen2_config, qwen3_config, save_random_model
 
@@ -80,6 +81,31 @@ def test_incremental_steps_with_cache_match_one_pass(checkpoint):
         for t in range(6, 10):
             parts.append(span(hidden[:, t : t + 1], cache=cache, prefix_length=t))
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_rewound_cache_continues_like_a_fresh_one(checkpoint):
+    """Rewinding within every layer's window, then a different continuation: as if it had been sent first."""
+    path, _ = checkpoint
+    (span,) = _spans(path, [(0, 4)])
+    hidden, branch = torch.randn(1, 2, 64), torch.randn(1, 2, 64)  # shorter than the smallest window, 3
+    with torch.no_grad():
+        expected = span(torch.cat([hidden[:, :1], branch], dim=1))[:, 1:]
+        cache = span.new_cache()
+        span(hidden, cache=cache)
+        rewind_cache(cache, 1)
+        got = span(branch, cache=cache, prefix_length=1)
+    assert cache.get_seq_length() == 3
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_rewinding_past_a_sliding_window_is_a_typed_error(tmp_path):
+    path = Path(save_random_model(mistral_config(2), tmp_path, seed=1))  # window of 4 tokens
+    (span,) = _spans(path, [(0, 2)])
+    cache = span.new_cache()
+    with torch.no_grad():
+        span(torch.randn(1, 9, 64), cache=cache)
+    with pytest.raises(BadRequestError, match="keeps only its last 4 tokens; replay the sequence in a new session"):
+        rewind_cache(cache, 2)
 
 
 def test_sub_span_runs_only_its_blocks(checkpoint):

@@ -45,8 +45,7 @@ class _Config:
 
 
 class _NoCache:
-    def crop(self, length: int) -> None:
-        pass
+    layers: list = []  # nothing to rewind when a step starts over at position 0
 
 
 class EchoSpan:

@@ -17,8 +17,8 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, parse_dtype
-from protocol.packing import Packer
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
+from protocol.packing import Packer
 from swarm.directory import fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
 from client.config import ClientConfig

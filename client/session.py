@@ -16,8 +16,8 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.packing import Packer
 from protocol.errors import BadRequestError
+from protocol.packing import Packer
 from client.routing import RouteHop
 from client.sequence import RemoteSequence, is_retriable
 from client.transport import InferenceStream

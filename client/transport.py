@@ -7,8 +7,8 @@ import logging
 
 import grpc
 
-from protocol.packing import Received
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
+from protocol.packing import Received
 from protocol.service import PeerStub, error_from_rpc
 
 logger = logging.getLogger(__name__)

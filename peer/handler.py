@@ -19,8 +19,8 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_optional, decode_tensor
-from protocol.packing import Packer, Received
 from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
+from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
 from peer.blocks import BlockSpan, rewind_cache

@@ -139,8 +139,10 @@ def test_sigkill_of_a_peer_leaves_nothing_behind(swarm, tiny_llama_path):
         (["--dtype", "float8"], "invalid choice: 'float8'"),
         (["--num-blocks", "0"], "num_blocks must be >= 1"),
         (["--port", "70000"], "0..65535"),
+        (["--activation-cache-mb", "-1"], "activation_cache_mb must be >= 0"),
     ],
-    ids=["blocks-not-a-span", "blocks-reversed", "dtype-float8", "num-blocks-0", "port-out-of-range"],
+    ids=["blocks-not-a-span", "blocks-reversed", "dtype-float8", "num-blocks-0", "port-out-of-range",
+         "activation-cache-negative"],
 )
 def test_peer_rejects_bad_arguments(swarm, tiny_llama_path, args, message):
     result = swarm.run("peer", str(tiny_llama_path), *args, timeout_s=60)  # run() also checks nothing is left

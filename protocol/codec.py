@@ -25,6 +25,11 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 
+# Received bytes are read-only, and torch says so when a tensor views them; they are private to the one
+# request that carried them, so the warning is silenced, for calls from this module only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
@@ -93,20 +98,13 @@ def decode_tensor(message: pb.Tensor, name: str = "tensor", payload: memoryview 
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     if message.in_payload:
-        tensor = _view(payload, wire_dtype, message.offset, expected // itemsize)
+        tensor = torch.frombuffer(payload, dtype=wire_dtype, count=expected // itemsize, offset=message.offset)
         if tensor.data_ptr() % itemsize:  # a sender that did not align it: copy rather than read unaligned
             tensor = tensor.clone()
     else:
         tensor = torch.frombuffer(bytearray(message.data), dtype=wire_dtype)
     tensor = tensor.reshape(shape)
     return tensor.to(dtype) if wire_dtype != dtype else tensor
-
-
-def _view(buffer: memoryview, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
-    # torch warns (once per process) that the received bytes are read-only; they are ours alone to use
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
 
 
 def encode_optional(tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,15 @@ def tiny_llama_path(tmp_path_factory) -> Path:
 def tiny_qwen3_path(tmp_path_factory) -> Path:
     """A 4-layer random Qwen3 (GQA, q/k norms, tied head) saved as safetensors."""
     return make_tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3", num_layers=4, seed=0)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    """A CI timeout sends SIGTERM: turn it into KeyboardInterrupt, so that fixtures still stop their processes."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.hookimpl(hookwrapper=True)

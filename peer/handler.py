@@ -191,13 +191,15 @@ class PeerServicer:
 
     def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions) -> Kept:
         inputs = hidden.to(span.device).requires_grad_(True)
-        with torch.enable_grad(), ActivationStore.counting(span) as saved:
+        with torch.enable_grad():
             outputs = span(inputs, mask, positions, blocks=blocks)
-        return Kept(blocks, inputs, outputs, mask, positions, saved.bytes)
+        return Kept(blocks, inputs, outputs, mask, positions, nbytes=0)
 
     def _forward_keeping(self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions) -> torch.Tensor:
         """Forward with autograd, keeping the graph for the backward with `keep_id` if it fits."""
-        kept = self._forward_graph(span, blocks, hidden, mask, positions)
+        with ActivationStore.counting(span) as saved:  # only what is kept needs its size
+            kept = self._forward_graph(span, blocks, hidden, mask, positions)
+        kept.nbytes = saved.bytes
         self.activations.put(keep_id, kept)
         return kept.outputs.detach()
 

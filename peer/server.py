@@ -216,7 +216,7 @@ class PeerServer:
         for task in (self._announcer, self._rebalancer):
             if task is not None:
                 task.cancel()
-        if self.dht is not None and self.blocks is not None and self.dht.is_alive():
+        if self.blocks is not None and self.dht.is_alive():
             try:
                 await self._announce(ServerState.OFFLINE, timeout_s=3)
             except Exception as exc:
@@ -225,6 +225,5 @@ class PeerServer:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
-        if self.dht is not None:
-            stop_dht(self.dht)
+        stop_dht(self.dht)
         logger.info("peer stopped")

@@ -62,9 +62,8 @@ class Packer:
             self._chunks.append(bytes(pad))
             self._size += pad
         offset = self._size
-        if tensor.numel():
-            self._chunks.append(tensor.reshape(-1).view(torch.uint8).numpy())
-            self._size += tensor.numel() * tensor.element_size()
+        self._chunks.append(tensor.reshape(-1).view(torch.uint8).numpy())
+        self._size += tensor.numel() * tensor.element_size()
         return pb.Tensor(shape=list(tensor.shape), dtype=dtype, compression=compression, in_payload=True,
                          offset=offset)
 

@@ -62,13 +62,11 @@ class EchoSpan:
 
 
 def echo_servicer(span: EchoSpan) -> PeerServicer:
-    """The peer's real servicer over the echo span (built either way its constructor has been written)."""
+    """The peer's real servicer over the echo span."""
     budget, limits = CacheBudget(1 << 30), HandlerLimits(session_timeout_s=600, alloc_timeout_s=5)
-    if hasattr(PeerServicer, "set_span"):  # servicer built from the model config, the span set once loaded
-        servicer = PeerServicer(span.config, _PREFIX, budget, limits, pb.InfoResponse)
-        servicer.set_span(span)
-        return servicer
-    return PeerServicer(span, _PREFIX, budget, limits, pb.InfoResponse)
+    servicer = PeerServicer(span.config, _PREFIX, budget, limits, pb.InfoResponse)
+    servicer.set_span(span)
+    return servicer
 
 
 @dataclass(frozen=True)

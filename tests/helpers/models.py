@@ -3,6 +3,12 @@
 Each builder seeds torch, builds `AutoModelForCausalLM.from_config(config)` in float32 and saves it with
 `save_pretrained(path)`; no tokenizer is written. The same seed gives the same weights, so a test can rebuild
 the reference model locally and compare it with what the swarm computes.
+
+The weights are drawn with a larger scale than transformers' default (INIT_SCALE): at the default 0.02 the
+logits are nearly flat, greedy decoding repeats one token, and a client that sends wrong positions or keeps
+too short a cache still produces the reference tokens. At 0.2 a 24-token greedy run has 13-24 distinct
+tokens, a decode step at a wrong position moves the logits by several units, and the difference between
+cached and uncached computation stays near 1e-5 (fp32), well under the tests' 1e-4.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 HIDDEN_SIZE = 64
 INTERMEDIATE_SIZE = 128
@@ -18,6 +24,7 @@ NUM_HEADS = 4
 NUM_KV_HEADS = 2  # grouped-query attention: 2 query heads per key/value head
 VOCAB_SIZE = 128
 MAX_POSITIONS = 256
+INIT_SCALE = 0.2  # std of the random weights; see the module docstring
 
 
 def _common(num_layers: int) -> dict:
@@ -32,6 +39,7 @@ def _common(num_layers: int) -> dict:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=INIT_SCALE,
     )
 
 
@@ -45,6 +53,15 @@ def qwen3_config(num_layers: int = 4) -> Qwen3Config:
 
 def qwen2_config(num_layers: int = 4) -> Qwen2Config:
     return Qwen2Config(**_common(num_layers), tie_word_embeddings=True)
+
+
+def mistral_config(num_layers: int = 4) -> MistralConfig:
+    # a window shorter than the tests' sequences, so that sliding-window attention is exercised too
+    return MistralConfig(**_common(num_layers), head_dim=16, sliding_window=16, tie_word_embeddings=False)
+
+
+CONFIGS = {"llama": llama_config, "mistral": mistral_config, "qwen2": qwen2_config, "qwen3": qwen3_config}
+"""Every family the peers are tested on: name -> config builder."""
 
 
 def save_random_model(config: PretrainedConfig, path: str | Path, *, seed: int = 0) -> Path:
@@ -71,3 +88,13 @@ def make_tiny_qwen3(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> 
 def make_tiny_qwen2(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
     """A Qwen2 (qkv biases) with GQA, hidden 64, vocab 128, tied LM head."""
     return save_random_model(qwen2_config(num_layers), path, seed=seed)
+
+
+def make_tiny_mistral(path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A Mistral with GQA and a 16-token sliding window, hidden 64, vocab 128, untied LM head."""
+    return save_random_model(mistral_config(num_layers), path, seed=seed)
+
+
+def make_tiny(family: str, path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
+    """A tiny random model of `family` (a key of CONFIGS)."""
+    return save_random_model(CONFIGS[family](num_layers), path, seed=seed)

@@ -228,20 +228,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         done = session.position
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         # generate() may pass the whole sequence so far: send only what the peers have not seen
+        covers_history = False
         if done and length > done:
             if input_ids is not None:
-                repeats = session.token_ids is not None and torch.equal(input_ids[:, :done], session.token_ids)
+                covers_history = session.token_ids is not None and torch.equal(input_ids[:, :done], session.token_ids)
             else:
-                repeats = attention_mask is not None and attention_mask.shape[1] == length
-            if repeats:
+                covers_history = attention_mask is not None and attention_mask.shape[1] == length
+            if covers_history:
                 input_ids = input_ids[:, done:] if input_ids is not None else None
                 inputs_embeds = inputs_embeds[:, done:] if inputs_embeds is not None else None
-                position_ids = position_ids[:, done:] if position_ids is not None and position_ids.shape[1] == length else position_ids
         hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
         new = hidden.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(done, done + new).unsqueeze(0)
-        position_ids = position_ids[:, -new:]
+        if position_ids is not None and (done == 0 or covers_history) and position_ids.shape[1] >= new:
+            position_ids = position_ids[:, -new:]
+        else:
+            # positions given with only the new tokens count from the start of the caller's input (generate()
+            # numbers a continuation from 0); the peers' caches fix where these tokens really are
+            position_ids = self._next_positions(attention_mask, done, new)
         if session.remote is None:
             session.remote = InferenceSession(self.sequence, session.max_length, hidden.shape[0])
         output = self._run(session.remote.step(hidden.detach(), attention_mask, position_ids))
@@ -249,6 +252,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             previous = session.token_ids[:, :done] if session.token_ids is not None else input_ids[:, :0]
             session.token_ids = torch.cat([previous, input_ids], dim=1)
         return output
+
+    def _next_positions(self, attention_mask: torch.Tensor | None, done: int, new: int) -> torch.Tensor:
+        """Positions of `new` tokens after the `done` the session holds: after left padding, counted per row."""
+        remote = self._session.remote
+        if attention_mask is None or attention_mask.shape[1] != done + new:
+            past = remote.mask if remote is not None else None
+            attention_mask = None if past is None else torch.cat([past, past.new_ones(past.shape[0], new)], dim=1)
+        if attention_mask is None:
+            return torch.arange(done, done + new).unsqueeze(0)
+        return (attention_mask.long().cumsum(-1)[:, -new:] - 1).clamp(min=0)
 
 
 class AutoDistributedModelForCausalLM:

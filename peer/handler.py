@@ -258,6 +258,9 @@ class PeerServicer:
             raise BadRequestError(f"max_length and batch_size must be >= 1, got {request.max_length}, {request.batch_size}")
         if request.max_length > self.max_positions:
             raise BadRequestError(f"max_length {request.max_length} exceeds the model's {self.max_positions} positions")
+        if not request.alloc_timeout_s >= 0:  # NaN too
+            raise BadRequestError(f"alloc_timeout_s must be a number of seconds >= 0 (0: this peer's default, "
+                                  f"{self.limits.alloc_timeout_s:g}s), got {request.alloc_timeout_s}")
         timeout = request.alloc_timeout_s or self.limits.alloc_timeout_s
         await stack.enter_async_context(
             self.budget.reserve(request.max_length * request.batch_size, min(timeout, self.limits.max_alloc_timeout_s))

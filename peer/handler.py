@@ -75,6 +75,7 @@ class PeerServicer:
         self.hidden_size = model_config.hidden_size
         self.max_positions = model_config.max_position_embeddings
         self.sessions: dict[str, Session] = {}
+        self._opening: set[str] = set()  # ids of sessions waiting for cache
         self.activations = ActivationStore(limits.activation_bytes, limits.activation_ttl_s)
         self._busy = 0  # computations running on the compute thread
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
@@ -252,8 +253,9 @@ class PeerServicer:
         blocks = self._blocks(request.span)
         if not request.session_id:
             raise BadRequestError("session_id is empty")
-        if request.session_id in self.sessions:
-            raise BadRequestError(f"session {request.session_id!r} is already open on this peer")
+        if request.session_id in self.sessions or request.session_id in self._opening:
+            raise BadRequestError(f"session {request.session_id!r} is already open on this peer; "
+                                  f"open each session under a new id")
         if request.max_length < 1 or request.batch_size < 1:
             raise BadRequestError(f"max_length and batch_size must be >= 1, got {request.max_length}, {request.batch_size}")
         if request.max_length > self.max_positions:
@@ -261,15 +263,21 @@ class PeerServicer:
         if not request.alloc_timeout_s >= 0:  # NaN too
             raise BadRequestError(f"alloc_timeout_s must be a number of seconds >= 0 (0: this peer's default, "
                                   f"{self.limits.alloc_timeout_s:g}s), got {request.alloc_timeout_s}")
-        timeout = request.alloc_timeout_s or self.limits.alloc_timeout_s
-        await stack.enter_async_context(
-            self.budget.reserve(request.max_length * request.batch_size, min(timeout, self.limits.max_alloc_timeout_s))
-        )
-        if self.span is None:  # it started moving while this session waited for cache
-            raise WrongSpanError("this peer is moving to other blocks; use another peer")
-        session = Session(request.session_id, blocks, request.max_length, request.batch_size, self.span.new_cache())
-        self.sessions[session.session_id] = session
-        stack.callback(self.sessions.pop, session.session_id, None)
+        timeout = min(request.alloc_timeout_s or self.limits.alloc_timeout_s, self.limits.max_alloc_timeout_s)
+        # the id is taken while the session waits for cache, so that a second open of it meanwhile is refused
+        self._opening.add(request.session_id)
+        try:
+            async with contextlib.AsyncExitStack() as opening:  # undone unless the session opens
+                await opening.enter_async_context(self.budget.reserve(request.max_length * request.batch_size, timeout))
+                if self.span is None:  # it started moving while this session waited for cache
+                    raise WrongSpanError("this peer is moving to other blocks; use another peer")
+                session = Session(request.session_id, blocks, request.max_length, request.batch_size,
+                                  self.span.new_cache())
+                self.sessions[session.session_id] = session
+                opening.callback(self.sessions.pop, session.session_id, None)
+                await stack.enter_async_context(opening.pop_all())  # the stream's now: freed when it ends
+        finally:
+            self._opening.discard(request.session_id)
         return session
 
     async def _step(self, session: Session, step: pb.InferenceStep, payload: memoryview):

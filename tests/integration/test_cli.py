@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from protocol.records import ServerState, prefix_for_model
+from tests.helpers.processes import describe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,51 +73,65 @@ def test_placement_picks_uncovered_blocks_and_status_shows_coverage(swarm, tiny_
     assert only.returncode != 0 and "no models announced" in only.stdout, only
 
 
-def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(swarm, tiny_llama_path):
-    prefix = prefix_for_model(str(tiny_llama_path))
+# A clean stop must announce OFFLINE. The peers below re-announce rarely, so that their ONLINE record outlives the
+# test: a record that merely expired (what a crash leads to) cannot pass for a clean departure.
+QUIET = ("--update-period", "60")
+
+
+def start_online_peer(swarm, model_path, blocks: str) -> tuple:
+    """Start the bootstrap and one peer serving `blocks`; wait until it is ONLINE; the process and its peer id."""
+    prefix = prefix_for_model(str(model_path))
+    start, end = (int(part) for part in blocks.split(":"))
     swarm.start_bootstrap()
-    peer = swarm.start_peer(tiny_llama_path, "--blocks", "1:3")
-    snapshot = swarm.wait_online(prefix, [(1, 3)])
+    peer = swarm.start_peer(model_path, "--blocks", blocks, *QUIET)
+    snapshot = swarm.wait_online(prefix, [(start, end)])
     (peer_id,) = snapshot.online()
+    return peer, peer_id
+
+
+def require_offline(swarm, model_path, peer_id: str, timeout_s: float = 10.0) -> None:
+    """Poll the DHT until the peer's record says OFFLINE; a record that is still ONLINE or gone fails the test."""
+    prefix = prefix_for_model(str(model_path))
+
+    def announced_offline():
+        info = swarm.snapshot(prefix, 4).servers.get(peer_id)
+        return info is not None and info.state == ServerState.OFFLINE
+
+    swarm.wait_for(announced_offline, timeout_s, f"{peer_id} to be announced OFFLINE", watch=[])
+
+
+def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(swarm, tiny_llama_path):
+    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "1:3")
     members = peer.members()
     assert any("p2pd" in " ".join(p.cmdline()) for p in members), "expected the peer's p2pd in its session"
 
     # SIGTERM to the main process only, as `kill PID` does: it must take its DHT process and p2pd down itself
     assert swarm.terminate(peer, timeout_s=30) == 0, peer.logs()
-
-    def left_the_dht():
-        info = swarm.snapshot(prefix, 4).servers.get(peer_id)
-        return info is None or info.state == ServerState.OFFLINE
-
-    swarm.wait_for(left_the_dht, 10, f"{peer_id} to turn OFFLINE or vanish", watch=[])
+    require_offline(swarm, tiny_llama_path, peer_id)
 
 
 def test_sigint_stops_a_peer_cleanly(swarm, tiny_llama_path):
-    swarm.start_bootstrap()
-    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
-    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
     assert swarm.terminate(peer, timeout_s=30, sig=signal.SIGINT) == 0, peer.logs()
+    require_offline(swarm, tiny_llama_path, peer_id)
 
 
 def test_ctrl_c_in_a_terminal_stops_a_peer(swarm, tiny_llama_path):
-    # Ctrl+C signals the whole foreground process group: the peer, its DHT process and p2pd at once
-    swarm.start_bootstrap()
-    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
-    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    # Ctrl+C signals the whole foreground process group: the peer, and whatever of its children is in that group
+    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
     swarm.kill(peer, signal.SIGINT)
     left = peer.wait_gone(20)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
+    require_offline(swarm, tiny_llama_path, peer_id)
 
 
 def test_sigterm_to_the_process_group_stops_a_peer(swarm, tiny_llama_path):
-    swarm.start_bootstrap()
-    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
-    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    # `kill -TERM -PGID`: as with Ctrl+C, the peer must still be able to announce OFFLINE through its DHT
+    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
     swarm.kill(peer, signal.SIGTERM)
     left = peer.wait_gone(15)
-    if left:
-        swarm.kill(peer, signal.SIGKILL)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
+    require_offline(swarm, tiny_llama_path, peer_id)
 
 
 def test_sigkill_of_a_peer_leaves_nothing_behind(swarm, tiny_llama_path):
@@ -129,6 +144,17 @@ def test_sigkill_of_a_peer_leaves_nothing_behind(swarm, tiny_llama_path):
     swarm.kill(peer)
     assert not peer.wait_gone(10), peer.logs()
     assert peer.returncode == -signal.SIGKILL
+
+
+def test_a_process_killed_alone_takes_its_dht_process_and_p2pd_along(swarm):
+    # SIGKILL to the main process only (the OOM killer, a crash): its DHT process and p2pd, which live in a process
+    # group of their own so that a signal to the main group leaves them to announce OFFLINE, must stop by themselves
+    swarm.start_bootstrap()
+    main = swarm.bootstrap
+    assert any("p2pd" in " ".join(p.cmdline()) for p in main.members()), "expected the bootstrap's p2pd in its session"
+    swarm.kill(main, signal.SIGKILL, group=False)
+    left = main.wait_gone(10)
+    assert not left, f"still running 10 s after the main process was killed:\n{describe(left)}"
 
 
 @pytest.mark.parametrize(

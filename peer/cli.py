@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         server = PeerServer(config)
         try:
-            # the DHT process is forked before our signal handlers exist, so it keeps the default ones
-            # and a SIGTERM to the whole process group stops it too
+            # the DHT process runs in a process group of its own (swarm/dht.py): a signal to our group
+            # (Ctrl+C, kill -TERM -PGID) leaves it running, so shutdown() can still announce OFFLINE
             await server.join_swarm()
             started = asyncio.create_task(server.start())
             stop = asyncio.create_task(wait_for_signal())

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import signal
+import threading
+import time
 from typing import Sequence
 
 import hivemind
@@ -34,7 +38,7 @@ def start_dht(
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
-    dht = hivemind.DHT(
+    dht = _OwnGroupDHT(
         initial_peers=list(initial_peers),
         # no NAT probing or UPnP mapping: a node contacts only the peers it is given
         auto_nat=False,
@@ -59,6 +63,38 @@ def start_dht(
         stop_dht(dht)
         raise
     return dht
+
+
+class _OwnGroupDHT(hivemind.DHT):
+    """hivemind's DHT process, in a process group of its own, that stops once the process that started it is gone.
+
+    A signal to the starter's process group (Ctrl+C in a terminal, `kill -TERM -PGID`) then reaches the starter
+    alone, and the DHT is still there for what the starter does on its way out: a peer announces OFFLINE through
+    it, then stops it. In exchange the DHT no longer dies with that group, so it watches its parent instead and
+    takes itself and its p2pd down when the parent dies without stopping it (SIGKILL, a crash).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._starter_pid = os.getpid()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not whatever Python handler the starter had installed
+        try:
+            os.setpgid(0, 0)  # before hivemind starts p2pd, so that p2pd joins this group too
+        except OSError as exc:  # then it stays in the starter's group and goes down with it, as before
+            logger.warning("the DHT process stays in its starter's process group: %r", exc)
+        else:
+            threading.Thread(target=_exit_with_starter, args=(self._starter_pid,), name="exit-with-starter",
+                             daemon=True).start()
+        super().run()
+
+
+def _exit_with_starter(starter_pid: int, poll_s: float = 0.5) -> None:
+    """Runs in the DHT process: once its parent is no longer the starter (it died), stop this process group."""
+    while os.getppid() == starter_pid:
+        time.sleep(poll_s)
+    os.killpg(0, signal.SIGTERM)
 
 
 def stop_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:

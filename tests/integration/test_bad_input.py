@@ -166,10 +166,14 @@ class Session:
         self.position = (p + 1) % self.length
 
     async def close(self) -> None:
-        """Close the session and wait for the peer to end the stream (it has freed the cache by then)."""
-        with contextlib.suppress(SwarmError):  # the answer to `close` is the end of the stream
-            await self.request(pb.InferenceRequest(close=pb.CloseSession(session_id=self.session_id)))
-        await self.stream.close()
+        await _end(self.stream)
+
+
+async def _end(stream: InferenceStream) -> None:
+    """Close the stream's session and wait for the peer to end the stream (it has freed the cache by then)."""
+    with contextlib.suppress(SwarmError):  # the answer to `close` is the end of the stream
+        await stream.request(pb.InferenceRequest(close=pb.CloseSession()), TIMEOUT_S)
+    await stream.close()
 
 
 # --- the peer, the witness, and `refused` ---
@@ -432,7 +436,8 @@ _OPEN_CASES = [  # session id, OpenSession fields replacing good ones, error, wo
     pytest.param("s", {"batch_size": 0}, BadRequestError, ["max_length and batch_size must be >= 1, got 8, 0"],
                  id="zero-batch"),
     pytest.param("s", {"max_length": MAX_POSITIONS + 1}, BadRequestError,
-                 [f"max_length {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions"], id="past-positions"),
+                 [f"max_length {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions"],
+                 id="past-positions"),
     pytest.param("s", {"max_length": 50, "batch_size": 2}, CacheFullError,
                  [f"needs 100 cache tokens but this peer's whole budget is {CACHE_TOKENS}"], id="over-budget"),
     pytest.param("s", {"alloc_timeout_s": -1.0}, BadRequestError, ["alloc_timeout_s", "got -1.0"],
@@ -466,14 +471,14 @@ def test_one_session_id_opened_twice_at_once(guard):
     twin = _open(prefix, "twin", max_length=8, alloc_timeout_s=20.0)
 
     async def go():
-        hog = guard.session("hog", CACHE_TOKENS - WITNESS_LENGTH)
-        first, second = (InferenceStream(guard.pool, guard.peer.endpoint) for _ in range(2))
+        hog, first, second = (InferenceStream(guard.pool, guard.peer.endpoint) for _ in range(3))
+        opens = []
         try:
-            await hog.open()
-            opens = [asyncio.create_task(stream.request(twin, TIMEOUT_S)) for stream in (first, second)]
+            await hog.request(_open(prefix, "hog", max_length=CACHE_TOKENS - WITNESS_LENGTH), TIMEOUT_S)
+            opens += [asyncio.create_task(stream.request(twin, TIMEOUT_S)) for stream in (first, second)]
             # a deadline, not a pause: the refusal ends it; a peer that lets both wait runs it out
             await asyncio.wait(opens, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
-            await hog.close()  # now the one waiting gets the cache
+            await _end(hog)  # now the one waiting gets the cache
 
             async def the_refused_one():
                 outcomes = await asyncio.gather(*opens, return_exceptions=True)
@@ -483,8 +488,10 @@ def test_one_session_id_opened_twice_at_once(guard):
 
             await guard.refused(the_refused_one(), BadRequestError, "session 'twin' is already open on this peer")
         finally:
-            for stream in (first, second):
-                await stream.close()
+            for task in opens:
+                task.cancel()
+            for stream in (hog, first, second):
+                await _end(stream)
 
     guard.run(go())
 
@@ -605,7 +612,7 @@ def test_cache_budget_is_enforced_with_a_timeout(guard):
             await fourth.request(_open(prefix, "fits-now", max_length=64, alloc_timeout_s=10.0), TIMEOUT_S)
         finally:
             for stream in streams:
-                await stream.close()
+                await _end(stream)
 
     guard.run(go())
 
@@ -638,7 +645,7 @@ asyncio.run(main())
             try:
                 await stream.request(_open(prefix, session_id, max_length=64, alloc_timeout_s=timeout_s), TIMEOUT_S)
             finally:
-                await stream.close()
+                await _end(stream)
 
         # the live client holds 64 of the 96 tokens, the witness 16
         guard.run(guard.refused(open_64("while-alive", 0.5), CacheFullError, "no room for 64 cache tokens"))

@@ -80,7 +80,9 @@ def test_incremental_steps_with_cache_match_one_pass(checkpoint):
         parts = [span(hidden[:, :6], cache=cache, prefix_length=0)]
         for t in range(6, 10):
             parts.append(span(hidden[:, t : t + 1], cache=cache, prefix_length=t))
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+    # attention over a cache sums in another order than one pass; with the test models' sharp attention
+    # (tests/helpers/models.py) that differs by up to ~6e-5 in fp32, while a cache bug moves values by whole units
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=2e-4, rtol=0)
 
 
 def test_rewound_cache_continues_like_a_fresh_one(checkpoint):

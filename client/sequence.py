@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import hivemind
@@ -46,21 +48,45 @@ class HopRecord:
 
 
 class BanList:
-    """Peers that failed recently; each repeated failure doubles the ban, up to a minute."""
+    """Peers that failed recently.
 
-    def __init__(self, base_s: float):
-        self.base_s = base_s
+    A ban lasts `base_s`, doubled with each repeated failure up to a minute. After that a peer is used again
+    only once it has announced itself since it failed: a crashed peer's record stays in the DHT until it
+    expires, and without this rule the client would try the dead peer again each time its ban ran out.
+    """
+
+    def __init__(self, base_s: float, clock: Callable[[], float] = time.monotonic):
+        self.base_s, self.clock = base_s, clock
         self._until: dict[str, float] = {}
         self._strikes: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
+        # peer id -> expiration of its latest record in the first directory read after it failed
+        self._last_record: dict[str, float] = {}
 
-    def ban(self, peer_id: str) -> None:
+    def ban(self, peer_id: str) -> float:
+        """Ban `peer_id` for longer than last time; returns the ban's length in seconds."""
         strikes = self._strikes.get(peer_id, 0) + 1
         self._strikes[peer_id] = strikes
-        self._until[peer_id] = time.monotonic() + min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
+        length_s = min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
+        now = self.clock()
+        self._until[peer_id] = now + length_s
+        self._failed_at[peer_id] = now
+        self._last_record.pop(peer_id, None)
+        return length_s
 
-    def banned(self) -> set[str]:
-        now = time.monotonic()
-        return {peer for peer, until in self._until.items() if until > now}
+    def observe(self, expirations: Mapping[str, float], read_at: float) -> None:
+        """Note the records of a directory read begun at `read_at` (clock time): what failed peers had announced."""
+        for peer, failed_at in self._failed_at.items():
+            if peer not in self._last_record and failed_at <= read_at:
+                self._last_record[peer] = expirations.get(peer, -math.inf)
+
+    def banned(self, expirations: Mapping[str, float] | None = None) -> set[str]:
+        """Peers not to use: within their ban, or, given the latest records' expirations, silent since they failed."""
+        now = self.clock()
+        if expirations is None:
+            return {peer for peer, until in self._until.items() if until > now}
+        return {peer for peer, until in self._until.items()
+                if until > now or expirations.get(peer, -math.inf) <= self._last_record.get(peer, math.inf)}
 
 
 class RemoteSequence:
@@ -73,6 +99,7 @@ class RemoteSequence:
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
         self.failovers = 0  # peer failures seen (each one bans the peer and re-routes)
+        self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
@@ -82,8 +109,10 @@ class RemoteSequence:
     async def snapshot(self, *, refresh: bool = False) -> SwarmSnapshot:
         stale = time.monotonic() - self._snapshot_at > self.config.directory_refresh_s
         if refresh or stale or self._snapshot is None:
+            began = time.monotonic()
             self._snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
             self._snapshot_at = time.monotonic()
+            self.bans.observe(self._snapshot.expirations, read_at=began)
         return self._snapshot
 
     async def plan(self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0,
@@ -97,9 +126,10 @@ class RemoteSequence:
                 if inference:
                     await self.measure_rtts(snapshot)
                     return plan_inference_route(snapshot, start, end, client_rtt_s=self.rtts,
-                                                banned=self.bans.banned(), min_cache_tokens=min_cache_tokens,
-                                                model_name=self.prefix)
-                return plan_forward_route(snapshot, start, end, banned=self.bans.banned(), model_name=self.prefix)
+                                                banned=self.bans.banned(snapshot.expirations),
+                                                min_cache_tokens=min_cache_tokens, model_name=self.prefix)
+                return plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations),
+                                          model_name=self.prefix)
             except NoPeersError:
                 if time.monotonic() + delay > deadline:
                     raise

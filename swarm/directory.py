@@ -46,7 +46,8 @@ def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnap
                 latest[peer_id] = (expiration, ServerInfo.from_wire(value))
             except InvalidRecordError as exc:
                 logger.debug("skipping record of %s under %s: %s", peer_id, key, exc)
-    return SwarmSnapshot(num_blocks=num_blocks, servers={peer_id: info for peer_id, (_, info) in latest.items()})
+    return SwarmSnapshot(num_blocks=num_blocks, servers={peer_id: info for peer_id, (_, info) in latest.items()},
+                         expirations={peer_id: expiration for peer_id, (expiration, _) in latest.items()})
 
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:

@@ -13,6 +13,8 @@ class SwarmSnapshot:
 
     num_blocks: int
     servers: dict[str, ServerInfo] = field(default_factory=dict)
+    expirations: dict[str, float] = field(default_factory=dict)
+    """Peer id -> expiration (DHT time) of its latest record: a later one means the peer announced again."""
 
     def live(self) -> dict[str, ServerInfo]:
         """Servers that are JOINING or ONLINE (OFFLINE ones are leaving)."""

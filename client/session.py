@@ -130,6 +130,7 @@ class InferenceSession:
                     raise
         self.spans[index : index + 1] = replacements
         self.recoveries += 1
+        self.sequence.recoveries += 1
         logger.info("span %d:%d now served by %s (replayed %d tokens)", old.hop.start, old.hop.end,
                     ", ".join(s.hop.peer_id[-8:] for s in replacements), self.position)
 

@@ -14,10 +14,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from client import AutoDistributedModelForCausalLM
 from protocol.records import prefix_for_model
+from tests.helpers.generation import ATOL, assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, make_tiny
 from tests.helpers.processes import Swarm
 
-ATOL = 1e-4  # fp32: cached vs uncached computation differs by ~1e-5 on these models
 FAMILIES = {
     # family: spans served by one peer each
     "llama": [(0, 2), (2, 4)],
@@ -65,19 +65,6 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB_SIZE, (batch, length), generator=generator)
 
 
-def _generate(model, ids, **options):
-    """generate() with the raw logits of every step: (sequences, logits [batch, steps, vocab])."""
-    out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **options)
-    return out.sequences, torch.stack(out.logits, dim=1)
-
-
-def assert_same_generation(got, expected, atol: float = ATOL) -> None:
-    """Same tokens, and the same logits at every step."""
-    (got_ids, got_logits), (expected_ids, expected_logits) = got, expected
-    assert got_ids.tolist() == expected_ids.tolist()
-    torch.testing.assert_close(got_logits, expected_logits, atol=atol, rtol=0)
-
-
 def test_client_holds_only_embeddings_norm_and_head(served):
     remote, local = served
     names = {name for name, _ in remote.named_parameters()}
@@ -97,9 +84,9 @@ def test_logits_match_local_model(served):
 def test_greedy_generation_is_identical(served):
     remote, local = served
     ids = _ids(1, 6, seed=1)
-    expected = _generate(local, ids, max_new_tokens=24, do_sample=False)
+    expected = generate_with_logits(local, ids, max_new_tokens=24, do_sample=False)
     assert len(set(expected[0][0, 6:].tolist())) >= 10  # an informative reference (tests/test_models.py)
-    assert_same_generation(_generate(remote, ids, max_new_tokens=24, do_sample=False), expected)
+    assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=24, do_sample=False), expected)
 
 
 def test_seeded_sampling_is_identical(served):
@@ -107,19 +94,19 @@ def test_seeded_sampling_is_identical(served):
     ids = _ids(1, 5, seed=2)
     options = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=40, repetition_penalty=1.3)
     torch.manual_seed(123)
-    expected = _generate(local, ids, **options)
+    expected = generate_with_logits(local, ids, **options)
     torch.manual_seed(123)
-    assert_same_generation(_generate(remote, ids, **options), expected)
+    assert_same_generation(generate_with_logits(remote, ids, **options), expected)
 
 
 def test_generate_calls_share_one_session(served):
     remote, local = served
     ids = _ids(1, 5, seed=3)
-    expected_ids, expected_logits = _generate(local, ids, max_new_tokens=15, do_sample=False)
+    expected_ids, expected_logits = generate_with_logits(local, ids, max_new_tokens=15, do_sample=False)
     with remote.inference_session(max_length=32) as session:
-        first = _generate(remote, ids, max_new_tokens=5, do_sample=False)
-        second = _generate(remote, first[0], max_new_tokens=6, do_sample=False)  # the whole sequence so far
-        third = _generate(remote, second[0][:, -1:], max_new_tokens=4, do_sample=False)  # only the new token
+        first = generate_with_logits(remote, ids, max_new_tokens=5, do_sample=False)
+        second = generate_with_logits(remote, first[0], max_new_tokens=6, do_sample=False)  # the whole sequence so far
+        third = generate_with_logits(remote, second[0][:, -1:], max_new_tokens=4, do_sample=False)  # only the new token
         # the last token of each call is only sent by the next call
         assert session.position == expected_ids.shape[1] - 1
     assert_same_generation(first, (expected_ids[:, :10], expected_logits[:, :5]))
@@ -134,7 +121,7 @@ def test_batch_with_left_padding_is_identical(served):
     mask[1, :4] = 0
     ids[1, :4] = 0  # pad token
     options = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert_same_generation(_generate(remote, ids, **options), _generate(local, ids, **options))
+    assert_same_generation(generate_with_logits(remote, ids, **options), generate_with_logits(local, ids, **options))
     with torch.no_grad():
         torch.testing.assert_close(
             remote(ids, attention_mask=mask).logits[mask.bool()],
@@ -195,7 +182,7 @@ def test_bfloat16_end_to_end(swarm_of_families):
                                                             dht_prefix=BF16_PREFIX, dtype=torch.bfloat16)
     try:
         ids = _ids(1, 6, seed=7)
-        got_ids, got_logits = _generate(remote, ids, max_new_tokens=16, do_sample=False)
+        got_ids, got_logits = generate_with_logits(remote, ids, max_new_tokens=16, do_sample=False)
     finally:
         remote.shutdown()
     # teacher-forced references on the swarm's own tokens, so that one near-tie cannot make the runs diverge

@@ -133,5 +133,7 @@ def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> SwarmError:
         return error_from_code(code, details)
     status = exc.code() if hasattr(exc, "code") else None
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return MessageTooLargeError(f"peer {endpoint} refused the message: {details}")
+        return MessageTooLargeError(
+            f"peer {endpoint} refused the message: {details}; send fewer tokens or a smaller batch per request "
+            f"(a peer's limit is its --max-message-mb, a client's its max_message_bytes)")
     return PeerUnavailableError(f"peer {endpoint} failed: {status.name if status else 'error'}: {details}")

@@ -5,6 +5,9 @@ DHT process it forks and that one's p2pd daemon can all be found by session id a
 `Swarm.close()` (also on exceptions, through `with` or the `swarm` fixture) stops every process group with
 SIGTERM, then SIGKILL after a bounded wait, and raises `LeftoverProcessError` if anything of ours survives.
 
+`reaping_descendants(popen)` does the same for a process that starts its own children (`swarmlm demo`): it
+remembers every descendant while the process runs, and SIGKILLs and checks them at the end, whatever happened.
+
 Each process writes stdout and stderr to files under the swarm's log folder; `Swarm.format_logs()` gives their
 tails, which waits that time out include in their error and the `swarm` fixture attaches to a failing test's report.
 
@@ -20,8 +23,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -447,3 +452,131 @@ class Swarm:
             return "(no processes were started)"
         return "\n".join(proc.logs() for proc in self.processes)
 
+
+
+class DescendantWatch:
+    """Remembers every descendant of a process, polling in a background thread, and reaps them at the end.
+
+    A child that started its own session is re-parented when its parent dies, so it can no longer be found from
+    the parent then: hence the polling while the parent runs. At the end, processes in the sessions of those
+    seen count too (a DHT process or p2pd started after the last poll).
+    """
+
+    def __init__(self, root_pid: int, poll_s: float = 0.2):
+        self.root_pid = root_pid
+        self.poll_s = poll_s
+        self.seen: dict[int, psutil.Process] = {}
+        self.cmdlines: dict[int, str] = {}  # pid -> command line, as last read while the process ran
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"watch-{root_pid}", daemon=True)
+
+    def start(self) -> "DescendantWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            children = psutil.Process(self.root_pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for proc in children:
+            try:
+                cmdline = " ".join(proc.cmdline())
+            except psutil.Error:
+                cmdline = None
+            with self._lock:
+                self.seen.setdefault(proc.pid, proc)
+                if cmdline:  # read each time: a child seen between fork and exec still shows its parent's
+                    self.cmdlines[proc.pid] = cmdline
+
+    def alive(self) -> list[psutil.Process]:
+        """Seen processes still running (not zombies), and any process in a session that one of them leads."""
+        ours = os.getsid(0)
+        with self._lock:
+            found = dict(self.seen)
+        sessions = set()
+        for proc in found.values():
+            try:
+                sid = os.getsid(proc.pid)
+            except OSError:
+                continue
+            if sid != ours and sid == proc.pid:
+                sessions.add(sid)
+        for sid in sessions:
+            for proc in session_members(sid):
+                found.setdefault(proc.pid, proc)
+        alive = []
+        for proc in found.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        return alive
+
+    def kill_all(self) -> list[psutil.Process]:
+        """SIGKILL whatever is left; return what survived that (nothing, normally)."""
+        for proc in self.alive():
+            try:
+                proc.kill()
+            except psutil.Error:
+                continue
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+
+@contextmanager
+def reaping_descendants(
+    popen: subprocess.Popen, *, grace_s: float = 15.0, exempt: Sequence[str] = ("torch_shm_manager",)
+) -> Iterator[DescendantWatch]:
+    """Watch `popen`'s descendants while the block runs; afterwards nothing of them may be left running.
+
+    On leaving the block `popen` itself is SIGKILLed if still running. If the block succeeded, its descendants
+    get `grace_s` to be gone, and any that are not fail it (`exempt` names exit by themselves and are only
+    killed: torch's shared-memory manager is torch's to stop). Whatever happened, what is left is SIGKILLed and
+    must then be gone.
+
+    Raises:
+        LeftoverProcessError: descendants outlived the grace period, or survived SIGKILL.
+    """
+    watch = DescendantWatch(popen.pid).start()
+    failed = True
+    try:
+        yield watch
+        failed = False
+    finally:
+        watch.poll()  # before the root dies: its children are still its children
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait()
+        watch.stop()
+        outlived: list[psutil.Process] = []
+        if not failed:
+            deadline = time.monotonic() + grace_s
+            while (outlived := [p for p in watch.alive() if _name(p) not in exempt]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            outlived_text = describe(outlived)  # while they still run
+        survivors = watch.kill_all()
+        if survivors:
+            raise LeftoverProcessError(f"still running after SIGKILL:\n{describe(survivors)}")
+        if outlived:
+            raise LeftoverProcessError(f"still running {grace_s} s after {popen.args[:2]} ended:\n{outlived_text}")
+
+
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "?"

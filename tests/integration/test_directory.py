@@ -1,19 +1,58 @@
-"""The client's view of the swarm follows joins and clean departures within its refresh bound.
+"""The client's view of the swarm follows joins, clean departures and crashes within their bounds.
 
-Bound: a peer that announces ONLINE (or OFFLINE on a clean shutdown) is seen by a client within
-`directory_refresh_s` of its announcement; a peer that crashes is dropped at its first failed request.
+Bounds: a peer that announces ONLINE (or OFFLINE on a clean shutdown) is seen by a client within
+`directory_refresh_s` of its announcement. A peer that crashes stops being announced: its records expire
+`2 * update_period + 5` s after its last announcement (peer/server.py), and a client that has not sent it a
+request stops routing to it within `directory_refresh_s` after that, without a failure. (A client that does
+send it a request drops it at once: that is a failover, tested in test_failover.py.)
+
+Every wait here polls against a deadline that is one of these bounds plus a little slack for one DHT read.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from client import AutoDistributedModelForCausalLM
 from protocol.records import prefix_for_model
 
+T = TypeVar("T")
+
 REFRESH_S = 2.0
+SLACK_S = 1.0  # one DHT read and one poll interval, on a loaded machine
+POLL_S = 0.2
+CRASH_UPDATE_PERIOD_S = 1.0
+CRASH_EXPIRY_S = 2 * CRASH_UPDATE_PERIOD_S + 5  # how long a record lives after its last announcement
+
+
+def poll_until(probe: Callable[[], T], deadline: float, what: str) -> T:
+    """Call `probe` every POLL_S until it returns something truthy; fail at `deadline` (time.monotonic()).
+
+    Unlike `Swarm.wait_for`, an exception from `probe` (a wrong result) fails at once instead of being retried.
+    """
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within the bound (last result {result!r})")
+        time.sleep(POLL_S)
+
+
+def planned_route(remote) -> set[str]:
+    """The peers the client would route a forward through now: planned on its loop, with no request sent."""
+    return {hop.peer_id for hop in remote._run(remote.sequence.plan(0, 4, inference=False))}
+
+
+def used_route(remote, ids, expected) -> set[str]:
+    """Run a forward, check its logits, and return the peers it went through."""
+    with torch.no_grad():
+        torch.testing.assert_close(remote(ids).logits, expected, atol=1e-5, rtol=0)
+    return {hop.peer_id for hop in remote.sequence.last_route}
 
 
 def test_new_peers_are_used_and_departed_ones_dropped_within_the_bound(swarm, tiny_llama_path):
@@ -34,25 +73,50 @@ def test_new_peers_are_used_and_departed_ones_dropped_within_the_bound(swarm, ti
         snapshot = swarm.wait_for(lambda: len(swarm.snapshot(prefix, 4).online()) == 2 and swarm.snapshot(prefix, 4),
                                   timeout_s=60, what="the second peer to be ONLINE")
         (fast_id,) = set(snapshot.online()) - {slow_id}
-        seen_at = time.monotonic()
-        used = set()
-        while time.monotonic() - seen_at < REFRESH_S + 3 and fast_id not in used:
-            with torch.no_grad():
-                torch.testing.assert_close(remote(ids).logits, expected, atol=1e-5, rtol=0)
-            used = {hop.peer_id for hop in remote.sequence.last_route}
-            time.sleep(0.2)
-        assert fast_id in used, f"the new peer was not used within {REFRESH_S + 3:.0f}s"
+        poll_until(lambda: fast_id in used_route(remote, ids, expected), time.monotonic() + REFRESH_S + SLACK_S,
+                   "the client routes through the new peer")
 
-        # it leaves cleanly: OFFLINE is announced, and the client stops routing to it without a failure
+        # it leaves cleanly: OFFLINE is announced before it exits, and the client stops routing to it without a
+        # failure. Its route is planned without sending requests: a forward through the stale view would reach
+        # the departed peer and fail over, which is what this bound is about.
         assert swarm.terminate(fast) == 0
-        left_at = time.monotonic()
-        while time.monotonic() - left_at < REFRESH_S + 1:
-            time.sleep(0.2)
-        for _ in range(5):
-            with torch.no_grad():
-                torch.testing.assert_close(remote(ids).logits, expected, atol=1e-5, rtol=0)
-            assert {hop.peer_id for hop in remote.sequence.last_route} == {slow_id}
+        poll_until(lambda: planned_route(remote) == {slow_id}, time.monotonic() + REFRESH_S + SLACK_S,
+                   "the client's route leaves the departed peer")
+        for _ in range(3):
+            assert used_route(remote, ids, expected) == {slow_id}
         assert remote.sequence.failovers == 0
         assert slow.alive()
+    finally:
+        remote.shutdown()
+
+
+def test_a_crashed_peers_records_expire_and_clients_stop_routing_to_it(swarm, tiny_llama_path):
+    prefix = prefix_for_model(str(tiny_llama_path))
+    swarm.start_bootstrap()
+    steady = swarm.start_peer(tiny_llama_path, "--blocks", "0:4")
+    doomed = swarm.start_peer(tiny_llama_path, "--blocks", "0:4", "--throughput", "1000000",
+                              "--update-period", str(CRASH_UPDATE_PERIOD_S))
+    snapshot = swarm.wait_for(lambda: len(swarm.snapshot(prefix, 4).online()) == 2 and swarm.snapshot(prefix, 4),
+                              timeout_s=60, what="both peers to be ONLINE")
+    (doomed_id,) = [pid for pid, info in snapshot.online().items() if info.throughput == 1000000]
+    (steady_id,) = set(snapshot.online()) - {doomed_id}
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, directory_refresh_s=REFRESH_S)
+    try:
+        assert planned_route(remote) == {doomed_id}  # the faster peer is the client's choice while it is announced
+
+        swarm.kill(doomed)  # SIGKILL to its whole group: no OFFLINE, it just stops re-announcing
+        killed_at = time.monotonic()
+        assert not doomed.wait_gone(10), doomed.logs()
+        poll_until(lambda: doomed_id not in swarm.snapshot(prefix, 4).online(),
+                   killed_at + CRASH_EXPIRY_S + SLACK_S, "the crashed peer's records expire")
+        poll_until(lambda: planned_route(remote) == {steady_id}, time.monotonic() + REFRESH_S + SLACK_S,
+                   "the client's route leaves the crashed peer")
+
+        with torch.no_grad():
+            remote(torch.randint(3, 128, (1, 5)))
+        assert {hop.peer_id for hop in remote.sequence.last_route} == {steady_id}
+        assert remote.sequence.failovers == 0  # it never sent the crashed peer a request
+        assert steady.alive()
     finally:
         remote.shutdown()

@@ -166,22 +166,18 @@ def test_hung_peer_times_out_and_is_replaced(swarm, model_path, local):
 
 
 def test_overloaded_peer_is_replaced(swarm, model_path, local):
-    """The preferred peer's cache is taken by another session after the client saw it free: CacheFullError, and the
-    client goes to the other peer of those blocks."""
-    # peer 0 looks much faster, so routing prefers it; its cache fits one session of 64 tokens
-    peers = _start(swarm, model_path, [(0, 4), (0, 4)],
-                   extra={0: ("--throughput", "1000000", "--cache-tokens", "64")})
+    """The cache of the peer the client routes to is taken by another session after the client saw it free:
+    CacheFullError, and the client goes to the other peer of those blocks."""
+    _start(swarm, model_path, [(0, 4), (0, 4)], extra={i: ("--cache-tokens", "64") for i in range(2)})
     prefix = prefix_for_model(str(model_path))
     ids = _ids(1, 5, seed=10)
     expected = generate_with_logits(local, ids, max_new_tokens=20, do_sample=False)
-    # a long directory refresh: the client keeps believing peer 0 has room, as it would between two refreshes
+    # a long directory refresh: the client keeps believing the peer has room, as it would between two refreshes
     remote = _connect(swarm, model_path, connect_timeout_s=1.0, directory_refresh_s=300.0)
     try:
-        (preferred,) = [pid for pid, info in swarm.snapshot(prefix, NUM_LAYERS).online().items()
-                        if info.throughput > 1000]
         with remote.inference_session(max_length=8) as session:
             remote.generate(ids, max_new_tokens=2, do_sample=False)
-            assert [s.hop.peer_id for s in session.remote.spans] == [preferred]
+            (preferred,) = [s.hop.peer_id for s in session.remote.spans]  # routing is deterministic: again next time
         assert remote.sequence.failovers == 0
         endpoint = swarm.snapshot(prefix, NUM_LAYERS).servers[preferred].endpoint
 
@@ -202,7 +198,7 @@ def test_overloaded_peer_is_replaced(swarm, model_path, local):
 
         got, route = asyncio.run(hold_cache_and_generate())
         assert remote.sequence.failovers == 1
-        assert preferred not in route and _process_of(swarm, peers, route[0]) is peers[1]
+        assert len(route) == 1 and route[0] != preferred
         assert_same_generation(got, expected)
     finally:
         remote.shutdown()

@@ -38,7 +38,8 @@ def test_writing_to_a_finished_stream_is_a_peer_failure():
         try:
             with pytest.raises(PeerUnavailableError):
                 await stream.request(request, 5)  # the stream ends instead of answering
-            await asyncio.sleep(0.2)
+            # wait for the call itself to end (the server returned), not some time: the next write meets a finished call
+            assert await asyncio.wait_for(stream._call.code(), 5) == grpc.StatusCode.OK
             with pytest.raises(PeerUnavailableError, match="127.0.0.1"):
                 await stream.request(request, 5)  # the call is finished: writing must not escape as InvalidStateError
         finally:

@@ -42,7 +42,7 @@ def test_store_evicts_oldest_and_refuses_what_never_fits():
 def test_store_entries_expire():
     store = ActivationStore(max_bytes=100, ttl_s=0.05)
     store.put("a", _kept(10))
-    time.sleep(0.1)
+    time.sleep(0.1)  # the time-to-live is what is tested: the store reads the clock, there is no event to wait for
     assert store.pop("a") is None and store.bytes == 0
 
 

@@ -37,20 +37,28 @@ def test_waits_for_space_then_times_out():
 def test_a_waiting_session_gets_space_once_freed():
     async def go():
         budget = CacheBudget(100)
+        held, release = asyncio.Event(), asyncio.Event()
         order = []
 
         async def holder():
             async with budget.reserve(80, timeout_s=1):
-                await asyncio.sleep(0.1)
+                held.set()
+                await release.wait()
                 order.append("released")
 
         async def waiter():
-            await asyncio.sleep(0.02)
             async with budget.reserve(50, timeout_s=2):
                 order.append("acquired")
 
-        await asyncio.gather(holder(), waiter())
-        assert order == ["released", "acquired"]
+        holding = asyncio.create_task(holder())
+        await held.wait()
+        waiting = asyncio.create_task(waiter())
+        for _ in range(20):  # let the loop run the waiter as far as it can get: into the wait for space
+            await asyncio.sleep(0)
+        assert not waiting.done() and order == [] and budget.tokens_left == 20
+        release.set()
+        await asyncio.wait_for(asyncio.gather(holding, waiting), 2)
+        assert order == ["released", "acquired"] and budget.tokens_left == 100
 
     asyncio.run(go())
 

@@ -353,6 +353,19 @@ class Swarm:
             proc.members()
             proc.popen.send_signal(sig)
 
+    def signal_process_group(self, proc: ManagedProcess, sig: int) -> None:
+        """Send `sig` to the process group the process leads, and to nothing else, as `kill -SIG -PGID` does.
+
+        A terminal's Ctrl+C does the same with SIGINT. Unlike `kill`, children that moved to a group of their own
+        (a peer's DHT process and its p2pd do) are not signalled.
+        """
+        proc.expected_alive = False
+        proc.members()  # remembered, so that `wait_gone` still checks them
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def terminate(self, proc: ManagedProcess, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> int:
         """Send `sig` to the process alone and wait until it and everything it spawned are gone; its exit code.
 

@@ -119,7 +119,7 @@ def test_sigint_stops_a_peer_cleanly(swarm, tiny_llama_path):
 def test_ctrl_c_in_a_terminal_stops_a_peer(swarm, tiny_llama_path):
     # Ctrl+C signals the whole foreground process group: the peer, and whatever of its children is in that group
     peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
-    swarm.kill(peer, signal.SIGINT)
+    swarm.signal_process_group(peer, signal.SIGINT)
     left = peer.wait_gone(20)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
     require_offline(swarm, tiny_llama_path, peer_id)
@@ -128,7 +128,7 @@ def test_ctrl_c_in_a_terminal_stops_a_peer(swarm, tiny_llama_path):
 def test_sigterm_to_the_process_group_stops_a_peer(swarm, tiny_llama_path):
     # `kill -TERM -PGID`: as with Ctrl+C, the peer must still be able to announce OFFLINE through its DHT
     peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
-    swarm.kill(peer, signal.SIGTERM)
+    swarm.signal_process_group(peer, signal.SIGTERM)
     left = peer.wait_gone(15)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
     require_offline(swarm, tiny_llama_path, peer_id)

@@ -1,0 +1,536 @@
+"""Mutation check: break the client or peer code on purpose, one small bug at a time, and see whether tests notice.
+
+    .venv/bin/python -m tests.mutations                   # every mutation (19 minutes on 2 busy cores)
+    .venv/bin/python -m tests.mutations --list            # the mutations, their tests, whether they still apply
+    .venv/bin/python -m tests.mutations --only stuck-decode-positions replay-drops-last-token
+    .venv/bin/python -m tests.mutations --only peer-span-one-block-short --tests tests/integration/test_generation.py
+
+For each mutation it replaces one exact snippet of one file (it must occur exactly once, or the check stops
+before running anything: a refactor that invalidates a mutation is noticed, fix the snippet here), runs that
+mutation's pytest selection, and prints a table of what each mutation breaks, how many tests ran, and which
+test failed, or NOT CAUGHT. A selection runs with `-x` (one failing test is enough) unless `--every-test`.
+At the end the tests that caught something run once more without any mutation: a test that fails anyway
+catches nothing, and its mutation is reported as not caught. Exit status: 0 if every mutation was caught,
+1 if one survived (or timed out, or could not be confirmed), 2 if a mutation no longer applies, 130 on Ctrl+C.
+Not part of CI; add a mutation to MUTATIONS when a change adds behaviour that tests must guard.
+
+The working tree is never written to: other people edit and test it meanwhile. The files git knows of
+(tracked, plus untracked ones not ignored) are copied into a temporary directory; each mutation is written
+there and undone after its run. pytest runs with this interpreter, cwd = the copy, and PYTHONPATH = the copy,
+PYTHONDONTWRITEBYTECODE=1 (no stale .pyc when a file is restored within the same second).
+
+Why the peer processes that integration tests spawn run the mutated copy, not /work/main: the project is an
+editable install, whose `__editable___swarmlm_*_finder` is *appended* to `sys.meta_path` by a .pth file. The
+standard PathFinder comes before it and searches `sys.path`, where PYTHONPATH entries come before
+site-packages, so `import peer` finds the copy's package; the editable finder (which maps the names to the
+original checkout) is only asked about names the copy lacks, and it has them all. `.venv/bin/swarmlm` is the
+same interpreter running `from swarm.cli import main`, and tests/helpers/processes.py hands `os.environ`,
+PYTHONPATH included, to every process it starts (hivemind's DHT child and p2pd inherit it too). The check
+verifies this before running anything (the packages resolve under the copy from a process started outside
+it); it was also shown end to end: `peer-span-one-block-short` run against only
+test_generation.py::test_logits_match_local_model[llama] (the pytest process never imports peer code there)
+fails in the copy, passes in the copy without PYTHONPATH and passes unmutated.
+
+Every pytest run is bounded by `--timeout-s` (its tests by half of that, through pytest-timeout). On a timeout
+or Ctrl+C, pytest gets SIGTERM first (tests/conftest.py turns it into KeyboardInterrupt, so fixtures stop their
+swarms), then SIGKILL; any process still carrying this run's marker in its environment is then killed by pid,
+and the temporary directory is removed.
+
+This module is also the pytest plugin (`-p tests.mutations`) that records each test's outcome for the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUTCOMES_ENV = "SWARMLM_MUTATION_OUTCOMES"  # where the plugin appends one JSON line per test phase
+MARKER_ENV = "SWARMLM_MUTATION_RUN"  # every process of a run inherits it; leftovers are found by it
+
+GEN = "tests/integration/test_generation.py"
+FAIL = "tests/integration/test_failover.py"
+GENERATION_FAILOVER = "generation_survives_sigkill"  # -k for test_failover.py: peers killed mid-generation
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One deliberate bug: `find` (exactly once in `path`) becomes `replace`; `tests` should then fail."""
+
+    name: str
+    path: str
+    find: str
+    replace: str
+    breaks: str
+    tests: tuple[str, ...]
+    """pytest arguments (files, node ids), run in this order: cheap unit tests first."""
+    keyword: str | None = None
+    """A `-k` expression narrowing `tests`, for tests whose node ids are not known yet."""
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "stuck-decode-positions", "client/model.py",
+        "        position_ids = position_ids[:, -new:]\n",
+        "        position_ids = position_ids[:, -new:]\n"
+        "        if session.remote is not None and session.remote.spans and session.remote.spans[0].inputs:\n"
+        "            prompt = session.remote.spans[0].inputs[0].shape[1]  # MUTATION\n"
+        "            position_ids = torch.full_like(position_ids, prompt)\n",
+        "every decode step gets the position where the prompt ended",
+        (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
+    Mutation(
+        "peer-cache-does-not-grow", "peer/handler.py",
+        "                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)\n",
+        "                    out = span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)\n"
+        "                if step.prefix_length:  # MUTATION\n"
+        "                    rewind_cache(session.cache, step.prefix_length)\n"
+        "                return out\n",
+        "the peer's KV cache keeps only the prompt: a new token sees the prompt and itself",
+        (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
+    Mutation(
+        "replay-drops-last-token", "client/session.py",
+        "            history = torch.cat(old.inputs, dim=1)\n            positions = torch.cat(old.positions, dim=1)\n",
+        "            history = torch.cat(old.inputs, dim=1)[:, :-1]  # MUTATION\n"
+        "            positions = torch.cat(old.positions, dim=1)[:, :-1]\n",
+        "failover replays a span's history without its last token",
+        (FAIL,), GENERATION_FAILOVER),
+    Mutation(
+        "replay-positions-off-by-one", "client/session.py",
+        "            positions = torch.cat(old.positions, dim=1)\n",
+        "            positions = torch.cat(old.positions, dim=1) + 1  # MUTATION\n",
+        "failover replays the history at positions shifted by one",
+        (FAIL,), GENERATION_FAILOVER),
+    Mutation(
+        "peer-ignores-mask", "peer/handler.py",
+        "        return hidden, mask, positions\n",
+        "        return hidden, None, positions  # MUTATION\n",
+        "the peer validates the padding mask, then drops it",
+        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",)),
+    Mutation(
+        "session-mask-not-sent", "client/session.py",
+        "attention_mask=packer.optional(mask), position_ids=packer.optional(positions),",
+        "attention_mask=packer.optional(None), position_ids=packer.optional(positions),",
+        "inference steps are sent without the padding mask",
+        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",)),
+    Mutation(
+        "peer-span-one-block-short", "peer/handler.py",
+        "        return span.start, span.end\n",
+        "        return span.start, span.end - 1  # MUTATION\n",
+        "the peer runs a request's span without its last block",
+        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
+         f"{GEN}::test_logits_match_local_model[llama]")),
+    Mutation(
+        "route-hop-end-off-by-one", "client/routing.py",
+        "        hops.append(RouteHop(peer_id, i, j, usable[peer_id].endpoint))\n",
+        "        hops.append(RouteHop(peer_id, i, j - 1, usable[peer_id].endpoint))  # MUTATION\n",
+        "an inference route's hops end one block early (that block is skipped)",
+        ("tests/client/test_routing.py",), "not forward"),
+    Mutation(
+        "backward-skips-a-hop", "client/sequence.py",
+        "        for record in reversed(records):\n            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)\n",
+        "        for record in reversed(records[1:]):  # MUTATION\n"
+        "            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)\n",
+        "backward does not go through the first hop",
+        (f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",)),
+    Mutation(
+        "peer-backward-returns-grad", "peer/handler.py",
+        "kept.inputs, grad.to(span.device))\n                return grad_inputs\n",
+        "kept.inputs, grad.to(span.device))\n                return grad.to(span.device)  # MUTATION\n",
+        "the peer's backward returns the gradient it was given, unchanged",
+        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
+         f"{GEN}::test_gradients_flow_through_remote_blocks[llama]")),
+    Mutation(
+        "ban-never-lifted", "client/sequence.py",
+        "    def banned(self",
+        "    def banned(self, *args, **kwargs) -> set[str]:  # MUTATION: every peer ever banned\n"
+        "        return set(self._until)\n\n"
+        "    def _banned_before_mutation(self",
+        "a banned peer stays banned forever",
+        ("tests/client",), "ban"),
+    Mutation(
+        "failure-does-not-ban", "client/sequence.py",
+        "        self.bans.ban(hop.peer_id",
+        "        0 and self.bans.ban(hop.peer_id",
+        "a failed peer is not banned, so it is routed to again",
+        (f"{FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",)),
+    Mutation(
+        "inference-failover-retries-dead-peer", "client/session.py",
+        "        replacements = await self._open_route(old.hop.start, old.hop.end, refresh=True)\n",
+        "        replacements = [await self._open(old.hop)]  # MUTATION\n",
+        "an inference session retries the failed peer instead of re-routing its span",
+        (FAIL,), GENERATION_FAILOVER),
+    Mutation(
+        "replay-skips-second-replacement", "client/session.py",
+        "            for span in replacements:\n                span.inputs, span.positions",
+        "            for span in replacements[:1]:  # MUTATION\n                span.inputs, span.positions",
+        "when two peers replace a span, only the first gets the history replayed",
+        (FAIL,), "two_peers"),
+    Mutation(
+        "replay-drops-mask", "client/session.py",
+        "            mask = self.mask[:, : history.shape[1]] if self.mask is not None else None\n",
+        "            mask = None  # MUTATION\n",
+        "failover replays a padded batch without its mask",
+        (FAIL,), f"{GENERATION_FAILOVER} and padded"),
+    Mutation(
+        "backward-retries-dead-peer", "client/sequence.py",
+        "        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)\n",
+        "        records = [record]  # MUTATION\n",
+        "a failed backward hop is retried on the dead peer instead of re-routed",
+        (FAIL,), "backward"),
+    Mutation(
+        "kept-activations-unchecked", "peer/handler.py",
+        "if kept is None or not kept.matches(blocks, hidden, mask, positions):",
+        "if kept is None:  # MUTATION",
+        "a backward uses activations kept under its id even for other inputs",
+        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",)),
+)
+
+
+class MutationError(Exception):
+    """A mutation no longer applies: its snippet does not occur exactly once, or the result is not Python."""
+
+
+def mutated_text(mutation: Mutation, text: str) -> str:
+    count = text.count(mutation.find)
+    if count != 1:
+        first_line = mutation.find.strip().splitlines()[0]
+        raise MutationError(
+            f"mutation {mutation.name!r}: its snippet occurs {count} times in {mutation.path} (it must occur "
+            f"exactly once); the code changed, update the snippet in tests/mutations.py. It begins: {first_line!r}")
+    result = text.replace(mutation.find, mutation.replace)
+    try:
+        compile(result, mutation.path, "exec")
+    except SyntaxError as exc:
+        raise MutationError(f"mutation {mutation.name!r} makes {mutation.path} invalid Python: {exc}") from None
+    return result
+
+
+# --- the pytest plugin side: one JSON line per test phase ---
+
+def _record(entry: dict) -> None:
+    path = os.environ.get(OUTCOMES_ENV)
+    if path:
+        with open(path, "a") as out:
+            out.write(json.dumps(entry) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    _record({"collected": len(session.items)})
+
+
+def pytest_collectreport(report) -> None:
+    if report.failed:  # an import error in a test module
+        _record({"nodeid": report.nodeid, "outcome": "failed"})
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.failed or report.when == "call" or report.skipped:
+        _record({"nodeid": report.nodeid, "outcome": report.outcome})
+
+
+# --- running pytest in the copy ---
+
+@dataclass
+class RunResult:
+    returncode: int | None  # None: stopped after the time limit
+    duration_s: float
+    collected: int | None = None
+    outcomes: dict[str, str] = field(default_factory=dict)  # node id -> passed / failed / skipped
+    output: str = ""
+    leftovers: list[str] = field(default_factory=list)  # processes still alive after pytest ended, killed then
+
+    @property
+    def failed(self) -> list[str]:
+        return [node for node, outcome in self.outcomes.items() if outcome == "failed"]
+
+
+class Runner:
+    """Runs pytest in the copy, bounded in time, and kills whatever a run leaves behind."""
+
+    def __init__(self, copy: Path, scratch: Path, timeout_s: float):
+        self.copy, self.scratch, self.timeout_s = copy, scratch, timeout_s
+        self.marker = uuid.uuid4().hex
+        self.runs = 0
+
+    def env(self, outcomes: Path | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(self.copy)] + [p for p in [env.get("PYTHONPATH")] if p])
+        env.update(PYTHONDONTWRITEBYTECODE="1", **{MARKER_ENV: self.marker})
+        if outcomes is not None:
+            env[OUTCOMES_ENV] = str(outcomes)
+        return env
+
+    def check_imports(self) -> None:
+        """Our packages must resolve to the copy in a fresh process started outside it (as a peer would be)."""
+        code = ("import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n).origin "
+                "for n in ('protocol', 'swarm', 'peer', 'client')}))")
+        out = subprocess.run([sys.executable, "-c", code], cwd=self.scratch, env=self.env(), text=True,
+                             capture_output=True, timeout=60, check=True).stdout
+        wrong = {name: origin for name, origin in json.loads(out).items()
+                 if not Path(origin).resolve().is_relative_to(self.copy.resolve())}
+        if wrong:
+            raise RuntimeError(f"with PYTHONPATH={self.copy} these packages still load from elsewhere: {wrong}; "
+                               f"a mutated copy would not be what the tests run")
+
+    def pytest(self, args: list[str], *, every_test: bool, timeout_s: float | None = None) -> RunResult:
+        """Run pytest on `args` within `timeout_s` (default: the runner's); each test gets half the runner's."""
+        self.runs += 1
+        outcomes = self.scratch / f"outcomes-{self.runs}.jsonl"
+        log = self.scratch / f"pytest-{self.runs}.log"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.mutations", "-p", "no:cacheprovider",
+                   f"--basetemp={self.scratch / f'basetemp-{self.runs}'}", "-o", f"timeout={int(self.timeout_s // 2)}"]
+        command += ([] if every_test else ["-x"]) + args
+        began = time.monotonic()
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(command, cwd=self.copy, env=self.env(outcomes), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout_s or self.timeout_s)
+            except subprocess.TimeoutExpired:
+                returncode = None
+                self._stop(proc)
+            except BaseException:  # Ctrl+C: stop the run's swarms before leaving
+                self._stop(proc)
+                raise
+            finally:
+                leftovers = self.kill_leftovers()
+        result = RunResult(returncode, time.monotonic() - began, output=log.read_text(errors="replace"),
+                           leftovers=leftovers)
+        if outcomes.exists():
+            for line in outcomes.read_text().splitlines():
+                entry = json.loads(line)
+                if "collected" in entry:
+                    result.collected = entry["collected"]
+                elif result.outcomes.get(entry["nodeid"]) != "failed":  # a failed teardown after a passed call
+                    result.outcomes[entry["nodeid"]] = entry["outcome"]
+        return result
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(wait_s)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def kill_leftovers(self, grace_s: float = 5.0) -> list[str]:
+        """SIGKILL, by pid, every process that inherited this run's marker and does not exit within `grace_s`
+        (peers whose pytest was killed; helpers such as torch_shm_manager linger a moment by themselves)."""
+        import psutil
+
+        mine = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != os.getpid() and proc.environ().get(MARKER_ENV) == self.marker:
+                    mine.append(proc)
+            except psutil.Error:
+                continue
+        _, alive = psutil.wait_procs(mine, timeout=grace_s) if mine else ([], [])
+        killed = []
+        for proc in alive:
+            try:
+                killed.append(proc.name())
+                proc.kill()
+            except psutil.Error:
+                pass
+        return killed
+
+
+def copy_worktree(dest: Path) -> None:
+    """Copy the files git knows of (tracked and untracked-but-not-ignored), as they are on disk now."""
+    listing = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True).stdout.decode()
+    for name in sorted(set(filter(None, listing.split("\0")))):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted in the working tree is simply absent
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+# --- the check ---
+
+@dataclass
+class Verdict:
+    mutation: Mutation
+    result: RunResult
+    caught_by: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def caught(self) -> bool:
+        return bool(self.caught_by)
+
+    @property
+    def summary(self) -> str:
+        return "caught by " + ", ".join(_short(n) for n in self.caught_by) if self.caught else self.note
+
+
+def judge(mutation: Mutation, result: RunResult) -> Verdict:
+    verdict = Verdict(mutation, result, result.failed)
+    if verdict.caught:
+        return verdict
+    if result.returncode is None:
+        verdict.note = "TIMEOUT: the selection did not finish; raise --timeout-s"
+    elif result.returncode == 0:
+        verdict.note = "NOT CAUGHT"
+    elif result.returncode in (4, 5):
+        verdict.note = f"NOT CAUGHT: no test ran (pytest exit {result.returncode}: selection matches nothing)"
+    else:
+        verdict.note = f"ERROR: pytest exit {result.returncode} without a failed test"
+    return verdict
+
+
+def confirm(runner: Runner, verdicts: list[Verdict]) -> None:
+    """Run every catching test once without mutations; one that fails anyway catches nothing."""
+    nodes = sorted({node for v in verdicts for node in v.caught_by})
+    if not nodes:
+        return
+    print(f"confirming that the {len(nodes)} catching tests pass without mutations ...", flush=True)
+    # each test may take up to half the per-run limit (pytest-timeout), so the whole run may take that many halves
+    baseline = runner.pytest(nodes, every_test=True, timeout_s=runner.timeout_s / 2 * len(nodes))
+    print(f"    {sum(o == 'passed' for o in baseline.outcomes.values())} of {len(nodes)} passed "
+          f"({baseline.duration_s:.0f} s)", flush=True)
+    for verdict in verdicts:
+        if not verdict.caught:
+            continue
+        outcomes = {node: baseline.outcomes.get(node) for node in verdict.caught_by}
+        broken = [node for node, outcome in outcomes.items() if outcome not in ("passed", None)]
+        verdict.caught_by = [node for node, outcome in outcomes.items() if outcome == "passed"]
+        if verdict.caught:
+            continue
+        if None in outcomes.values():  # the run ended (timed out) before these tests
+            verdict.note = "UNCONFIRMED: the catching tests did not run without the mutation (time limit)"
+        else:
+            failing = ", ".join(_short(n) for n in broken)
+            verdict.note = f"NOT CAUGHT: {failing} do(es) not pass without the mutation either"
+
+
+def _short(node: str) -> str:
+    return node.rsplit("/", 1)[-1]
+
+
+def _selection(mutation: Mutation) -> str:
+    text = " ".join(_short(t) if "::" in t else t for t in mutation.tests)
+    return text + (f" -k {mutation.keyword!r}" if mutation.keyword else "")
+
+
+def table(verdicts: list[Verdict]) -> str:
+    lines = ["| mutation | breaks | tests run | result | time |", "|---|---|---|---|---|"]
+    for v in verdicts:
+        ran = len(v.result.outcomes)
+        of = f" of {v.result.collected}" if v.result.collected is not None else ""
+        cells = [v.mutation.name, v.mutation.breaks, f"{ran}{of}", v.summary, f"{v.result.duration_s:.0f} s"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def list_mutations(mutations: list[Mutation]) -> None:
+    for m in mutations:
+        try:
+            mutated_text(m, (REPO / m.path).read_text())
+            state = "applies"
+        except (MutationError, OSError) as exc:
+            state = f"STALE: {exc}"
+        print(f"{m.name}  [{state}]\n    {m.path}: {m.breaks}\n    tests: {_selection(m)}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and whether they still apply")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="run these test files or node ids instead of each mutation's own selection")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="limit per pytest run (default 300)")
+    parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first mutation not caught")
+    parser.add_argument("--every-test", action="store_true",
+                        help="run a mutation's whole selection, not only up to the first failing test")
+    parser.add_argument("--no-confirm", action="store_true",
+                        help="do not re-run the catching tests without mutations at the end")
+    args = parser.parse_args(argv)
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
+    known = {m.name for m in MUTATIONS}
+    unknown = sorted(set(args.only or ()) - known)
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; see --list")
+    return args
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mutations = [m for m in MUTATIONS if args.only is None or m.name in args.only]
+    if args.list:
+        list_mutations(mutations)
+        return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # a CI timeout cleans up like Ctrl+C
+    began = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="swarmlm-mutations-"))
+    try:
+        copy, scratch = root / "repo", root / "scratch"
+        scratch.mkdir()
+        copy_worktree(copy)
+        originals = {m.path: (copy / m.path).read_text() for m in mutations}
+        try:
+            mutated = {m.name: mutated_text(m, originals[m.path]) for m in mutations}
+        except MutationError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        runner = Runner(copy, scratch, args.timeout_s)
+        runner.check_imports()
+        print(f"{len(mutations)} mutation(s), tests run in a copy at {copy}", flush=True)
+        verdicts = []
+        for number, mutation in enumerate(mutations, 1):
+            target = copy / mutation.path
+            target.write_text(mutated[mutation.name])
+            try:
+                selection = list(args.tests or mutation.tests)
+                if mutation.keyword and not args.tests:
+                    selection += ["-k", mutation.keyword]
+                verdict = judge(mutation, runner.pytest(selection, every_test=args.every_test))
+            finally:
+                target.write_text(originals[mutation.path])
+            verdicts.append(verdict)
+            print(f"[{number}/{len(mutations)}] {mutation.name}: {verdict.summary} ({verdict.result.duration_s:.0f} s)",
+                  flush=True)
+            if verdict.result.leftovers:
+                print(f"    killed what the run left behind: {', '.join(verdict.result.leftovers)}", flush=True)
+            if verdict.note.startswith(("ERROR", "TIMEOUT")):
+                print("    ..." + verdict.result.output[-1500:].replace("\n", "\n    "), flush=True)
+            if args.exitfirst and not verdict.caught:
+                break
+        if not args.no_confirm:
+            confirm(runner, verdicts)
+        print()
+        print(table(verdicts))
+        survivors = [v.mutation.name for v in verdicts if not v.caught]
+        print(f"\n{len(verdicts) - len(survivors)} of {len(verdicts)} caught in {time.monotonic() - began:.0f} s"
+              + (f"; not caught: {', '.join(survivors)}" if survivors else ""))
+        return 1 if survivors else 0
+    except KeyboardInterrupt:
+        print("\ninterrupted; the copy and its processes are being removed", file=sys.stderr)
+        return 130
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -466,7 +466,6 @@ class Swarm:
         return "\n".join(proc.logs() for proc in self.processes)
 
 
-
 class DescendantWatch:
     """Remembers every descendant of a process, polling in a background thread, and reaps them at the end.
 

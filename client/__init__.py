@@ -6,6 +6,9 @@
 - routing: route planning (pure functions)
 - transport: gRPC channels and calls; loop: the background event loop
 - config: ClientConfig
+- training: SwarmTrainer, pipelined synchronous training with the peers of a run; local_training: its reference
+- data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched
+- train_cli, export: `swarmlm train`, `swarmlm export`
 - demo: `swarmlm demo`
 """
 
@@ -13,6 +16,7 @@ from client.config import ClientConfig
 from client.model import AutoDistributedModelForCausalLM, ClientSession, DistributedModelForCausalLM
 from client.routing import RouteHop, plan_forward_route, plan_inference_route
 from client.session import InferenceSession
+from client.training import StepResult, SwarmTrainer, TrainConfig
 
 __all__ = [
     "AutoDistributedModelForCausalLM",
@@ -21,6 +25,9 @@ __all__ = [
     "DistributedModelForCausalLM",
     "InferenceSession",
     "RouteHop",
+    "StepResult",
+    "SwarmTrainer",
+    "TrainConfig",
     "plan_forward_route",
     "plan_inference_route",
 ]

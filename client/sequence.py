@@ -37,6 +37,14 @@ def is_retriable(error: BaseException) -> bool:
     return isinstance(error, SwarmError) and not isinstance(error, (BadRequestError, NoPeersError))
 
 
+@dataclass(frozen=True)
+class TrainingTag:
+    """Marks backward calls as training steps of `run_id`, computed against each stage's update `epochs`."""
+
+    run_id: str
+    epochs: Mapping[tuple[int, int], int]
+
+
 @dataclass
 class HopRecord:
     """What one hop of a forward pass was sent, kept for its backward."""
@@ -92,8 +100,10 @@ class BanList:
 class RemoteSequence:
     """Blocks [0, num_blocks) of a model as served by the swarm. Its coroutines run on the client's loop."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, config: ClientConfig):
+    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, config: ClientConfig,
+                 run_id: str | None = None):
         self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
+        self.run_id = run_id  # when set, only peers that train this run are used
         self.pool = ChannelPool(config.max_message_bytes)
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
@@ -110,7 +120,12 @@ class RemoteSequence:
         stale = time.monotonic() - self._snapshot_at > self.config.directory_refresh_s
         if refresh or stale or self._snapshot is None:
             began = time.monotonic()
-            self._snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
+            snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
+            if self.run_id is not None:
+                snapshot = SwarmSnapshot(
+                    num_blocks=snapshot.num_blocks, expirations=snapshot.expirations,
+                    servers={pid: info for pid, info in snapshot.servers.items() if info.run_id == self.run_id})
+            self._snapshot = snapshot
             self._snapshot_at = time.monotonic()
             self.bans.observe(self._snapshot.expirations, read_at=began)
         return self._snapshot
@@ -181,10 +196,14 @@ class RemoteSequence:
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
         return decode_tensor(response.message.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
 
-    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str) -> torch.Tensor:
+    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str,
+                             training: TrainingTag | None = None) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
+        run_id, epoch = (training.run_id, training.epochs.get((hop.start, hop.end), 0)) if training else ("", 0)
         request = packer.pack(pb.BackwardRequest(
+            run_id=run_id,
+            epoch=epoch,
             span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
             hidden_states=packer.tensor(inputs.to(dtype)),
             grad_outputs=packer.tensor(grad.to(dtype)),
@@ -223,16 +242,25 @@ class RemoteSequence:
         self.last_route = [record.hop for record in records]
         return hidden, records
 
-    async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions) -> torch.Tensor:
-        """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output."""
+    async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions,
+                       training: TrainingTag | None = None, done: list | None = None) -> torch.Tensor:
+        """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output.
+
+        With `training`, peers add their parameter gradients to their run's next update; `done` then receives
+        (hop, inputs, grad) of each hop that answered, so that a trainer can redo the work of a peer that died.
+        """
         for record in reversed(records):
-            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)
+            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)
         return grad
 
-    async def _backward_hop(self, record: HopRecord, grad, mask, positions, attempt: int) -> torch.Tensor:
+    async def _backward_hop(self, record: HopRecord, grad, mask, positions, attempt: int,
+                            training: TrainingTag | None = None, done: list | None = None) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
         try:
-            return await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id)
+            grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
+            if done is not None:
+                done.append((hop, inputs, grad))
+            return grad_inputs
         except Exception as exc:
             if not is_retriable(exc) or attempt >= self.config.max_retries:
                 raise
@@ -241,7 +269,7 @@ class RemoteSequence:
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
         for record in reversed(records):
-            grad = await self._backward_hop(record, grad, mask, positions, attempt + 1)
+            grad = await self._backward_hop(record, grad, mask, positions, attempt + 1, training, done)
         return grad
 
     async def close(self) -> None:

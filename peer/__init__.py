@@ -3,7 +3,9 @@
 - config: PeerConfig, what `swarmlm peer` flags map onto
 - server: PeerServer lifecycle (DHT, block choice, gRPC, announcing)
 - blocks: loading a span of decoder layers from a checkpoint and running it
-- handler: the gRPC methods (forward, backward, inference stream, info)
+- handler: the gRPC methods (forward, backward, inference stream, info, state)
+- training: a training peer's optimizer, gradient accumulation and group updates (`--train`)
+- lora: LoRA adapters for a span (`--train-mode lora`), and checkpoint-named weights for export
 - cache: the KV-cache token budget
 - validation: checks that turn bad input into typed errors
 - throughput: measuring and caching the peer's speed
@@ -12,6 +14,7 @@
 
 from peer.blocks import BlockSpan, load_span
 from peer.config import PeerConfig
+from peer.training import SpanTraining, TrainingConfig
 from peer.server import PeerServer
 
-__all__ = ["BlockSpan", "PeerConfig", "PeerServer", "load_span"]
+__all__ = ["BlockSpan", "PeerConfig", "PeerServer", "SpanTraining", "TrainingConfig", "load_span"]

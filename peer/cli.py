@@ -9,6 +9,9 @@ import logging
 from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
 from peer.config import DTYPE_CHOICES, PeerConfig
+from peer.training import TRAIN_MODES, TrainingConfig
+from swarm.averaging import add_averaging_arguments, averaging_from_args
+from swarm.optim import OPTIMIZERS
 from peer.server import PeerServer
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,34 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
     p.add_argument("--cache-dir", help="where measurements are cached (default: ~/.cache/swarmlm)")
+    add_training_arguments(p)
     return p
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("training (with --train; needs --blocks)")
+    t.add_argument("--train", action="store_true", help="train the served blocks with the peers of the same span")
+    t.add_argument("--run-id", default="default", help="training run to join (default: default)")
+    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4)")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    t.add_argument("--target-batch-size", type=int, default=8,
+                   help="samples the span's group accumulates per update (default: 8)")
+    t.add_argument("--train-mode", default="full", choices=TRAIN_MODES,
+                   help="full weights, or LoRA adapters of the linear layers (default: full)")
+    t.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters (default: 8)")
+    add_averaging_arguments(t)
+    t.add_argument("--save-dir", help="save the span's training state here, and resume from it on restart")
+    t.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save every N updates (default: 0, only when the peer stops)")
+
+
+def training_from_args(args: argparse.Namespace) -> TrainingConfig | None:
+    if not args.train:
+        return None
+    return TrainingConfig(run_id=args.run_id, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                          target_batch_size=args.target_batch_size, mode=args.train_mode, lora_rank=args.lora_rank,
+                          averaging=averaging_from_args(args), save_dir=args.save_dir, save_every=args.save_every)
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:
@@ -76,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         num_threads=args.num_threads,
         throughput=args.throughput,
         cache_dir=args.cache_dir,
+        training=training_from_args(args),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peer.training import TrainingConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -55,6 +56,8 @@ class PeerConfig:
     """Announced throughput in tokens/s; None measures it once and caches the result."""
     cache_dir: str | None = None
     """Where measured throughput is cached; None uses the swarmlm cache directory."""
+    training: TrainingConfig | None = None
+    """Train the served blocks with the other peers of the same span and run; None serves them frozen."""
 
     def __post_init__(self) -> None:
         if self.blocks is not None:
@@ -63,6 +66,9 @@ class PeerConfig:
                 raise ValueError(f"blocks must be start:end with 0 <= start < end, got {start}:{end}")
             if self.num_blocks is not None:
                 raise ValueError("give either blocks or num_blocks, not both")
+        if self.training is not None and self.blocks is None:
+            raise ValueError("a training peer needs fixed blocks: pass --blocks START:END with --train "
+                             "(the stages of a run do not move)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.dtype not in DTYPE_CHOICES:

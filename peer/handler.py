@@ -30,6 +30,7 @@ from peer import validation
 logger = logging.getLogger(__name__)
 
 INLINE_COMPUTE_TOKENS = 4  # steps up to this many tokens (batch x length) compute on the event loop
+STATE_PIECE_BYTES = 16 * 1024 * 1024  # weights travel in pieces of at most this size (messages stop at 64 MiB)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class PeerServicer:
     ):
         self.prefix, self.budget, self.limits, self._info = prefix, budget, limits, info
         self.span: BlockSpan | None = None  # None while the peer loads or moves its blocks
+        self.training = None  # a peer.training.SpanTraining when the peer trains its blocks
         self.hidden_size = model_config.hidden_size
         self.max_positions = model_config.max_position_embeddings
         self.sessions: dict[str, Session] = {}
@@ -173,13 +175,22 @@ class PeerServicer:
             grad = decode_tensor(request.grad_outputs, "grad_outputs", received.payload)
             validation.check_grad(grad, hidden)
 
-            span = self.span
+            span, training = self.span, None
+            if request.run_id:
+                training = self.training
+                if training is None:
+                    raise BadRequestError(f"this peer does not train (run {request.run_id!r}); route training "
+                                          f"steps to peers started with --train --run-id {request.run_id}")
+                training.check(request.run_id, blocks, request.epoch)
 
             def run():
                 kept = self.activations.pop(request.backward_id) if request.backward_id else None
                 if kept is None or not kept.matches(blocks, hidden, mask, positions):
                     # recompute the forward: the kept one expired, was evicted, or was kept by another peer
                     kept = self._forward_graph(span, blocks, hidden, mask, positions)
+                if training is not None:
+                    return training.backward(kept.outputs, kept.inputs, grad.to(span.device), run_id=request.run_id,
+                                             blocks=blocks, epoch=request.epoch)
                 with torch.enable_grad():
                     (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
                 return grad_inputs
@@ -205,7 +216,35 @@ class PeerServicer:
         return kept.outputs.detach()
 
     async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return self._info()
+        response = self._info()
+        training = self.training
+        if training is not None:
+            response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples
+            response.train_mode = training.config.mode
+            if request.param_digest:
+                response.param_digest = await self._compute(training.digest, tokens=1 << 20)
+        return response
+
+    async def state(self, request: pb.StateRequest, context) -> AsyncIterator:
+        """Stream the span's current weights, each tensor cut along its first dimension into pieces."""
+        try:
+            blocks = self._blocks(request.span)
+            span = self.span
+            if blocks != (span.start, span.end):
+                raise BadRequestError(f"ask for this peer's whole span {span.start}:{span.end}, "
+                                      f"not {blocks[0]}:{blocks[1]}")
+            from peer import lora  # peft loads only when weights are asked for
+
+            weights_of = self.training.weights if self.training is not None else (lambda: lora.layer_state(span))
+            weights = await self._compute(lambda: {k: v.detach().cpu().clone() for k, v in weights_of().items()},
+                                          tokens=1 << 20)
+        except SwarmError as exc:
+            await context.abort(status_for(exc), str(exc), trailing_metadata=((ERROR_CODE_KEY, exc.code),))
+            return
+        for name, tensor in weights.items():
+            for piece, last in _pieces(tensor, STATE_PIECE_BYTES):
+                packer = Packer()
+                yield packer.pack(pb.StatePart(name=name, tensor=packer.tensor(piece), last=last))
 
     # --- inference stream ---
 
@@ -315,6 +354,17 @@ class PeerServicer:
         return packer.pack(pb.InferenceResponse(step=pb.StepResult(
             hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
             position=session.position)))
+
+
+def _pieces(tensor: torch.Tensor, max_bytes: int):
+    """(piece, is_last) along the first dimension, each under `max_bytes` unless one row is larger."""
+    if tensor.dim() == 0 or tensor.numel() * tensor.element_size() <= max_bytes:
+        yield tensor.contiguous(), True
+        return
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    rows = max(1, max_bytes // row_bytes)
+    for start in range(0, tensor.shape[0], rows):
+        yield tensor[start:start + rows].contiguous(), start + rows >= tensor.shape[0]
 
 
 def _error(exc: SwarmError) -> pb.InferenceResponse:

@@ -46,6 +46,8 @@ class PeerServer:
         self._rebalancer: asyncio.Task | None = None
         self.blocks: tuple[int, int] | None = None
         self.state = ServerState.JOINING
+        self.training = None  # peer.training.SpanTraining with --train
+        self._trainer: asyncio.Task | None = None
         self._shut_down = False
 
     @property
@@ -117,10 +119,27 @@ class PeerServer:
         self.throughput = cfg.throughput or await asyncio.to_thread(
             measure_throughput, self.span, cache_file / "throughput.json"
         )
+        if cfg.training is not None:
+            await self._start_training()
         self.servicer.set_span(self.span)
         self.state = ServerState.ONLINE
         await self._announce(self.state)
         logger.info("ONLINE: serving blocks %d:%d of %s at %s", *blocks, self.prefix, self.endpoint)
+
+    async def _start_training(self) -> None:
+        """Join the span's training group: copy its state if it is ahead, then update with it in the background."""
+        from peer.training import SpanTraining
+
+        # built on this (main) thread: hivemind's averager touches signal handlers when it starts its process
+        self.training = SpanTraining(self.span, self.config.training, self.dht, self.prefix)
+        await asyncio.to_thread(self.training.join)
+        self.servicer.training = self.training
+        logger.info("training run %r with %s (%s mode), at update %d", self.training.run_id,
+                    self.config.training.optimizer, self.config.training.mode, self.training.epoch)
+        self._trainer = asyncio.create_task(self.training.run(self._compute, self.servicer.activations.clear))
+
+    async def _compute(self, fn):
+        return await self.servicer._compute(fn, tokens=1 << 20)
 
     async def _rebalance_forever(self) -> None:
         """Every ~rebalance period (randomised, so peers do not all decide at once) move if the swarm gains enough."""
@@ -174,6 +193,9 @@ class PeerServer:
             dtype=str(self.dtype).removeprefix("torch."),
             version=PROTOCOL_VERSION,
             endpoint=self.endpoint or f"{self.config.host}:0",
+            run_id=self.training.run_id if self.training else "",
+            epoch=self.training.epoch if self.training else 0,
+            samples=self.training.samples if self.training else 0,
         )
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:
@@ -213,7 +235,7 @@ class PeerServer:
         self._shut_down = True
         if self.dht is None:
             return  # it never got as far as joining: nothing to stop
-        for task in (self._announcer, self._rebalancer):
+        for task in (self._announcer, self._rebalancer, self._trainer):
             if task is not None:
                 task.cancel()
         if self.blocks is not None and self.dht.is_alive():
@@ -225,5 +247,7 @@ class PeerServer:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
+        if self.training is not None:
+            await asyncio.to_thread(self.training.shutdown)
         stop_dht(self.dht)
         logger.info("peer stopped")

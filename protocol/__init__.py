@@ -2,7 +2,7 @@
 
 - swarmlm.proto / swarmlm_pb2: wire messages and the gRPC service, version 1
 - codec: torch tensors <-> protobuf Tensor
-- records: DHT record schemas (ServerInfo, ModelRecord) and key naming
+- records: DHT record schemas (ServerInfo, ModelRecord, TrainingProgress) and key naming
 - errors: the exception tree and its wire codes
 - service: method table of the Peer service, derived from the .proto
 """
@@ -19,6 +19,8 @@ from protocol.errors import (
     NoPeersError,
     PeerUnavailableError,
     SequenceTooLongError,
+    StaleEpochError,
+    StateDownloadError,
     SwarmError,
     UnknownSessionError,
     WrongSpanError,
@@ -47,6 +49,8 @@ __all__ = [
     "NoPeersError",
     "PeerUnavailableError",
     "SequenceTooLongError",
+    "StaleEpochError",
+    "StateDownloadError",
     "ServerInfo",
     "ServerState",
     "SwarmError",

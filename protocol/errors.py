@@ -3,7 +3,8 @@
     SwarmError
     ├── BadRequestError            bad_request        malformed message, wrong shape/dtype, NaN/inf
     │   ├── MessageTooLargeError   message_too_large  a tensor or message over the configured limit
-    │   └── SequenceTooLongError   sequence_too_long  more tokens than the session's max_length
+    │   ├── SequenceTooLongError   sequence_too_long  more tokens than the session's max_length
+    │   └── StaleEpochError        stale_epoch        a training gradient for an update the peer has applied
     ├── UnknownSessionError        unknown_session    no such (or an expired) inference session
     ├── WrongSpanError             wrong_span         the peer does not serve the requested blocks
     ├── CacheFullError             cache_full         no KV-cache space within the allocation timeout
@@ -11,6 +12,7 @@
     ├── NoPeersError               no_peers           nobody serves some blocks of a model
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
+    ├── StateDownloadError         state_download     a joining training peer found no member to copy
     └── InternalError              internal           a bug on the remote side (its message is passed on)
 
 Each class has a wire `code`; `error_from_code` rebuilds the same type on the client.
@@ -35,6 +37,10 @@ class MessageTooLargeError(BadRequestError):
 
 class SequenceTooLongError(BadRequestError):
     code = "sequence_too_long"
+
+
+class StaleEpochError(BadRequestError):
+    code = "stale_epoch"
 
 
 class UnknownSessionError(SwarmError):
@@ -63,6 +69,10 @@ class ModelNotFoundError(SwarmError):
 
 class InvalidRecordError(SwarmError):
     code = "invalid_record"
+
+
+class StateDownloadError(SwarmError):
+    code = "state_download"
 
 
 class InternalError(SwarmError):

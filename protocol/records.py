@@ -52,6 +52,9 @@ class ServerInfo(_Record):
     endpoint: str = pydantic.Field(pattern=r"^[^\s:]+:\d{1,5}$")  # gRPC "host:port"
     adapters: tuple[str, ...] = ()
     next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, to peers serving the next blocks
+    run_id: str = pydantic.Field(default="", pattern=r"^[A-Za-z0-9_-]{0,64}$")  # training run; "" when frozen
+    epoch: int = pydantic.Field(default=0, ge=0)  # updates applied in that run
+    samples: int = pydantic.Field(default=0, ge=0)  # samples accumulated towards the next update
 
     @pydantic.field_validator("state", mode="before")
     @classmethod
@@ -85,8 +88,21 @@ class ModelRecord(_Record):
     repository: str
 
 
+class TrainingProgress(_Record):
+    """What a member of a training group publishes, often, so that the group knows when to update."""
+
+    epoch: int = pydantic.Field(ge=0)
+    samples: int = pydantic.Field(ge=0)
+
+
 def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+        raise ValueError(f"run id {run_id!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return run_id
 
 
 def check_prefix(prefix: str) -> str:

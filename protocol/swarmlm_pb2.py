@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rswarmlm.proto\x12\nswarmlm.v1\"\x86\x01\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12,\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x12\n\nin_payload\x18\x05 \x01(\x08\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"1\n\x04Span\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\x8c\x02\n\x0e\x46orwardRequest\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x33\n\x12output_compression\x18\x05 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x13\n\x0b\x62\x61\x63kward_id\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"M\n\x0f\x46orwardResponse\x12)\n\rhidden_states\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\xb7\x02\n\x0f\x42\x61\x63kwardRequest\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cgrad_outputs\x18\x05 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x33\n\x12output_compression\x18\x06 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x13\n\x0b\x62\x61\x63kward_id\x18\x07 \x01(\t\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"L\n\x10\x42\x61\x63kwardResponse\x12\'\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\xaa\x01\n\x10InferenceRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.swarmlm.v1.OpenSessionH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.swarmlm.v1.InferenceStepH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.swarmlm.v1.CloseSessionH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"\x82\x01\n\x0bOpenSession\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nmax_length\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x17\n\x0f\x61lloc_timeout_s\x18\x05 \x01(\x02\"\x81\x02\n\rInferenceStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x15\n\rprefix_length\x18\x05 \x01(\r\x12\x0f\n\x07step_id\x18\x06 \x01(\x04\x12\x33\n\x12output_compression\x18\x07 \x01(\x0e\x32\x17.swarmlm.v1.Compression\"\"\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa5\x01\n\x11InferenceResponse\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.swarmlm.v1.SessionOpenedH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.v1.StepResultH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.swarmlm.v1.ErrorH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"7\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\"Z\n\nStepResult\x12)\n\rhidden_states\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\xcb\x01\n\x0cInfoResponse\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x63\x61\x63he_tokens_left\x18\x07 \x01(\x04\x12\x12\n\nthroughput\x18\x08 \x01(\x02\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x15\n\ropen_sessions\x18\n \x01(\r*$\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x32\x9a\x02\n\x04Peer\x12\x42\n\x07\x46orward\x12\x1a.swarmlm.v1.ForwardRequest\x1a\x1b.swarmlm.v1.ForwardResponse\x12\x45\n\x08\x42\x61\x63kward\x12\x1b.swarmlm.v1.BackwardRequest\x1a\x1c.swarmlm.v1.BackwardResponse\x12L\n\tInference\x12\x1c.swarmlm.v1.InferenceRequest\x1a\x1d.swarmlm.v1.InferenceResponse(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.swarmlm.v1.InfoRequest\x1a\x18.swarmlm.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rswarmlm.proto\x12\nswarmlm.v1\"\x86\x01\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12,\n\x0b\x63ompression\x18\x04 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x12\n\nin_payload\x18\x05 \x01(\x08\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"1\n\x04Span\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\x8c\x02\n\x0e\x46orwardRequest\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x33\n\x12output_compression\x18\x05 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x13\n\x0b\x62\x61\x63kward_id\x18\x06 \x01(\t\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"M\n\x0f\x46orwardResponse\x12)\n\rhidden_states\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\xd6\x02\n\x0f\x42\x61\x63kwardRequest\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cgrad_outputs\x18\x05 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x33\n\x12output_compression\x18\x06 \x01(\x0e\x32\x17.swarmlm.v1.Compression\x12\x13\n\x0b\x62\x61\x63kward_id\x18\x07 \x01(\t\x12\x0e\n\x06run_id\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"L\n\x10\x42\x61\x63kwardResponse\x12\'\n\x0bgrad_inputs\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"\xaa\x01\n\x10InferenceRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.swarmlm.v1.OpenSessionH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.swarmlm.v1.InferenceStepH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.swarmlm.v1.CloseSessionH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"\x82\x01\n\x0bOpenSession\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x12\n\nmax_length\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x17\n\x0f\x61lloc_timeout_s\x18\x05 \x01(\x02\"\x81\x02\n\rInferenceStep\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\rhidden_states\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12(\n\x0cposition_ids\x18\x04 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x15\n\rprefix_length\x18\x05 \x01(\r\x12\x0f\n\x07step_id\x18\x06 \x01(\x04\x12\x33\n\x12output_compression\x18\x07 \x01(\x0e\x32\x17.swarmlm.v1.Compression\"\"\n\x0c\x43loseSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa5\x01\n\x11InferenceResponse\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.swarmlm.v1.SessionOpenedH\x00\x12&\n\x04step\x18\x02 \x01(\x0b\x32\x16.swarmlm.v1.StepResultH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.swarmlm.v1.ErrorH\x00\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"7\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_length\x18\x02 \x01(\r\"Z\n\nStepResult\x12)\n\rhidden_states\x18\x01 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x10\n\x08position\x18\x03 \x01(\r\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0bInfoRequest\x12\x14\n\x0cparam_digest\x18\x01 \x01(\x08\"\xa5\x02\n\x0cInfoResponse\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11\x63\x61\x63he_tokens_left\x18\x07 \x01(\x04\x12\x12\n\nthroughput\x18\x08 \x01(\x02\x12\x19\n\x11max_message_bytes\x18\t \x01(\x04\x12\x15\n\ropen_sessions\x18\n \x01(\r\x12\x0e\n\x06run_id\x18\x0b \x01(\t\x12\r\n\x05\x65poch\x18\x0c \x01(\x04\x12\x0f\n\x07samples\x18\r \x01(\x04\x12\x14\n\x0cparam_digest\x18\x0e \x01(\t\x12\x12\n\ntrain_mode\x18\x0f \x01(\t\".\n\x0cStateRequest\x12\x1e\n\x04span\x18\x01 \x01(\x0b\x32\x10.swarmlm.v1.Span\"\\\n\tStatePart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.swarmlm.v1.Tensor\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0f\n\x07payload\x18\x0f \x01(\x0c*$\n\x0b\x43ompression\x12\x08\n\x04NONE\x10\x00\x12\x0b\n\x07\x46LOAT16\x10\x01\x32\xd6\x02\n\x04Peer\x12\x42\n\x07\x46orward\x12\x1a.swarmlm.v1.ForwardRequest\x1a\x1b.swarmlm.v1.ForwardResponse\x12\x45\n\x08\x42\x61\x63kward\x12\x1b.swarmlm.v1.BackwardRequest\x1a\x1c.swarmlm.v1.BackwardResponse\x12L\n\tInference\x12\x1c.swarmlm.v1.InferenceRequest\x1a\x1d.swarmlm.v1.InferenceResponse(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.swarmlm.v1.InfoRequest\x1a\x18.swarmlm.v1.InfoResponse\x12:\n\x05State\x12\x18.swarmlm.v1.StateRequest\x1a\x15.swarmlm.v1.StatePart0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarmlm_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=2139
-  _globals['_COMPRESSION']._serialized_end=2175
+  _globals['_COMPRESSION']._serialized_start=2424
+  _globals['_COMPRESSION']._serialized_end=2460
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=164
   _globals['_SPAN']._serialized_start=166
@@ -42,29 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDRESPONSE']._serialized_start=488
   _globals['_FORWARDRESPONSE']._serialized_end=565
   _globals['_BACKWARDREQUEST']._serialized_start=568
-  _globals['_BACKWARDREQUEST']._serialized_end=879
-  _globals['_BACKWARDRESPONSE']._serialized_start=881
-  _globals['_BACKWARDRESPONSE']._serialized_end=957
-  _globals['_INFERENCEREQUEST']._serialized_start=960
-  _globals['_INFERENCEREQUEST']._serialized_end=1130
-  _globals['_OPENSESSION']._serialized_start=1133
-  _globals['_OPENSESSION']._serialized_end=1263
-  _globals['_INFERENCESTEP']._serialized_start=1266
-  _globals['_INFERENCESTEP']._serialized_end=1523
-  _globals['_CLOSESESSION']._serialized_start=1525
-  _globals['_CLOSESESSION']._serialized_end=1559
-  _globals['_INFERENCERESPONSE']._serialized_start=1562
-  _globals['_INFERENCERESPONSE']._serialized_end=1727
-  _globals['_SESSIONOPENED']._serialized_start=1729
-  _globals['_SESSIONOPENED']._serialized_end=1784
-  _globals['_STEPRESULT']._serialized_start=1786
-  _globals['_STEPRESULT']._serialized_end=1876
-  _globals['_ERROR']._serialized_start=1878
-  _globals['_ERROR']._serialized_end=1916
-  _globals['_INFOREQUEST']._serialized_start=1918
-  _globals['_INFOREQUEST']._serialized_end=1931
-  _globals['_INFORESPONSE']._serialized_start=1934
-  _globals['_INFORESPONSE']._serialized_end=2137
-  _globals['_PEER']._serialized_start=2178
-  _globals['_PEER']._serialized_end=2460
+  _globals['_BACKWARDREQUEST']._serialized_end=910
+  _globals['_BACKWARDRESPONSE']._serialized_start=912
+  _globals['_BACKWARDRESPONSE']._serialized_end=988
+  _globals['_INFERENCEREQUEST']._serialized_start=991
+  _globals['_INFERENCEREQUEST']._serialized_end=1161
+  _globals['_OPENSESSION']._serialized_start=1164
+  _globals['_OPENSESSION']._serialized_end=1294
+  _globals['_INFERENCESTEP']._serialized_start=1297
+  _globals['_INFERENCESTEP']._serialized_end=1554
+  _globals['_CLOSESESSION']._serialized_start=1556
+  _globals['_CLOSESESSION']._serialized_end=1590
+  _globals['_INFERENCERESPONSE']._serialized_start=1593
+  _globals['_INFERENCERESPONSE']._serialized_end=1758
+  _globals['_SESSIONOPENED']._serialized_start=1760
+  _globals['_SESSIONOPENED']._serialized_end=1815
+  _globals['_STEPRESULT']._serialized_start=1817
+  _globals['_STEPRESULT']._serialized_end=1907
+  _globals['_ERROR']._serialized_start=1909
+  _globals['_ERROR']._serialized_end=1947
+  _globals['_INFOREQUEST']._serialized_start=1949
+  _globals['_INFOREQUEST']._serialized_end=1984
+  _globals['_INFORESPONSE']._serialized_start=1987
+  _globals['_INFORESPONSE']._serialized_end=2280
+  _globals['_STATEREQUEST']._serialized_start=2282
+  _globals['_STATEREQUEST']._serialized_end=2328
+  _globals['_STATEPART']._serialized_start=2330
+  _globals['_STATEPART']._serialized_end=2422
+  _globals['_PEER']._serialized_start=2463
+  _globals['_PEER']._serialized_end=2805
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class ForwardResponse(_message.Message):
     def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "payload")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "run_id", "epoch", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class BackwardRequest(_message.Message):
     GRAD_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
@@ -83,8 +85,10 @@ class BackwardRequest(_message.Message):
     grad_outputs: Tensor
     output_compression: Compression
     backward_id: str
+    run_id: str
+    epoch: int
     payload: bytes
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("grad_inputs", "payload")
@@ -183,11 +187,13 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("param_digest",)
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    param_digest: bool
+    def __init__(self, param_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +204,11 @@ class InfoResponse(_message.Message):
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MODE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -208,4 +219,27 @@ class InfoResponse(_message.Message):
     throughput: float
     max_message_bytes: int
     open_sessions: int
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+    run_id: str
+    epoch: int
+    samples: int
+    param_digest: str
+    train_mode: str
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("span",)
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    span: Span
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ...) -> None: ...
+
+class StatePart(_message.Message):
+    __slots__ = ("name", "tensor", "last", "payload")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: Tensor
+    last: bool
+    payload: bytes
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...

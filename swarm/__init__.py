@@ -4,6 +4,8 @@
 - directory: reading/writing block records and the model index
 - snapshot: SwarmSnapshot, the input of placement and routing decisions
 - placement: which blocks a peer should serve (pure functions)
+- averaging: training groups on hivemind's all-reduce (progress, rounds, joining)
+- optim: optimizers built the same way by peers and trainers
 - checkpoint: reading a checkpoint's config and selected tensors
 - default_model: the built-in default model, converted once from a shipped GGUF file
 - bootstrap, status, cli: the `swarmlm bootstrap`, `swarmlm status` and `swarmlm` commands
@@ -14,13 +16,16 @@ Exports load on first use, so `swarmlm --help` does not pay for torch and hivemi
 import importlib
 
 _EXPORTS = {
+    "AveragingSettings": "swarm.averaging",
     "SwarmSnapshot": "swarm.snapshot",
+    "TrainingGroup": "swarm.averaging",
     "announce": "swarm.directory",
     "choose_span": "swarm.placement",
     "fetch_models": "swarm.directory",
     "fetch_snapshot": "swarm.directory",
     "load_config": "swarm.checkpoint",
     "load_tensors": "swarm.checkpoint",
+    "make_optimizer": "swarm.optim",
     "resolve_model_path": "swarm.checkpoint",
     "should_move": "swarm.placement",
     "start_dht": "swarm.dht",

@@ -15,6 +15,8 @@ COMMANDS = {
     "demo": ("client.demo", "run a whole swarm on this machine with the built-in model, chat, then stop"),
     "bootstrap": ("swarm.bootstrap", "run a DHT bootstrap node and print the --initial-peers to use"),
     "peer": ("peer.cli", "serve a span of a model's blocks"),
+    "train": ("client.train_cli", "train a model with the swarm (or alone, --local, as the reference)"),
+    "export": ("client.export", "save the swarm's current weights as a Hugging Face checkpoint"),
     "status": ("swarm.status", "show which models and blocks the swarm serves, and by whom"),
     "bench": ("bench.cli", "measure the swarm against the local model and the bare wire"),
 }

@@ -23,7 +23,7 @@ class EndsStreams:
     async def forward(self, request, context):
         raise NotImplementedError
 
-    backward = info = forward
+    backward = info = state = forward
 
 
 def test_writing_to_a_finished_stream_is_a_peer_failure():

@@ -17,6 +17,8 @@ from protocol.errors import (
     NoPeersError,
     PeerUnavailableError,
     SequenceTooLongError,
+    StaleEpochError,
+    StateDownloadError,
     SwarmError,
     UnknownSessionError,
     WrongSpanError,
@@ -40,6 +42,8 @@ def test_the_tree_has_the_documented_classes():
         BadRequestError,
         MessageTooLargeError,
         SequenceTooLongError,
+        StaleEpochError,
+        StateDownloadError,
         UnknownSessionError,
         WrongSpanError,
         CacheFullError,
@@ -51,6 +55,7 @@ def test_the_tree_has_the_documented_classes():
     }
     assert issubclass(MessageTooLargeError, BadRequestError)
     assert issubclass(SequenceTooLongError, BadRequestError)
+    assert issubclass(StaleEpochError, BadRequestError)
 
 
 def test_every_subclass_has_a_unique_code():
@@ -86,12 +91,13 @@ def test_base_code_rebuilds_internal_error():
 
 
 def test_methods_match_the_proto():
-    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info"}
+    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info", "State"}
     expected = {
         "Forward": (pb.ForwardRequest, pb.ForwardResponse, False, False),
         "Backward": (pb.BackwardRequest, pb.BackwardResponse, False, False),
         "Inference": (pb.InferenceRequest, pb.InferenceResponse, True, True),
         "Info": (pb.InfoRequest, pb.InfoResponse, False, False),
+        "State": (pb.StateRequest, pb.StatePart, False, True),
     }
     assert SERVICE_NAME == "swarmlm.v1.Peer"
     for name, (request, response, client_streaming, server_streaming) in expected.items():
@@ -161,6 +167,7 @@ def test_generic_handler_routes_every_method_to_snake_case():
         async def backward(self, request, context): ...
         async def inference(self, requests, context): ...
         async def info(self, request, context): ...
+        async def state(self, request, context): ...
 
     handler = make_generic_handler(Servicer())
 

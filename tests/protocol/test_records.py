@@ -13,8 +13,10 @@ from protocol.records import (
     ModelRecord,
     ServerInfo,
     ServerState,
+    TrainingProgress,
     block_key,
     check_prefix,
+    check_run_id,
     prefix_for_model,
 )
 
@@ -31,6 +33,9 @@ def server_wire(**changes: Any) -> dict[str, Any]:
         "endpoint": "127.0.0.1:50051",
         "adapters": ["lora-a", "lora-b"],
         "next_pings": {"12D3KooWPeerA": 0.004, "12D3KooWPeerB": 0.25},
+        "run_id": "run-1",
+        "epoch": 12,
+        "samples": 6,
     }
     wire.update(changes)
     return wire
@@ -111,6 +116,10 @@ def test_server_info_is_frozen():
         ({"endpoint": "grpc://127.0.0.1:50051"}, "endpoint"),
         ({"endpoint": "127.0.0.1:123456"}, "endpoint"),
         ({"endpoint": ""}, "endpoint"),
+        ({"run_id": "a.b"}, "run_id"),
+        ({"run_id": "x" * 65}, "run_id"),
+        ({"epoch": -1}, "epoch"),
+        ({"samples": 1.5}, "samples"),
     ],
 )
 def test_server_info_rejects(changes, field):
@@ -243,3 +252,22 @@ def test_check_prefix_rejects_a_trailing_newline():
 def test_server_info_endpoint_rejects_a_trailing_newline():
     with pytest.raises(InvalidRecordError, match="endpoint"):
         ServerInfo.from_wire(server_wire(endpoint="127.0.0.1:50051\n"))
+
+
+def test_training_progress_roundtrip_and_rejects():
+    progress = TrainingProgress(epoch=3, samples=8)
+    assert TrainingProgress.from_wire(through_dht(progress.to_wire())) == progress
+    for bad in ({"epoch": -1, "samples": 0}, {"epoch": 1, "samples": "8"}, {"epoch": 1}, None, [1, 2]):
+        with pytest.raises(InvalidRecordError, match="invalid TrainingProgress record"):
+            TrainingProgress.from_wire(bad)
+
+
+@pytest.mark.parametrize("run_id", ["default", "run_1", "A-b-9"])
+def test_check_run_id_accepts(run_id):
+    assert check_run_id(run_id) == run_id
+
+
+@pytest.mark.parametrize("run_id", ["", "a.b", "a b", "x" * 65, "run\n"])
+def test_check_run_id_rejects(run_id):
+    with pytest.raises(ValueError, match="run id"):
+        check_run_id(run_id)

@@ -1,0 +1,317 @@
+"""Training groups: processes that train the same tensors and update them together, on hivemind's averaging.
+
+The peers that serve the same blocks in one run form a group, and so do the trainers of a run (for the
+embeddings and head). Each member accumulates gradients, weighted by samples, and publishes its progress
+(epoch, samples) in the DHT every fraction of a second. Once the group holds its target batch, every member
+at that epoch enters one hivemind all-reduce of gradients, parameters and optimizer statistics, weighted by
+samples, and applies the same update. Averaging the parameters and statistics too (not only gradients)
+costs traffic, but heals any divergence in one round: after a failed round, a member that joined with stale
+weights (weight 0 when it brought no samples), or rounding. A member alone skips the all-reduce.
+
+A joining member copies the state of a member (`load_state`), bounded in time: hivemind's own retry loop
+around this never gives up when nobody answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+import argparse
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.utils import get_dht_time
+
+from protocol.errors import InvalidRecordError, StateDownloadError
+from protocol.records import TrainingProgress
+from swarm.optim import set_step_count, state_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AveragingSettings:
+    """Timing of a group's rounds; the defaults suit volunteers on the internet, tests shorten them."""
+
+    matchmaking_time_s: float = 15.0
+    """How long a round waits for members to gather before it averages."""
+    averaging_timeout_s: float = 60.0
+    """A round not done in this long fails; each member then updates with its own gradients."""
+    load_state_timeout_s: float = 60.0
+    """How long a joining member tries to copy a member's state before giving up."""
+    progress_period_s: float = 0.5
+    """How often a member publishes its progress; a record not renewed for 4 periods is gone."""
+
+    def __post_init__(self) -> None:
+        for name in ("matchmaking_time_s", "averaging_timeout_s", "load_state_timeout_s", "progress_period_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.averaging_timeout_s <= self.matchmaking_time_s:
+            raise ValueError(f"averaging_timeout_s ({self.averaging_timeout_s}) must exceed matchmaking_time_s "
+                             f"({self.matchmaking_time_s})")
+
+
+class _Averager(DecentralizedAverager):
+    """hivemind's averager process, serving this member's state to joiners and stopping when its parent dies."""
+
+    def __init__(self, tensors, dht, *, state: Callable, **kwargs):
+        self._state, self._starter_pid = state, os.getpid()
+        super().__init__(tensors, dht, start=False, **kwargs)
+
+    def get_current_state(self):
+        return self._state()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler the starter's event loop installed
+        threading.Thread(target=_exit_with_parent, args=(self._starter_pid,), daemon=True).start()
+        super().run()
+
+
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(0)
+
+
+class TrainingGroup:
+    """This process's membership in the group `key`: accumulate, publish progress, average and update.
+
+    `accumulate` and `take`/`apply` touch the live tensors and must run where the caller's computations run
+    (a peer's compute thread); `average` blocks and runs anywhere.
+    """
+
+    def __init__(self, dht: hivemind.DHT, key: str, params: Sequence[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings):
+        self.dht, self.key, self.settings = dht, key, settings
+        self.params, self.optimizer = list(params), optimizer
+        self.peer_id = dht.peer_id.to_base58()
+        self.epoch, self.samples = 0, 0
+        self.closing = False  # between take() and apply(): gradients for this epoch come too late
+        self._taken = 0  # samples of this epoch taken for the update under way (still announced)
+        self.grads = [torch.zeros_like(p) for p in self.params]  # sums of gradient x samples
+        self.failed_rounds = 0
+        self._lock = threading.Lock()  # accumulate/take versus a joiner reading our state
+        live = self._live_tensors()
+        shared = [torch.zeros_like(t, device="cpu") for t in [*self.grads, *live]]
+        # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; put ours back
+        handler = signal.getsignal(signal.SIGINT)
+        self.averager = _Averager(
+            shared, dht, state=self._state, prefix=key.replace(".", "_") + "_avg", min_group_size=2,
+            min_matchmaking_time=settings.matchmaking_time_s, allreduce_timeout=settings.averaging_timeout_s,
+            # hivemind: a request timeout above the matchmaking time can deadlock matchmaking
+            request_timeout=max(0.5, min(3.0, settings.matchmaking_time_s / 2)),
+            allow_state_sharing=False, declare_state_period=max(5.0, settings.progress_period_s * 10),
+        )
+        try:
+            self.averager.run_in_background(await_ready=True, timeout=60)
+        finally:
+            if threading.current_thread() is threading.main_thread() and handler is not None:
+                signal.signal(signal.SIGINT, handler)
+        # published from a thread of its own, so that a long update does not let our record lapse
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish_forever, name="training-progress", daemon=True)
+        self._publisher.start()
+
+    def _live_tensors(self) -> list[torch.Tensor]:
+        return [*(p.data for p in self.params), *state_tensors(self.optimizer)]
+
+    # --- accumulating ---
+
+    def accumulate(self, grads: Sequence[torch.Tensor], samples: int) -> None:
+        """Add the gradients of a mean loss over `samples` samples."""
+        with self._lock:
+            for acc, grad in zip(self.grads, grads):
+                acc.add_(grad.to(acc.dtype), alpha=samples)
+            self.samples += samples
+
+    def discard(self) -> None:
+        with self._lock:
+            for acc in self.grads:
+                acc.zero_()
+            self.samples = 0
+
+    # --- progress ---
+
+    def _publish_forever(self) -> None:
+        while not self._stop.wait(self.settings.progress_period_s):
+            try:
+                self.publish()
+            except Exception as exc:  # the DHT may be briefly unreachable
+                logger.debug("publishing progress failed: %r", exc)
+
+    def publish(self) -> None:
+        """Tell the group our epoch and samples (returns at once; the store completes in the background)."""
+        ttl = 4 * self.settings.progress_period_s
+        value = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken).to_wire()
+        self.dht.store(f"{self.key}.progress", value, get_dht_time() + ttl, subkey=self.peer_id,
+                       return_future=True)
+
+    def progress(self) -> dict[str, TrainingProgress]:
+        """Peer id -> progress of every member heard from lately, ourselves included (as we are now)."""
+        found = self.dht.get(f"{self.key}.progress", latest=True)
+        members = {}
+        if found is not None and isinstance(found.value, dict):
+            for peer_id, item in found.value.items():
+                try:
+                    members[peer_id] = TrainingProgress.from_wire(getattr(item, "value", None))
+                except InvalidRecordError as exc:
+                    logger.debug("skipping progress of %s: %s", peer_id, exc)
+        members[self.peer_id] = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken)
+        return members
+
+    # --- one update ---
+
+    def take(self) -> tuple[list[torch.Tensor], int]:
+        """The mean gradients accumulated so far and their sample count; accumulation starts afresh."""
+        with self._lock:
+            samples = self.samples
+            grads = [acc / max(samples, 1) for acc in self.grads]
+            for acc in self.grads:
+                acc.zero_()
+            self.samples = 0
+            self.closing, self._taken = True, samples
+        return grads, samples
+
+    def average(self, grads: list[torch.Tensor], samples: int, members: int) -> tuple[list, list | None, int]:
+        """Average with the group (blocking): returns (gradients, parameters and statistics or None, new epoch).
+
+        Alone (members == 1), or when the round fails, this member's own gradients are used and its own
+        parameters kept; a failed round is logged and the next one makes the group identical again.
+        """
+        if members <= 1:
+            return grads, None, self.epoch + 1
+        n = len(grads)
+        with self.averager.get_tensors() as shared:
+            for dst, src in zip(shared, [*grads, *self._live_tensors()]):
+                dst.copy_(src, non_blocking=False)
+        began = time.perf_counter()
+        try:
+            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
+                                         timeout=self.settings.averaging_timeout_s, wait=False)
+            gathered = control.result(timeout=self.settings.averaging_timeout_s + 10)
+        except Exception as exc:
+            self.failed_rounds += 1
+            logger.warning("averaging with the group %s failed (%r); updating with this member's own gradients",
+                           self.key, exc)
+            return grads, None, self.epoch + 1
+        self.last_round_s = time.perf_counter() - began
+        epochs = [g.get("epoch", 0) for g in gathered.values() if isinstance(g, dict)] or [self.epoch]
+        with self.averager.get_tensors() as shared:
+            averaged = [t.clone() for t in shared]
+        logger.info("averaged with %d members of %s in %.2fs", len(gathered), self.key, self.last_round_s)
+        return averaged[:n], averaged[n:], max(epochs) + 1
+
+    def apply(self, grads: list[torch.Tensor], state: list[torch.Tensor] | None, epoch: int) -> None:
+        """Take the averaged parameters and statistics (if any), then update with `grads`."""
+        with self._lock, torch.no_grad():
+            if state is not None:
+                for live, value in zip(self._live_tensors(), state):
+                    live.copy_(value)
+            for p, g in zip(self.params, grads):
+                p.grad = g.to(device=p.device, dtype=p.dtype)
+            set_step_count(self.optimizer, self.epoch)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.epoch, self.closing, self._taken = epoch, False, 0
+            set_step_count(self.optimizer, epoch)
+        self.averager.state_sharing_priority = float(epoch)
+
+    # --- joining ---
+
+    def _state(self):
+        with self._lock:
+            return {"epoch": self.epoch}, [t.detach().cpu().clone() for t in self._live_tensors()], None
+
+    def share_state(self) -> None:
+        """Let joining members copy our state (once ours is the group's)."""
+        self.averager.allow_state_sharing = True
+        self.averager.state_sharing_priority = float(self.epoch)
+
+    def load_state(self) -> int:
+        """Copy a member's parameters, statistics and epoch; returns the epoch.
+
+        Raises StateDownloadError when no member answered within the load-state timeout.
+        """
+        deadline = time.monotonic() + self.settings.load_state_timeout_s
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                loaded = self.averager.load_state_from_peers(wait=True, timeout=max(1.0, min(left, 30.0)))
+            except Exception as exc:  # a timeout, or a donor that vanished mid-download
+                logger.warning("downloading the group's state failed: %r", exc)
+                loaded = None
+            if loaded is not None:
+                metadata, tensors = loaded
+                live = self._live_tensors()
+                if len(tensors) == len(live) and all(t.shape == v.shape for t, v in zip(tensors, live)):
+                    epoch = int(metadata.get("epoch", 0)) if isinstance(metadata, dict) else 0
+                    with self._lock, torch.no_grad():
+                        for dst, src in zip(live, tensors):
+                            dst.copy_(src)
+                        self.epoch = epoch
+                        set_step_count(self.optimizer, epoch)
+                    for acc in self.grads:
+                        acc.zero_()
+                    self.samples = 0
+                    logger.info("copied the state of group %s at epoch %d", self.key, epoch)
+                    return epoch
+                logger.warning("a member of %s sent a state of another shape; trying another", self.key)
+            attempt += 1
+            if time.monotonic() + 1.0 > deadline:
+                raise StateDownloadError(
+                    f"no member of training group {self.key} sent its state within "
+                    f"{self.settings.load_state_timeout_s:g}s ({attempt} attempts); check that its peers are "
+                    f"reachable, raise the load-state timeout, or start a new run with another --run-id")
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.averager.is_alive():
+            try:
+                self.averager.shutdown()
+            except Exception as exc:
+                logger.debug("averager shutdown failed: %r", exc)
+        if self.averager.is_alive():
+            self.averager.kill()
+            self.averager.join(5)
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, to compare parameters across processes."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+                 if t.numel() else b"")
+    return h.hexdigest()
+
+
+def group_key(prefix: str, run_id: str, part: str) -> str:
+    """DHT key of a training group: the model, the run, and the blocks ("0-4") or "trainers"."""
+    return f"{prefix}.train.{run_id}.{part}"
+
+
+def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
+    return any(not bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def add_averaging_arguments(t) -> None:
+    """The flags of AveragingSettings, shared by `swarmlm peer --train` and `swarmlm train`."""
+    t.add_argument("--matchmaking-time", type=float, default=15.0, metavar="S",
+                   help="how long an averaging round gathers its group (default: 15)")
+    t.add_argument("--averaging-timeout", type=float, default=60.0, metavar="S",
+                   help="a round not done in this long falls back to local gradients (default: 60)")
+    t.add_argument("--load-state-timeout", type=float, default=60.0, metavar="S",
+                   help="how long a joining member tries to copy its group's state (default: 60)")
+
+
+def averaging_from_args(args: argparse.Namespace) -> AveragingSettings:
+    return AveragingSettings(matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
+                             load_state_timeout_s=args.load_state_timeout)

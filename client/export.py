@@ -25,12 +25,27 @@ from swarm.dht import start_dht, stop_dht
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteSequence
+from client.transport import ChannelPool
 
 logger = logging.getLogger(__name__)
 
 TRAINER_FILE = "trainer.safetensors"
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja")
+
+
+async def fetch_peer_weights(pool: ChannelPool, endpoint: str, prefix: str, start: int,
+                             end: int) -> dict[str, torch.Tensor]:
+    """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name."""
+    request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
+    pieces: dict[str, list[torch.Tensor]] = {}
+    try:
+        async for part in pool.stub(endpoint).state(request, timeout=600):
+            pieces.setdefault(part.message.name, []).append(
+                decode_tensor(part.message.tensor, part.message.name, part.payload).clone())
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc, endpoint) from exc
+    return {name: torch.cat(parts) if len(parts) > 1 else parts[0] for name, parts in pieces.items()}
 
 
 async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -40,18 +55,10 @@ async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> 
     snapshot = await sequence.snapshot()
     for hop in route:
         info = snapshot.servers[hop.peer_id]
-        request = pb.StateRequest(span=pb.Span(model=sequence.prefix, start=info.start_block, end=info.end_block))
-        pieces: dict[str, list[torch.Tensor]] = {}
-        try:
-            async for part in sequence.pool.stub(hop.endpoint).state(request, timeout=600):
-                pieces.setdefault(part.message.name, []).append(
-                    decode_tensor(part.message.tensor, part.message.name, part.payload).clone())
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, hop.endpoint) from exc
+        weights = await fetch_peer_weights(sequence.pool, hop.endpoint, sequence.prefix, info.start_block,
+                                           info.end_block)
         wanted = {f"model.layers.{i}." for i in range(hop.start, hop.end)}
-        for name, parts in pieces.items():
-            if any(name.startswith(w) for w in wanted):
-                tensors[name] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        tensors.update({name: t for name, t in weights.items() if any(name.startswith(w) for w in wanted)})
     return tensors
 
 

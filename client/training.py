@@ -50,8 +50,8 @@ class TrainConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
-    step_timeout_s: float = 300.0
-    """How long to wait for the stages' update before contributing to the same update again."""
+    step_timeout_s: float = 60.0
+    """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""
     host: str = "127.0.0.1"
     """Address the trainer's DHT node listens on: trainers average with each other through it."""
 
@@ -191,8 +191,8 @@ class SwarmTrainer:
 
     # --- the stages' updates ---
 
-    async def _stage_epochs(self) -> dict[str, tuple[tuple[int, int], int]]:
-        """Peer id -> (span, epoch) of every live peer of the run (those that answer an Info call)."""
+    async def _stage_epochs(self) -> dict[str, tuple[tuple[int, int], int, int]]:
+        """Peer id -> (span, epoch, samples) of every live peer of the run (those that answer an Info call)."""
         snapshot = await self.sequence.snapshot(refresh=True)
 
         async def ask(peer_id, info):
@@ -202,7 +202,9 @@ class SwarmTrainer:
                 return None
             if response.run_id != self.config.run_id:
                 return None
-            return peer_id, ((info.start_block, info.end_block), int(response.epoch))
+            # a peer in the middle of an update counts as growing: its group has what it needs
+            return peer_id, ((info.start_block, info.end_block), int(response.epoch),
+                             int(response.samples) + (1 << 40 if response.updating else 0))
 
         answers = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
         return dict(answer for answer in answers if answer is not None)
@@ -213,7 +215,7 @@ class SwarmTrainer:
         while True:
             peers = await self._stage_epochs()
             spans: dict[tuple[int, int], list[int]] = {}
-            for span, epoch in peers.values():
+            for span, epoch, _ in peers.values():
                 spans.setdefault(span, []).append(epoch)
             settled = all(min(e) == max(e) for e in spans.values())
             if settled or not wait or time.monotonic() > deadline:
@@ -223,20 +225,29 @@ class SwarmTrainer:
             await asyncio.sleep(0.05)
 
     async def _wait_for_update(self, tag: TrainingTag, done: list) -> bool:
-        """Wait until every stage has moved past `tag`'s epochs; False if that did not happen in time."""
+        """Wait until every stage has moved past `tag`'s epochs; False if that stalled.
+
+        Other trainers may still be filling the update: the wait lasts while the stages' samples grow, and
+        gives up `step_timeout_s` after they stopped growing (a trainer died, or this one is alone), so that
+        the next batch adds to the same update instead of waiting forever.
+        """
         deadline = time.monotonic() + self.config.step_timeout_s
+        last_samples = None
         while True:
             peers = await self._stage_epochs()
-            pending = {span for span, epoch in peers.values() if epoch <= tag.epochs.get(span, -1)}
+            pending = {span for span, epoch, _ in peers.values() if epoch <= tag.epochs.get(span, -1)}
             if not pending:
                 return True
             lost = [item for item in done if item[0].peer_id not in peers and (item[0].start, item[0].end) in pending]
             for item in lost:
                 done.remove(item)
                 await self._redo(item, tag, done)
+            samples = sum(samples for _, _, samples in peers.values())
+            if samples != last_samples:
+                last_samples, deadline = samples, time.monotonic() + self.config.step_timeout_s
             if time.monotonic() > deadline:
-                logger.warning("stages %s did not update within %.0fs; going on (the next batch adds to the same "
-                               "update)", sorted(pending), self.config.step_timeout_s)
+                logger.warning("stages %s did not update, and got no samples for %.0fs; going on (the next batch "
+                               "adds to the same update)", sorted(pending), self.config.step_timeout_s)
                 return False
             await asyncio.sleep(0.05)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 
 import grpc
 
@@ -23,6 +24,7 @@ class ChannelPool:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         self._stubs: dict[str, tuple[grpc.aio.Channel, PeerStub]] = {}
+        self._dropped: weakref.WeakSet = weakref.WeakSet()  # channels closed under requests still in flight
 
     def stub(self, endpoint: str) -> PeerStub:
         if endpoint not in self._stubs:
@@ -34,6 +36,7 @@ class ChannelPool:
         """Forget a channel (its peer failed), so the next request reconnects."""
         entry = self._stubs.pop(endpoint, None)
         if entry is not None:
+            self._dropped.add(entry[0])
             await entry[0].close(grace=None)
 
     async def close(self) -> None:
@@ -42,8 +45,15 @@ class ChannelPool:
         self._stubs.clear()
 
     async def unary(self, endpoint: str, method: str, request, timeout_s: float):
+        stub = self.stub(endpoint)
+        channel = self._stubs[endpoint][0]
         try:
-            return await getattr(self.stub(endpoint), method)(request, timeout=timeout_s)
+            return await getattr(stub, method)(request, timeout=timeout_s)
+        except asyncio.CancelledError:
+            # closing a channel cancels its calls: when another request's failure closed it, this one failed too
+            if channel in self._dropped:
+                raise PeerUnavailableError(f"peer {endpoint} failed while this request was in flight") from None
+            raise
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, endpoint) from exc
         except grpc.aio.UsageError as exc:  # its channel was closed under it, after another request failed

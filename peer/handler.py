@@ -220,7 +220,7 @@ class PeerServicer:
         training = self.training
         if training is not None:
             response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples
-            response.train_mode = training.config.mode
+            response.train_mode, response.updating = training.config.mode, training.group.closing
             if request.param_digest:
                 response.param_digest = await self._compute(training.digest, tokens=1 << 20)
         return response

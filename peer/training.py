@@ -163,9 +163,12 @@ class SpanTraining:
                 if sum(p.samples for p in same.values()) >= self.config.target_batch_size:
                     await self._update(len(same), compute)
                     on_update()
-                elif group.samples == 0 and max(p.epoch for p in members.values()) > group.epoch:
-                    logger.warning("group %s moved on without this peer; copying its state", group.key)
-                    await compute(group.load_state)
+                elif max(p.epoch for p in members.values()) > group.epoch and not group.closing:
+                    # its samples can never complete an update the others have made: drop them and catch up
+                    logger.warning("group %s moved on without this peer (update %d, here %d); dropping %d samples "
+                                   "and copying its state", group.key, max(p.epoch for p in members.values()),
+                                   group.epoch, group.samples)
+                    await compute(lambda: (group.discard(), group.load_state()))
                 busy = any(p.samples for p in same.values())
             except asyncio.CancelledError:
                 raise

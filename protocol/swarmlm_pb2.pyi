@@ -193,7 +193,7 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class InfoResponse(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TRAIN_MODE_FIELD_NUMBER: _ClassVar[int]
+    UPDATING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -224,7 +225,8 @@ class InfoResponse(_message.Message):
     samples: int
     param_digest: str
     train_mode: str
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ...) -> None: ...
+    updating: bool
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

@@ -108,6 +108,7 @@ class TrainingGroup:
             # hivemind: a request timeout above the matchmaking time can deadlock matchmaking
             request_timeout=max(0.5, min(3.0, settings.matchmaking_time_s / 2)),
             allow_state_sharing=False, declare_state_period=max(5.0, settings.progress_period_s * 10),
+            shutdown_timeout=2,
         )
         try:
             self.averager.run_in_background(await_ready=True, timeout=60)
@@ -193,8 +194,11 @@ class TrainingGroup:
                 dst.copy_(src, non_blocking=False)
         began = time.perf_counter()
         try:
-            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
-                                         timeout=self.settings.averaging_timeout_s, wait=False)
+            # a member that died since it last published never comes: give up finding the group after a few
+            # matchmaking periods, not the whole averaging timeout
+            find_s = min(self.settings.averaging_timeout_s, 3 * self.settings.matchmaking_time_s)
+            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch}, timeout=find_s,
+                                         wait=False)
             gathered = control.result(timeout=self.settings.averaging_timeout_s + 10)
         except Exception as exc:
             self.failed_rounds += 1

@@ -48,3 +48,40 @@ def test_writing_to_a_finished_stream_is_a_peer_failure():
             await server.stop(None)
 
     asyncio.run(go())
+
+
+class SlowEcho:
+    """A peer whose Info calls take a while, so that several are in flight on one channel."""
+
+    async def info(self, request, context):
+        await asyncio.sleep(0.5)
+        return pb.InfoResponse(peer_id="slow")
+
+    async def forward(self, request, context):
+        raise NotImplementedError
+
+    backward = inference = state = forward
+
+
+def test_dropping_a_channel_fails_its_other_calls_as_peer_failures():
+    """Concurrent micro-batches share a channel: when one fails and drops it, the others fail, not get cancelled."""
+
+    async def go():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((make_generic_handler(SlowEcho()),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = ChannelPool(1 << 20)
+        endpoint = f"127.0.0.1:{port}"
+        try:
+            calls = [asyncio.create_task(pool.unary(endpoint, "info", pb.InfoRequest(), 5)) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            await pool.drop(endpoint)
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(r, PeerUnavailableError) for r in results), results
+            assert (await pool.unary(endpoint, "info", pb.InfoRequest(), 5)).peer_id == "slow"  # reconnects
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(go())

@@ -6,8 +6,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "startup")
+SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "startup", "train_swarm")
 """Every scenario, in the order they run (startup and memory are measured while the peers start)."""
+QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s != "train_swarm")
+"""What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores."""
 MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "startup")
 """Scenarios that need a swarm of peers serving a model."""
 DEVICES = ("cpu", "cuda")
@@ -46,6 +48,8 @@ class Plan:
     """Greedy steps per client in the concurrency scenario."""
     wire_calls: int = 100
     """Echo calls per payload and transport in one repeat of the wire scenario."""
+    train_swarm_steps: int = 30
+    """Optimizer steps of each training run of the train_swarm scenario (its pipelining runs take half)."""
     peer_threads: int = 1
     """torch threads of each peer process (`--num-threads`); the CLI defaults it to the reference's."""
     peer_omp_passive: bool = True
@@ -69,7 +73,7 @@ class Plan:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("repeats", "decode_steps", "decode_prompt", "train_batch", "train_seq", "concurrency_steps",
-                     "wire_calls", "peer_threads"):
+                     "wire_calls", "train_swarm_steps", "peer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("peer_counts", "prefill_lengths", "concurrency_clients"):
@@ -92,7 +96,8 @@ def preset(*, quick: bool, device: str) -> Plan:
     gpu = device == "cuda"
     if quick:
         return Plan(
-            configs=("default",), device=device, dtype="bfloat16" if gpu else "float32", repeats=3,
+            configs=("default",), scenarios=QUICK_SCENARIOS, device=device, dtype="bfloat16" if gpu else "float32",
+            repeats=3, train_swarm_steps=12,
             peer_counts=(3,), prefill_lengths=(128,), train_batch=2, train_seq=128,
             concurrency_clients=(1, 2, 4, 8), concurrency_steps=8, wire_calls=30, quick=True,
             memory_overhead_mib=1024.0 if gpu else 450.0,

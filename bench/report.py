@@ -1,4 +1,7 @@
-"""The results folder: results.json (everything), results.md (a table per scenario) and one PNG per scenario."""
+"""The results folder: results.json (everything), results.md (a table per scenario) and one PNG per scenario.
+
+A scenario in SELF_PLOTTED draws its own PNG (train_swarm: loss curves); the others get bar charts here.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ TITLES = {
     "wire": "Wire overhead per hop",
     "concurrency": "Concurrent clients",
     "startup": "Peer startup and memory",
+    "train_swarm": "Training with the swarm (peers + trainers) vs local",
 }
+SELF_PLOTTED = {"train_swarm"}
 
 
 def _num(x: float | None, digits: int = 3) -> str:
@@ -60,6 +65,9 @@ def markdown(rows: list[Row], header: dict) -> str:
             ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
             lines.append(f"| {row.config} | {row.variant} | {row.metric} ({row.unit}) | {_cell(row.ours)} | "
                          f"{reference} | {ratio} | {row.target.text if row.target else '-'} | {_met(row)} |")
+        notes = list(dict.fromkeys(note for row in group for note in row.extra.get("notes", ())))
+        if notes:
+            lines += [""] + [f"- {note}" for note in notes]
     if header.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in header["errors"]]
     if header.get("notes"):
@@ -79,6 +87,10 @@ def plot(rows: list[Row], out_dir: Path) -> list[Path]:
     for row in rows:
         by_scenario[row.scenario].append(row)
     for scenario, group in by_scenario.items():
+        if scenario in SELF_PLOTTED:
+            if (out_dir / f"{scenario}.png").is_file():
+                written.append(out_dir / f"{scenario}.png")
+            continue
         metrics: dict[str, list[Row]] = defaultdict(list)
         for row in group:
             metrics[f"{row.metric} ({row.unit})"].append(row)

@@ -1,4 +1,5 @@
-"""Runs a Plan: per model, the wire scenario, then each split of its blocks with the model scenarios.
+"""Runs a Plan: per model, the wire scenario, then each split of its blocks with the model scenarios; then, once,
+train_swarm, which starts a swarm of its own.
 
 Each scenario runs under `_Collector.attempt`: a failure is logged with its traceback and recorded, and the run goes
 on with the next one (peers and clients are still stopped by the harness's context managers).
@@ -16,8 +17,9 @@ from bench import models
 from bench.harness import ModelRun
 from bench.load import OutsideLoad
 from bench.plan import Plan
-from bench.scenarios import concurrency, decode, prefill, startup, train, wire
+from bench.scenarios import concurrency, decode, prefill, startup, train, train_swarm, wire
 from bench.stats import Row
+from bench.train_runs import TRAIN_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +82,25 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                 out.attempt(f"{name}/startup", lambda: startup.run(model_run, split, probe))
 
 
+def _train_swarm(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path, out: _Collector,
+                 descriptions: dict) -> None:
+    """Each part of train_swarm under `attempt`, so that one failing part does not hide the others."""
+    try:
+        with train_swarm.TrainSwarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir) as bench:
+            descriptions[TRAIN_MODEL] = bench.description
+            for part, fn in bench.parts():
+                out.attempt(f"train_swarm/{part}", fn)
+    except Exception as exc:  # its model could not be built, or its bootstrap node did not start
+        logger.error("train_swarm: %s", traceback.format_exc())
+        out.errors.append(f"train_swarm: {type(exc).__name__}: {exc}")
+
+
 def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) -> tuple[list[Row], list[str], dict]:
     """Every scenario of `plan` over every model; returns rows, errors and the models' descriptions."""
     out = _Collector()
     descriptions = {}
-    for name in plan.configs:
+    per_model = plan.needs_swarm or "wire" in plan.scenarios
+    for name in plan.configs if per_model else ():
         try:
             model = models.resolve(name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype,
                                    device=plan.device)
@@ -101,4 +117,7 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
             except Exception as exc:  # the bootstrap node failed to start, say
                 logger.error("%s: %s", name, traceback.format_exc())
                 out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    if "train_swarm" in plan.scenarios:
+        _train_swarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out,
+                     descriptions=descriptions)
     return out.rows, out.errors, descriptions

@@ -31,6 +31,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--peers", type=int, default=3, help="how many peers split the blocks (default: 3)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default: 48)")
     p.add_argument("--cache-dir", help="where the default model is converted to (default: ~/.cache/swarmlm)")
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true",
+                   help="fine-tune the model on Shakespeare with two stages of training peers, then write a line")
+    t.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
+    t.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: 4)")
+    t.add_argument("--train-mode", default="lora", choices=("full", "lora"),
+                   help="what the peers train (default: lora, small enough for a laptop)")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
+    t.add_argument("--peer-lr", type=float, default=1e-3, help="learning rate of the peers (default: 1e-3)")
+    t.add_argument("--train-prompt", default="ROMEO:\n", help="what the trained model continues (default: ROMEO:)")
     return p
 
 
@@ -47,6 +58,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     model_path = Path(args.model) if args.model else resolve_default_model(cache_dir)
+    if args.train:
+        if args.steps < 1 or args.seq_len < 2 or args.batch_size < 2 or args.batch_size % 2:
+            raise SystemExit(f"error: --steps must be >= 1, --seq-len >= 2 and --batch-size an even number >= 2, "
+                             f"got {args.steps}, {args.seq_len}, {args.batch_size}")
+        return _run_training(args, model_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     num_blocks = load_config(model_path).num_hidden_layers
     spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
@@ -86,5 +102,19 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if model is not None:
             model.shutdown()
+        swarm.stop()
+        print(f"all processes stopped (logs in {swarm.log_dir})")
+
+
+def _run_training(args: argparse.Namespace, model_path: Path, cache_dir: Path) -> int:
+    from client.train_demo import run_training
+
+    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-train-")))
+    try:
+        return run_training(args, model_path, cache_dir, swarm)
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the swarm", flush=True)
+        return 130
+    finally:
         swarm.stop()
         print(f"all processes stopped (logs in {swarm.log_dir})")

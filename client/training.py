@@ -27,7 +27,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import StaleEpochError, SwarmError
 from protocol.records import check_run_id
-from swarm.averaging import AveragingSettings, TrainingGroup, group_key
+from swarm.averaging import AveragingSettings, TrainingGroup, group_key, has_nonfinite
 from swarm.dht import start_dht, stop_dht
 from swarm.optim import OPTIMIZERS, make_optimizer
 from client.sequence import TrainingTag
@@ -146,6 +146,9 @@ class SwarmTrainer:
                           if p.epoch == self.group.epoch)
             grads, samples = await self._local(self.group.take)
             grads, state, epoch = await asyncio.to_thread(self.group.average, grads, samples, members)
+            if has_nonfinite(grads) or (state is not None and has_nonfinite(state)):
+                logger.warning("the trainers' update %d is not finite; skipping it", epoch)
+                grads, state = None, None
             await self._local(lambda: self.group.apply(grads, state, epoch))
         self.steps_done += 1
         loss = sum(loss * ids.shape[0] for loss, ids in zip(losses, micro)) / batch.shape[0]

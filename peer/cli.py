@@ -37,6 +37,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
+    p.add_argument("--announce-host", metavar="HOST[:PORT]",
+                   help="announce this address instead of the one listened on (port forwarding, a proxy)")
     p.add_argument("--dht-port", type=int, default=0, help="DHT port (default: a free one)")
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
     p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
@@ -92,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         dht_prefix=args.dht_prefix,
         host=args.host,
         port=args.port,
+        announce_host=args.announce_host,
         dht_port=args.dht_port,
         device=args.device,
         dtype=args.dtype,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from peer.training import TrainingConfig
@@ -27,6 +28,8 @@ class PeerConfig:
     """Address the gRPC and DHT endpoints listen on (and announce)."""
     port: int = 0
     """gRPC port; 0 picks a free one."""
+    announce_host: str | None = None
+    """Announce this "HOST" or "HOST:PORT" instead of where the peer listens (port forwarding, a proxy)."""
     dht_port: int = 0
     """DHT (libp2p) port; 0 picks a free one."""
     device: str = "cpu"
@@ -86,5 +89,7 @@ class PeerConfig:
                      "activation_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.announce_host is not None and not re.fullmatch(r"[^\s:]+(:\d{1,5})?", self.announce_host):
+            raise ValueError(f"announce_host must be HOST or HOST:PORT, got {self.announce_host!r}")
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:
             raise ValueError(f"ports must be in 0..65535, got port={self.port} dht_port={self.dht_port}")

@@ -96,6 +96,9 @@ class PeerServer:
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}; choose another --port")
         self.endpoint = f"{cfg.host}:{port}"
+        if cfg.announce_host:  # reached through another address: announce that one
+            host, _, announced_port = cfg.announce_host.partition(":")
+            self.endpoint = f"{host}:{announced_port or port}"
         await self.grpc_server.start()
 
         await self._serve_blocks(await asyncio.to_thread(self._choose_blocks))

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from protocol.errors import BadRequestError, StaleEpochError
+from protocol.errors import BadRequestError, StaleEpochError, StateDownloadError
 from protocol.records import check_run_id
 from swarm.averaging import AveragingSettings, TrainingGroup, digest, group_key, has_nonfinite
 from swarm.optim import OPTIMIZERS, make_optimizer, set_step_count, state_tensors
@@ -81,6 +82,7 @@ class SpanTraining:
         self._digest: tuple[int, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None  # set when gradients arrive, so the loop looks at once
+        self._catch_up_after = 0.0  # after a failed catch-up, when to try again
         self.saved_as = Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" \
             if config.save_dir else None
 
@@ -147,7 +149,14 @@ class SpanTraining:
         if ahead:
             logger.info("group %s is at update %d; copying its state", self.group.key,
                         max(members[pid].epoch for pid in ahead))
-            self.group.load_state()
+            try:
+                self.group.load_state()
+            except StateDownloadError:
+                # the members seen may have left since (their progress outlives them by a few seconds)
+                if any(p.epoch > self.epoch for pid, p in self.group.progress().items() if pid != self.group.peer_id):
+                    raise
+                logger.warning("the members of %s that were ahead left; starting from update %d", self.group.key,
+                               self.epoch)
         self.group.share_state()
         self.group.publish()
 
@@ -163,12 +172,17 @@ class SpanTraining:
                 if sum(p.samples for p in same.values()) >= self.config.target_batch_size:
                     await self._update(len(same), compute)
                     on_update()
-                elif max(p.epoch for p in members.values()) > group.epoch and not group.closing:
+                elif (max(p.epoch for p in members.values()) > group.epoch and not group.closing
+                      and time.monotonic() >= self._catch_up_after):
                     # its samples can never complete an update the others have made: drop them and catch up
                     logger.warning("group %s moved on without this peer (update %d, here %d); dropping %d samples "
                                    "and copying its state", group.key, max(p.epoch for p in members.values()),
                                    group.epoch, group.samples)
-                    await compute(lambda: (group.discard(), group.load_state()))
+                    try:
+                        await compute(lambda: (group.discard(), group.load_state()))
+                    except StateDownloadError as exc:  # try again later, not at every tick
+                        self._catch_up_after = time.monotonic() + settings.load_state_timeout_s
+                        logger.warning("%s", exc)
                 busy = any(p.samples for p in same.values())
             except asyncio.CancelledError:
                 raise
@@ -183,8 +197,7 @@ class SpanTraining:
         grads, state, epoch = await asyncio.to_thread(self.group.average, grads, samples, members)
         if has_nonfinite(grads) or (state is not None and has_nonfinite(state)):
             logger.warning("update %d of %s is not finite; skipping it", epoch, self.group.key)
-            grads = [torch.zeros_like(g) for g in grads]
-            state = None
+            grads, state = None, None
         await compute(lambda: self.group.apply(grads, state, epoch))
         logger.info("update %d of run %r applied (%d samples here, %d group members)", epoch, self.run_id,
                     samples, members)

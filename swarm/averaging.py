@@ -97,6 +97,7 @@ class TrainingGroup:
         self._taken = 0  # samples of this epoch taken for the update under way (still announced)
         self.grads = [torch.zeros_like(p) for p in self.params]  # sums of gradient x samples
         self.failed_rounds = 0
+        self.last_round_s: float | None = None  # how long the latest successful all-reduce took
         self._lock = threading.Lock()  # accumulate/take versus a joiner reading our state
         live = self._live_tensors()
         shared = [torch.zeros_like(t, device="cpu") for t in [*self.grads, *live]]
@@ -212,17 +213,18 @@ class TrainingGroup:
         logger.info("averaged with %d members of %s in %.2fs", len(gathered), self.key, self.last_round_s)
         return averaged[:n], averaged[n:], max(epochs) + 1
 
-    def apply(self, grads: list[torch.Tensor], state: list[torch.Tensor] | None, epoch: int) -> None:
-        """Take the averaged parameters and statistics (if any), then update with `grads`."""
+    def apply(self, grads: list[torch.Tensor] | None, state: list[torch.Tensor] | None, epoch: int) -> None:
+        """Take the averaged parameters and statistics (if any), then update with `grads` (None: no update)."""
         with self._lock, torch.no_grad():
             if state is not None:
                 for live, value in zip(self._live_tensors(), state):
                     live.copy_(value)
-            for p, g in zip(self.params, grads):
-                p.grad = g.to(device=p.device, dtype=p.dtype)
-            set_step_count(self.optimizer, self.epoch)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if grads is not None:
+                for p, g in zip(self.params, grads):
+                    p.grad = g.to(device=p.device, dtype=p.dtype)
+                set_step_count(self.optimizer, self.epoch)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
             self.epoch, self.closing, self._taken = epoch, False, 0
             set_step_count(self.optimizer, epoch)
         self.averager.state_sharing_priority = float(epoch)

@@ -35,6 +35,7 @@ def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> st
         lines.append(
             f"  blocks {info.start_block:>3}:{info.end_block:<3}  {ServerState(info.state).name:<7}  {peer_id}  "
             f"{info.endpoint}  {info.throughput:8.1f} tok/s  {info.dtype}  cache left {info.cache_tokens_left}"
+            + (f"  training {info.run_id!r}: update {info.epoch}, {info.samples} samples" if info.run_id else "")
         )
     uncovered = snapshot.uncovered_blocks()
     lines.append(f"  uncovered blocks: {_ranges(uncovered)}" if uncovered else "  all blocks covered")

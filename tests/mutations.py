@@ -60,6 +60,7 @@ MARKER_ENV = "SWARMLM_MUTATION_RUN"  # every process of a run inherits it; lefto
 
 GEN = "tests/integration/test_generation.py"
 FAIL = "tests/integration/test_failover.py"
+TRAIN = "tests/integration/test_training.py"
 GENERATION_FAILOVER = "generation_survives_sigkill"  # -k for test_failover.py: peers killed mid-generation
 
 
@@ -193,6 +194,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if kept is None:  # MUTATION",
         "a backward uses activations kept under its id even for other inputs",
         ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",)),
+    Mutation(
+        "peer-gradients-unweighted", "peer/training.py",
+        "self.group.accumulate(param_grads, samples=inputs.shape[0])",
+        "self.group.accumulate(param_grads, samples=1)  # MUTATION",
+        "a training peer adds each request's gradients without weighting them by its samples",
+        (f"{TRAIN}::test_swarm_training_equals_local_training",)),
+    Mutation(
+        "group-skips-averaging", "swarm/averaging.py",
+        "        if members <= 1:\n",
+        "        if True:  # MUTATION\n",
+        "members of a group update with their own gradients, never averaging",
+        (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",)),
+    Mutation(
+        "trainer-skips-update-wait", "client/training.py",
+        "        updated = await self._wait_for_update(tag, done)\n",
+        "        updated = True  # MUTATION\n",
+        "the trainer starts the next batch before the stages have applied the update",
+        (f"{TRAIN}::test_swarm_training_equals_local_training",)),
+    Mutation(
+        "export-skips-lora-merge", "peer/training.py",
+        "            return lora.merged_layer_state(self.span)",
+        "            return {k.replace('.base_layer', ''): v for k, v in self.span.layers.state_dict().items() "
+        "if 'lora_' not in k}  # MUTATION",
+        "a LoRA peer exports its base weights without the trained adapters",
+        (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",)),
 )
 
 

@@ -6,4 +6,5 @@
     concurrency  1..8 clients generating at once against the same peers: aggregate tokens/s, per-client latency
     startup      peer start-up time to ONLINE, and each peer's resident memory vs the whole local model
     wire         per-hop cost of our RPC vs a bare gRPC echo of the same bytes, and vs hivemind's P2P
+    train_swarm  training peers + `swarmlm train` vs `--local`: loss curves, tokens/s, all-reduce cost, pipelining
 """

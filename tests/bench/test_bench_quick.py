@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.plan import SCENARIOS, Plan
+from bench.plan import QUICK_SCENARIOS, Plan
 from bench.stats import Row, Summary, Target, percentile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
     )
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-6000:]}"
 
-    for name in ("results.json", "results.md", *(f"{s}.png" for s in SCENARIOS)):
+    for name in ("results.json", "results.md", *(f"{s}.png" for s in QUICK_SCENARIOS)):
         path = out / name
         assert path.is_file() and path.stat().st_size > 0, f"{name} missing from {sorted(p.name for p in out.iterdir())}"
 
@@ -70,7 +70,7 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
     for key in ("cpus", "torch", "reference_threads", "peer_threads", "device", "dtype"):
         assert key in results["machine"], key
     rows = results["rows"]
-    assert {row["scenario"] for row in rows} == set(SCENARIOS)
+    assert {row["scenario"] for row in rows} == set(QUICK_SCENARIOS)
     for row in rows:
         where = f"{row['scenario']}/{row['variant']}/{row['metric']}"
         for stat in ("median", "p10", "p90"):

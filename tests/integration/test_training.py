@@ -8,16 +8,20 @@ stage and two trainers, whose batches together are the local reference's batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, SwarmTrainer, TrainConfig
-from client.export import fetch_peer_weights
+from client.export import TRAINER_FILE, export_model, fetch_peer_weights
 from client.local_training import LocalTrainer
+from client.sequence import TrainingTag
+from protocol.errors import BadRequestError, StaleEpochError
 from protocol.records import prefix_for_model
 from swarm.averaging import AveragingSettings
 from tests.helpers.models import VOCAB_SIZE, make_tiny
@@ -91,8 +95,6 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
         torch.testing.assert_close(mine[name], tensor, atol=1e-5, rtol=0, msg=name)
         assert not torch.equal(tensor, initial[name]) or "norm" in name, f"{name} was not trained"
     # and transformers loads the export like any checkpoint, with the local run's logits
-    from transformers import AutoModelForCausalLM
-
     ids = torch.randint(3, VOCAB_SIZE, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(
@@ -178,7 +180,7 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
         swarm.start_bootstrap()
         for start, end in [(0, 3), (3, 4)]:
             swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("lora", 4), "--train-mode", "lora",
-                             "--lr", "3e-2")
+                             "--lr", "3e-2", "--save-dir", str(tmp_path / "saved"))
         swarm.wait_online(prefix_for_model(str(model_path)), [(0, 3), (3, 4)], timeout_s=120)
         model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers,
                                                                 dtype=torch.float32)
@@ -188,6 +190,17 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             generator = torch.Generator().manual_seed(0)
             for _ in range(3):
                 trainer.step(torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator))
+
+            # a peer stopped with --save-dir saves its span; restarted alone in its group, it resumes there
+            (before,) = group_weights(model, (3, 4))
+            first = next(p for p in swarm.processes if "3:4" in p.args)
+            assert swarm.terminate(first, timeout_s=60) == 0, first.logs()
+            again = swarm.start_peer(model_path, "--blocks", "3:4", *peer_flags("lora", 4), "--train-mode", "lora",
+                                     "--lr", "3e-2", "--save-dir", str(tmp_path / "saved"))
+            swarm.wait_for(lambda: "ONLINE" in again.stderr(), 120, "the restarted peer to be ONLINE")
+            assert "resumed run 'lora' at update 4" in again.stderr(), again.logs()
+            (after,) = [w for w in group_weights(model, (3, 4))]
+            assert max_difference(before, after) == 0.0
             initial = load_file(model_path / "model.safetensors")
             served = {}
             for span in [(0, 3), (3, 4)]:
@@ -198,15 +211,10 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
 
             trainer_dir = tmp_path / "trainer"
             trainer_dir.mkdir()
-            from client.export import TRAINER_FILE, export_model
-            from safetensors.torch import save_file
-
             save_file({name: p.detach().contiguous() for name, p in model.named_parameters()},
                       str(trainer_dir / TRAINER_FILE))
             out = export_model(str(model_path), swarm.initial_peers, tmp_path / "exported", trainer_dir=trainer_dir,
                                run_id="lora")
-            from transformers import AutoModelForCausalLM
-
             exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             ids = torch.randint(3, VOCAB_SIZE, (2, 16), generator=generator)
             with torch.no_grad():
@@ -214,6 +222,26 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
                 prompt = ids[:1, :6]
                 assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
                                    exported.generate(prompt, max_new_tokens=8, do_sample=False))
+
+            # training requests that do not fit get typed errors, and the peers train on
+            sequence = model.sequence
+            hop = next(h for h in model._run(sequence.plan(0, 3, inference=False)) if h.start == 0)
+            hidden = torch.randn(1, 4, model.config.hidden_size)
+            positions = torch.arange(4).unsqueeze(0)
+            epoch = 3  # after three steps
+
+            def backward(tag, on=hop):
+                return model._run(sequence._call_backward(on, hidden, hidden, None, positions, "", tag))
+
+            with pytest.raises(BadRequestError, match="trains run 'lora', not 'other'"):
+                backward(TrainingTag("other", {(0, 3): epoch}))
+            with pytest.raises(StaleEpochError, match="at update 3"):
+                backward(TrainingTag("lora", {(0, 3): epoch - 1}))
+            with pytest.raises(BadRequestError, match="whole span 0:3"):
+                backward(TrainingTag("lora", {(0, 2): epoch}), on=dataclasses.replace(hop, end=2))
+            with pytest.raises(BadRequestError, match="whole span 0:3"):
+                model._run(fetch_peer_weights(sequence.pool, hop.endpoint, sequence.prefix, 0, 2))
+            trainer.step(torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator))
         finally:
             if trainer is not None:
                 trainer.close()

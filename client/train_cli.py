@@ -69,12 +69,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None) -> Prefetcher:
     from transformers import AutoTokenizer
 
+    files = text_files(args.data) if args.data else default_corpus()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer of {model_path}: {exc}; the checkpoint folder must hold one") \
             from None
-    files = text_files(args.data) if args.data else default_corpus()
     tokens = tokenize_files(tokenizer, files)
     batches = TokenBatches(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, state=state)
     logger.info("data: %d files, %d tokens, %d sequences of %d", len(files), tokens.numel(), batches.num_chunks,

@@ -157,24 +157,33 @@ def test_a_process_killed_alone_takes_its_dht_process_and_p2pd_along(swarm):
     assert not left, f"still running 10 s after the main process was killed:\n{describe(left)}"
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--blocks", "5"], "expected START:END"),
-        (["--blocks", "3:1"], "0 <= start < end"),
-        (["--dtype", "float8"], "invalid choice: 'float8'"),
-        (["--num-blocks", "0"], "num_blocks must be >= 1"),
-        (["--port", "70000"], "0..65535"),
-        (["--activation-cache-mb", "-1"], "activation_cache_mb must be >= 0"),
-    ],
-    ids=["blocks-not-a-span", "blocks-reversed", "dtype-float8", "num-blocks-0", "port-out-of-range",
-         "activation-cache-negative"],
-)
-def test_peer_rejects_bad_arguments(swarm, tiny_llama_path, args, message):
-    result = swarm.run("peer", str(tiny_llama_path), *args, timeout_s=60)  # run() also checks nothing is left
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
+BAD_ARGUMENTS = [
+    # (command and arguments after the model, what the error must say); the training settings' own checks are
+    # unit-tested (tests/client/test_train_config.py): here, that the commands turn them into clear exits
+    (["peer", "--blocks", "5"], "expected START:END"),
+    (["peer", "--blocks", "3:1"], "0 <= start < end"),
+    (["peer", "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["peer", "--port", "70000"], "0..65535"),
+    (["peer", "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
+    (["peer", "--train"], "a training peer needs fixed blocks: pass --blocks"),
+    (["peer", "--blocks", "0:2", "--train", "--matchmaking-time", "70"], "averaging_timeout_s (60.0) must exceed"),
+    (["train"], "pass --initial-peers"),
+    (["train", "--local", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
+    (["train", "--local", "--data", "/no/such/text"], "/no/such/text"),
+]
+
+
+def test_commands_reject_bad_arguments(swarm, tiny_llama_path):
+    # every case is its own process, started all at once: each must exit with a clear error, no traceback
+    runs = [(swarm.spawn(command, command, str(tiny_llama_path), *args), message)
+            for (command, *args), message in BAD_ARGUMENTS]
+    for proc, message in runs:
+        left = proc.wait_gone(120)
+        assert not left, f"{proc.name} is still running or left processes:\n{proc.logs()}"
+        proc.expected_alive = False
+        assert proc.returncode != 0, proc.logs()
+        assert message in proc.stderr(), proc.logs()
+        assert "Traceback" not in proc.stderr(), proc.logs()
 
 
 def test_peer_rejects_a_missing_model_folder(swarm, tmp_path):

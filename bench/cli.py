@@ -32,7 +32,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark the swarm on this machine against local references.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default model, fewer settings (~2 min on 2 cores)")
-    mode.add_argument("--full", action="store_true", help="every scenario and model (the default, ~15 min)")
+    mode.add_argument("--full", action="store_true", help="every scenario and model (the default, ~35 min, train_swarm ~18 of them)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="where peers and the reference compute")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--scenarios", type=_names, help=f"comma-separated subset of {','.join(SCENARIOS)}")

@@ -92,7 +92,7 @@ class Plan:
 
 
 def preset(*, quick: bool, device: str) -> Plan:
-    """The quick (~2 min on 2 cores) or full (~15 min) preset for `device`."""
+    """The quick (~2 min on 2 cores) or full (~15 min, and ~18 more for train_swarm) preset for `device`."""
     gpu = device == "cuda"
     if quick:
         return Plan(

@@ -67,8 +67,7 @@ def build_train_model(models_dir: Path, cache_dir: Path, seed: int = 0) -> Path:
         for name in _TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, staging / name)
-        marker_text = json.dumps(spec, indent=1)
-        (staging / "bench-spec.json").write_text(marker_text)
+        (staging / "bench-spec.json").write_text(json.dumps(spec, indent=1))
         if folder.exists():
             shutil.rmtree(folder)
         staging.rename(folder)
@@ -112,6 +111,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def peer_name(prefix: str, index: int) -> str:
+    return f"{prefix}-peer{index}"
+
+
 def start_training_peers(swarm: LocalSwarm, model: Path, num_blocks: int, *, prefix: str, run_id: str,
                          spans: list[tuple[int, int]], target_batch: int, settings: TrainSettings, threads: int,
                          device: str, ports: list[tuple[int, str]] | None = None,
@@ -122,7 +125,7 @@ def start_training_peers(swarm: LocalSwarm, model: Path, num_blocks: int, *, pre
     """
     names = []
     for i, (start, end) in enumerate(spans):
-        name = f"{prefix}-peer{i}"
+        name = peer_name(prefix, i)
         listen = ["--port", str(ports[i][0]), "--announce-host", ports[i][1]] if ports else []
         swarm.start_peer(name, str(model), "--blocks", f"{start}:{end}", "--dht-prefix", prefix,
                          "--num-threads", str(threads), "--throughput", "1000", "--device", device,

@@ -23,7 +23,7 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from bench import train_runs as tr
 from bench.plan import Plan
@@ -112,7 +112,7 @@ class TrainSwarm:
     # --- processes ---
 
     def _timeout_s(self, settings: tr.TrainSettings) -> float:
-        return 180.0 + 20.0 * settings.steps
+        return 180.0 + 30.0 * settings.steps  # a step of two trainers takes ~15 s on 2 idle cores
 
     def _train(self, runs: dict[str, list[str]], settings: tr.TrainSettings) -> dict[str, list[dict]]:
         return tr.run_trainers(self.swarm, runs, timeout_s=self._timeout_s(settings))
@@ -121,8 +121,8 @@ class TrainSwarm:
         return [str(model), "--initial-peers", *self.swarm.initial_peers, "--dht-prefix", prefix, "--run-id", run_id]
 
     @contextlib.contextmanager
-    def _peers(self, model: Path, prefix: str, run_id: str, spans, target: int, settings: tr.TrainSettings,
-               ports=None):
+    def _peers(self, model: Path, prefix: str, run_id: str, spans: list[tuple[int, int]], target: int,
+               settings: tr.TrainSettings, ports: list[tuple[int, str]] | None = None) -> Iterator[list[str]]:
         names: list[str] = []
         try:
             names += tr.start_training_peers(
@@ -131,7 +131,7 @@ class TrainSwarm:
                 ports=ports)
             yield names
         finally:
-            tr.stop_peers(self.swarm, names or [f"{prefix}-peer{i}" for i in range(len(spans))])
+            tr.stop_peers(self.swarm, names or [tr.peer_name(prefix, i) for i in range(len(spans))])
 
     # --- parts ---
 
@@ -207,8 +207,8 @@ class TrainSwarm:
         hidden = in_flight * 2 * len(SPANS) * 2 * DELAY_S  # micro-batches x forward+backward x stages x round trip
         ceiling = (f"with 1 in flight a step took {slow:.2f} s, of which the delay is at most {hidden:.2f} s "
                    f"({in_flight} micro-batches x forward+backward x {len(SPANS)} stages x {2 * DELAY_S * 1000:.0f} ms "
-                   f"round trip): hiding all of it gives at most {slow / max(slow - hidden, 1e-9):.2f}x here; the rest "
-                   f"is compute on shared cores, which micro-batches in flight do not overlap")
+                   f"round trip): hiding it all gives about {slow / max(slow - hidden, 1e-9):.2f}x; beyond that only "
+                   f"trainer and peers computing at once on the shared cores helps, and compute dominates here")
         how = ("tc netem is available here but not used: it would delay the whole loopback" if netem_available()
                else "tc netem is not available here")
         return [Row("train_swarm", tr.TRAIN_MODEL,

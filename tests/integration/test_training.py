@@ -122,7 +122,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path):
     """Each group stays identical after every step, and the swarm follows local training of the joint batch."""
     spans = [(0, 2), (0, 2), (2, 4), (2, 4)]
-    steps = 4
+    steps = 3
     config = TrainConfig(run_id="pairs", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
@@ -190,7 +190,6 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             generator = torch.Generator().manual_seed(0)
             for _ in range(3):
                 trainer.step(torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator))
-
             # a peer stopped with --save-dir saves its span; restarted alone in its group, it resumes there
             (before,) = group_weights(model, (3, 4))
             first = next(p for p in swarm.processes if "3:4" in p.args)
@@ -198,9 +197,10 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             again = swarm.start_peer(model_path, "--blocks", "3:4", *peer_flags("lora", 4), "--train-mode", "lora",
                                      "--lr", "3e-2", "--save-dir", str(tmp_path / "saved"))
             swarm.wait_for(lambda: "ONLINE" in again.stderr(), 120, "the restarted peer to be ONLINE")
-            assert "resumed run 'lora' at update 4" in again.stderr(), again.logs()
-            (after,) = [w for w in group_weights(model, (3, 4))]
+            assert "resumed run 'lora' at update 3" in again.stderr(), again.logs()
+            (after,) = group_weights(model, (3, 4))
             assert max_difference(before, after) == 0.0
+
             initial = load_file(model_path / "model.safetensors")
             served = {}
             for span in [(0, 3), (3, 4)]:

@@ -118,9 +118,13 @@ class SwarmTrainer:
         self.steps_done = 0
         self.redone = 0  # backward calls redone because the peer that took them died before its update
         self.stale = 0  # micro-batches that reached a stage after it had updated
-        if any(pid != self.group.peer_id and p.epoch > 0 for pid, p in self.group.progress().items()):
-            self.group.load_state()
-        self.group.share_state()
+        try:  # a trainer joining a run copies the other trainers' state first
+            if any(pid != self.group.peer_id and p.epoch > 0 for pid, p in self.group.progress().items()):
+                self.group.load_state()
+            self.group.share_state()
+        except BaseException:
+            self.close()
+            raise
 
     def step(self, batch: torch.Tensor) -> StepResult:
         """Train on `batch` ([batch_size, seq_len] token ids) and return the step's mean loss."""

@@ -195,11 +195,9 @@ class TrainingGroup:
                 dst.copy_(src, non_blocking=False)
         began = time.perf_counter()
         try:
-            # a member that died since it last published never comes: give up finding the group after a few
-            # matchmaking periods, not the whole averaging timeout
-            find_s = min(self.settings.averaging_timeout_s, 3 * self.settings.matchmaking_time_s)
-            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch}, timeout=find_s,
-                                         wait=False)
+            # the whole timeout to find the group: under load, members see each other's progress seconds apart
+            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
+                                         timeout=self.settings.averaging_timeout_s, wait=False)
             gathered = control.result(timeout=self.settings.averaging_timeout_s + 10)
         except Exception as exc:
             self.failed_rounds += 1

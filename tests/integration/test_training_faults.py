@@ -174,14 +174,15 @@ def test_sigkill_of_one_of_two_trainers(training):
     wait_steps(swarm, log, done + 2, timeout_s=180)
     assert survivor.alive()
     # the stages still update: the survivor's samples alone fill them
-    assert min(r.epoch for s, r, _ in infos(client).values()) > max(epochs)
+    swarm.wait_for(lambda: min(r.epoch for s, r, _ in infos(client).values()) > max(epochs), 120,
+                   "every stage to update on the surviving trainer's samples")
 
 
 def test_sigterm_and_ctrl_c_stop_every_role(training):
     swarm, client, trainers, peers = training
     trainer, log = trainers["trainer-a"]
     swarm.signal_process_group(trainer, signal.SIGINT)  # Ctrl+C in its terminal
-    assert not trainer.wait_gone(60), trainer.logs()
-    assert trainer.returncode == 130, trainer.logs()
+    assert not trainer.wait_gone(60), trainer.logs()  # gone, with its DHT node and averager process
+    assert trainer.returncode != 0 and "interrupted" in trainer.stderr(), trainer.logs()
     for proc in [peers[(0, 2)][0], peers[(2, 4)][0]]:  # each with its averager process
         assert swarm.terminate(proc, timeout_s=60) == 0, proc.logs()

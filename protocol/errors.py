@@ -13,6 +13,7 @@
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
     ├── StateDownloadError         state_download     a joining training peer found no member to copy
+    ├── DHTUnavailableError        dht_unavailable    this process's DHT node did not answer in time
     └── InternalError              internal           a bug on the remote side (its message is passed on)
 
 Each class has a wire `code`; `error_from_code` rebuilds the same type on the client.
@@ -73,6 +74,10 @@ class InvalidRecordError(SwarmError):
 
 class StateDownloadError(SwarmError):
     code = "state_download"
+
+
+class DHTUnavailableError(SwarmError):
+    code = "dht_unavailable"
 
 
 class InternalError(SwarmError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import os
@@ -11,6 +12,8 @@ import time
 from typing import Sequence
 
 import hivemind
+
+from protocol.errors import DHTUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,28 @@ def _exit_with_starter(starter_pid: int, poll_s: float = 0.5) -> None:
     while os.getppid() == starter_pid:
         time.sleep(poll_s)
     os.killpg(0, signal.SIGTERM)
+
+
+DHT_CALL_TIMEOUT_S = 30.0  # a DHT lookup or store on a healthy node takes well under a second to a few seconds
+
+
+def dht_result(dht: hivemind.DHT, future, what: str, timeout_s: float = DHT_CALL_TIMEOUT_S):
+    """The result of `future`, a call running in `dht`'s process; DHTUnavailableError after `timeout_s` or once
+    that process is gone.
+
+    hivemind's own calls wait forever, and a node whose process died (or was stopped under the call) never
+    answers: the waiting thread would then also keep the interpreter from exiting.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.result(timeout=0.2)
+        except concurrent.futures.TimeoutError:
+            if not dht.is_alive():
+                raise DHTUnavailableError(f"{what}: this process's DHT node has stopped") from None
+            if time.monotonic() > deadline:
+                raise DHTUnavailableError(f"{what}: this process's DHT node did not answer within {timeout_s:g}s; "
+                                          f"if this repeats, restart the process") from None
 
 
 def stop_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:

@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.errors import InvalidRecordError
 from protocol.records import MODEL_INDEX_KEY, ModelRecord, ServerInfo, block_key
+from swarm.dht import dht_result
 from swarm.snapshot import SwarmSnapshot
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def _subkey_values(raw: Any) -> dict[Any, tuple[float, Any]]:
 def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnapshot:
     """Read every block record of a model and merge them into one snapshot (one ServerInfo per peer)."""
     keys = [block_key(prefix, block) for block in range(num_blocks)]
-    found = dht.run_coroutine(partial(_get_many, keys=keys))
+    found = dht_result(dht, dht.run_coroutine(partial(_get_many, keys=keys), return_future=True),
+                       f"reading the records of {prefix}")
     # a peer that moved has records of its old span too: its latest announcement wins
     latest: dict[str, tuple[float, ServerInfo]] = {}
     for key in keys:
@@ -52,7 +54,8 @@ def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnap
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:
     """The model index: DHT prefix -> ModelRecord."""
-    found = dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]))
+    found = dht_result(dht, dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]), return_future=True),
+                       "reading the model index")
     models = {}
     for prefix, (_, value) in _subkey_values(found.get(MODEL_INDEX_KEY)).items():
         try:
@@ -82,7 +85,8 @@ def announce(
         subkeys=[peer_id] * len(keys) + [prefix],
         expiration_time=get_dht_time() + expiration_s,
     )
-    return dht.run_coroutine(store, return_future=not wait)
+    future = dht.run_coroutine(store, return_future=True)
+    return dht_result(dht, future, f"announcing {prefix} {info.start_block}:{info.end_block}") if wait else future
 
 
 async def _store_many(dht: hivemind.DHT, node: Any, keys, values, subkeys, expiration_time) -> bool:

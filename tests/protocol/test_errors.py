@@ -10,6 +10,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
+    DHTUnavailableError,
     InternalError,
     InvalidRecordError,
     MessageTooLargeError,
@@ -44,6 +45,7 @@ def test_the_tree_has_the_documented_classes():
         SequenceTooLongError,
         StaleEpochError,
         StateDownloadError,
+        DHTUnavailableError,
         UnknownSessionError,
         WrongSpanError,
         CacheFullError,

@@ -25,7 +25,7 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import StaleEpochError, SwarmError
+from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
 from protocol.records import check_run_id
 from swarm.averaging import AveragingSettings, TrainingGroup, group_key, has_nonfinite
 from swarm.dht import start_dht, stop_dht
@@ -92,6 +92,12 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.T
     return ForCausalLMLoss(logits=logits, labels=ids, vocab_size=vocab_size)
 
 
+# Trainers' progress records count no samples, only who is in the run, so they may outlive lagging DHT stores (a
+# 2 s record lapsed under load, and a trainer that missed its co-trainer updated alone); a trainer that died is
+# still expected for this long, which costs at most a round's timeout or two.
+TRAINER_PROGRESS_TTL_S = 15.0
+
+
 class SwarmTrainer:
     """Trains `model` (a connected DistributedModelForCausalLM) with the peers of `config.run_id`.
 
@@ -110,7 +116,8 @@ class SwarmTrainer:
         self.dht = start_dht(self.sequence.config.initial_peers, host=config.host)
         try:
             self.group = TrainingGroup(self.dht, group_key(self.sequence.prefix, config.run_id, "trainers"),
-                                       self.params, self.optimizer, settings=config.averaging)
+                                       self.params, self.optimizer, settings=config.averaging,
+                                       progress_ttl_s=TRAINER_PROGRESS_TTL_S)
         except BaseException:
             stop_dht(self.dht)
             raise
@@ -120,7 +127,12 @@ class SwarmTrainer:
         self.stale = 0  # micro-batches that reached a stage after it had updated
         try:  # a trainer joining a run copies the other trainers' state first
             if any(pid != self.group.peer_id and p.epoch > 0 for pid, p in self.group.progress().items()):
-                self.group.load_state()
+                try:
+                    self.group.load_state()
+                except StateDownloadError as exc:
+                    # their records outlive them: those may have left (a restarted trainer sees its old self);
+                    # if not, the next round averages our parameters into theirs
+                    logger.warning("starting from this trainer's own weights: %s", exc)
             self.group.share_state()
         except BaseException:
             self.close()
@@ -130,7 +142,12 @@ class SwarmTrainer:
         """Train on `batch` ([batch_size, seq_len] token ids) and return the step's mean loss."""
         if batch.shape[0] != self.config.batch_size:
             raise ValueError(f"expected a batch of {self.config.batch_size} sequences, got {batch.shape[0]}")
-        return self.model._run(self._step(batch))
+        future = asyncio.run_coroutine_threadsafe(self._step(batch), self.model._loop.loop)
+        try:
+            return future.result()
+        except BaseException:  # Ctrl+C: stop the step's work too, not only the wait for it
+            future.cancel()
+            raise
 
     async def _local(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.local, fn)
@@ -146,8 +163,7 @@ class SwarmTrainer:
         losses = await asyncio.gather(*(self._micro_batch(ids, tag, gate, done) for ids in micro))
         updated = await self._wait_for_update(tag, done)
         if updated:
-            members = sum(1 for p in (await asyncio.to_thread(self.group.progress)).values()
-                          if p.epoch == self.group.epoch)
+            members = await asyncio.to_thread(self.group.expected_members)
             grads, samples = await self._local(self.group.take)
             grads, state, epoch = await asyncio.to_thread(self.group.average, grads, samples, members)
             if has_nonfinite(grads) or (state is not None and has_nonfinite(state)):

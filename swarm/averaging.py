@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 import argparse
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import hivemind
@@ -31,6 +32,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.errors import InvalidRecordError, StateDownloadError
 from protocol.records import TrainingProgress
+from swarm.dht import dht_result
 from swarm.optim import set_step_count, state_tensors
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,35 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     os._exit(0)
 
 
+def _bounded(fn: Callable, process, timeout_s: float, stop: threading.Event, what: str):
+    """Call `fn` (a blocking call into the hivemind `process`) and give up after `timeout_s`, once `stop` is
+    set, or when the process is gone.
+
+    hivemind's averager waits on its process without a timeout even before a step starts, and a process that
+    died or was shut down never answers; the call runs on a daemon thread, so that one stuck for good holds up
+    neither the caller nor the interpreter's exit.
+    """
+    result: Future = Future()
+
+    def call() -> None:
+        try:
+            result.set_result(fn())
+        except BaseException as exc:
+            result.set_exception(exc)
+
+    threading.Thread(target=call, name=what, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not result.done():
+        if stop.is_set():
+            raise RuntimeError(f"{what}: the training group is shutting down")
+        if not process.is_alive():
+            raise RuntimeError(f"{what}: its process ({type(process).__name__}) is gone")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s (is the DHT or averager process alive?)")
+        stop.wait(0.1)
+    return result.result()
+
+
 class TrainingGroup:
     """This process's membership in the group `key`: accumulate, publish progress, average and update.
 
@@ -88,8 +119,12 @@ class TrainingGroup:
     """
 
     def __init__(self, dht: hivemind.DHT, key: str, params: Sequence[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings):
+                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings, progress_ttl_s: float | None = None):
+        """`progress_ttl_s`: how long our published progress stays valid without renewal; by default 4 publish
+        periods, so that a member that died soon stops counting towards the group's batch. A group that does not
+        count samples (the trainers) can keep records longer, which survives DHT stores that lag under load."""
         self.dht, self.key, self.settings = dht, key, settings
+        self.progress_ttl_s = progress_ttl_s or 4 * settings.progress_period_s
         self.params, self.optimizer = list(params), optimizer
         self.peer_id = dht.peer_id.to_base58()
         self.epoch, self.samples = 0, 0
@@ -99,8 +134,14 @@ class TrainingGroup:
         self.failed_rounds = 0
         self.last_round_s: float | None = None  # how long the latest successful all-reduce took
         self._lock = threading.Lock()  # accumulate/take versus a joiner reading our state
+        self._stop = threading.Event()
         live = self._live_tensors()
-        shared = [torch.zeros_like(t, device="cpu") for t in [*self.grads, *live]]
+        # gradients cross the all-reduce in float64: hivemind hands each member its own value plus the averaged
+        # difference, and in float32 that sum rounds to the ulp of the member's own gradient, which differs per
+        # member; Adam divides by |g| + eps and so magnified it into whole 1e-5s between members. In float64 every
+        # member rounds back to the same float32 average, and the group stays bit-identical.
+        shared = [*(torch.zeros_like(g, device="cpu", dtype=torch.float64) for g in self.grads),
+                  *(torch.zeros_like(t, device="cpu") for t in live)]
         # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; put ours back
         handler = signal.getsignal(signal.SIGINT)
         self.averager = _Averager(
@@ -117,7 +158,6 @@ class TrainingGroup:
             if threading.current_thread() is threading.main_thread() and handler is not None:
                 signal.signal(signal.SIGINT, handler)
         # published from a thread of its own, so that a long update does not let our record lapse
-        self._stop = threading.Event()
         self._publisher = threading.Thread(target=self._publish_forever, name="training-progress", daemon=True)
         self._publisher.start()
 
@@ -150,14 +190,15 @@ class TrainingGroup:
 
     def publish(self) -> None:
         """Tell the group our epoch and samples (returns at once; the store completes in the background)."""
-        ttl = 4 * self.settings.progress_period_s
+        ttl = self.progress_ttl_s
         value = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken).to_wire()
         self.dht.store(f"{self.key}.progress", value, get_dht_time() + ttl, subkey=self.peer_id,
                        return_future=True)
 
     def progress(self) -> dict[str, TrainingProgress]:
         """Peer id -> progress of every member heard from lately, ourselves included (as we are now)."""
-        found = self.dht.get(f"{self.key}.progress", latest=True)
+        found = dht_result(self.dht, self.dht.get(f"{self.key}.progress", latest=True, return_future=True),
+                           f"reading the progress of {self.key}")
         members = {}
         if found is not None and isinstance(found.value, dict):
             for peer_id, item in found.value.items():
@@ -167,6 +208,12 @@ class TrainingGroup:
                     logger.debug("skipping progress of %s: %s", peer_id, exc)
         members[self.peer_id] = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken)
         return members
+
+    def expected_members(self) -> int:
+        """How many members (ourselves included) to expect in this epoch's round: those whose progress is at this
+        epoch or, a publish behind under load, at the one before. One that does not come costs the round's
+        timeout, after which this member updates alone."""
+        return sum(1 for p in self.progress().values() if p.epoch >= self.epoch - 1)
 
     # --- one update ---
 
@@ -196,9 +243,10 @@ class TrainingGroup:
         began = time.perf_counter()
         try:
             # the whole timeout to find the group: under load, members see each other's progress seconds apart
-            control = self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
-                                         timeout=self.settings.averaging_timeout_s, wait=False)
-            gathered = control.result(timeout=self.settings.averaging_timeout_s + 10)
+            gathered = _bounded(
+                lambda: self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
+                                           timeout=self.settings.averaging_timeout_s),
+                self.averager, self.settings.averaging_timeout_s + 10, self._stop, f"averaging round of {self.key}")
         except Exception as exc:
             self.failed_rounds += 1
             logger.warning("averaging with the group %s failed (%r); updating with this member's own gradients",
@@ -209,7 +257,8 @@ class TrainingGroup:
         with self.averager.get_tensors() as shared:
             averaged = [t.clone() for t in shared]
         logger.info("averaged with %d members of %s in %.2fs", len(gathered), self.key, self.last_round_s)
-        return averaged[:n], averaged[n:], max(epochs) + 1
+        grads = [g.to(p.dtype) for g, p in zip(averaged[:n], self.params)]
+        return grads, averaged[n:], max(epochs) + 1
 
     def apply(self, grads: list[torch.Tensor] | None, state: list[torch.Tensor] | None, epoch: int) -> None:
         """Take the averaged parameters and statistics (if any), then update with `grads` (None: no update)."""

@@ -25,7 +25,7 @@ from tests.helpers.peers import process_serving
 from tests.helpers.processes import Swarm
 from tests.helpers.tokenizer import save_char_tokenizer
 
-GROUP_ATOL = 3e-5  # see test_training.py: float32 rounding of hivemind's averaging, magnified by Adam
+GROUP_ATOL = 1e-6  # a group is bit-identical again one round after a fault (see test_training.py)
 STEP_TIMEOUT_S = 4  # a trainer alone waits this long for the other trainer's samples, then adds its own
 TRAIN_PEER = ["--train", "--run-id", "faults", "--lr", "3e-3", "--target-batch-size", "16", "--matchmaking-time", "1",
               "--averaging-timeout", "8", "--load-state-timeout", "20"]

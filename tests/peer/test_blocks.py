@@ -89,7 +89,8 @@ def test_rewound_cache_continues_like_a_fresh_one(checkpoint):
     """Rewinding within every layer's window, then a different continuation: as if it had been sent first."""
     path, _ = checkpoint
     (span,) = _spans(path, [(0, 4)])
-    hidden, branch = torch.randn(1, 2, 64), torch.randn(1, 2, 64)  # shorter than the smallest window, 3
+    generator = torch.Generator().manual_seed(0)
+    hidden, branch = torch.randn(2, 1, 2, 64, generator=generator)  # shorter than the smallest window, 3
     with torch.no_grad():
         expected = span(torch.cat([hidden[:, :1], branch], dim=1))[:, 1:]
         cache = span.new_cache()
@@ -97,7 +98,8 @@ def test_rewound_cache_continues_like_a_fresh_one(checkpoint):
         rewind_cache(cache, 1)
         got = span(branch, cache=cache, prefix_length=1)
     assert cache.get_seq_length() == 3
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # cached attention sums in another order than one pass (see above); a rewind bug moves values by whole units
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
 
 
 def test_rewinding_past_a_sliding_window_is_a_typed_error(tmp_path):

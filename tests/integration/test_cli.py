@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from protocol.records import ServerState, prefix_for_model
-from tests.helpers.processes import describe
+from tests.helpers.processes import Swarm, describe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,17 +76,21 @@ def test_placement_picks_uncovered_blocks_and_status_shows_coverage(swarm, tiny_
 # A clean stop must announce OFFLINE. The peers below re-announce rarely, so that their ONLINE record outlives the
 # test: a record that merely expired (what a crash leads to) cannot pass for a clean departure.
 QUIET = ("--update-period", "60")
+# one peer per way of stopping it, all started at once in one swarm (each on blocks of its own, to tell them apart)
+STOPPED_BY = {"sigterm": (1, 3), "sigint": (0, 1), "ctrl-c": (1, 2), "group-sigterm": (2, 3), "sigkill": (3, 4)}
 
 
-def start_online_peer(swarm, model_path, blocks: str) -> tuple:
-    """Start the bootstrap and one peer serving `blocks`; wait until it is ONLINE; the process and its peer id."""
-    prefix = prefix_for_model(str(model_path))
-    start, end = (int(part) for part in blocks.split(":"))
-    swarm.start_bootstrap()
-    peer = swarm.start_peer(model_path, "--blocks", blocks, *QUIET)
-    snapshot = swarm.wait_online(prefix, [(start, end)])
-    (peer_id,) = snapshot.online()
-    return peer, peer_id
+@pytest.fixture(scope="module")
+def stoppable(tmp_path_factory, tiny_llama_path):
+    """(swarm, {way of stopping: (peer process, peer id)}), every peer ONLINE."""
+    prefix = prefix_for_model(str(tiny_llama_path))
+    with Swarm(tmp_path_factory.mktemp("stops")) as swarm:
+        swarm.start_bootstrap()
+        procs = {way: swarm.start_peer(tiny_llama_path, "--blocks", f"{a}:{b}", *QUIET)
+                 for way, (a, b) in STOPPED_BY.items()}
+        snapshot = swarm.wait_online(prefix, list(STOPPED_BY.values()))
+        ids = {(info.start_block, info.end_block): peer_id for peer_id, info in snapshot.online().items()}
+        yield swarm, {way: (procs[way], ids[span]) for way, span in STOPPED_BY.items()}
 
 
 def require_offline(swarm, model_path, peer_id: str, timeout_s: float = 10.0) -> None:
@@ -100,8 +104,9 @@ def require_offline(swarm, model_path, peer_id: str, timeout_s: float = 10.0) ->
     swarm.wait_for(announced_offline, timeout_s, f"{peer_id} to be announced OFFLINE", watch=[])
 
 
-def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(swarm, tiny_llama_path):
-    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "1:3")
+def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(stoppable, tiny_llama_path):
+    swarm, peers = stoppable
+    peer, peer_id = peers["sigterm"]
     members = peer.members()
     assert any("p2pd" in " ".join(p.cmdline()) for p in members), "expected the peer's p2pd in its session"
 
@@ -110,35 +115,37 @@ def test_sigterm_stops_a_peer_cleanly_and_it_leaves_the_dht(swarm, tiny_llama_pa
     require_offline(swarm, tiny_llama_path, peer_id)
 
 
-def test_sigint_stops_a_peer_cleanly(swarm, tiny_llama_path):
-    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
+def test_sigint_stops_a_peer_cleanly(stoppable, tiny_llama_path):
+    swarm, peers = stoppable
+    peer, peer_id = peers["sigint"]
     assert swarm.terminate(peer, timeout_s=30, sig=signal.SIGINT) == 0, peer.logs()
     require_offline(swarm, tiny_llama_path, peer_id)
 
 
-def test_ctrl_c_in_a_terminal_stops_a_peer(swarm, tiny_llama_path):
+def test_ctrl_c_in_a_terminal_stops_a_peer(stoppable, tiny_llama_path):
     # Ctrl+C signals the whole foreground process group: the peer, and whatever of its children is in that group
-    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
+    swarm, peers = stoppable
+    peer, peer_id = peers["ctrl-c"]
     swarm.signal_process_group(peer, signal.SIGINT)
     left = peer.wait_gone(20)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
     require_offline(swarm, tiny_llama_path, peer_id)
 
 
-def test_sigterm_to_the_process_group_stops_a_peer(swarm, tiny_llama_path):
+def test_sigterm_to_the_process_group_stops_a_peer(stoppable, tiny_llama_path):
     # `kill -TERM -PGID`: as with Ctrl+C, the peer must still be able to announce OFFLINE through its DHT
-    peer, peer_id = start_online_peer(swarm, tiny_llama_path, "0:1")
+    swarm, peers = stoppable
+    peer, peer_id = peers["group-sigterm"]
     swarm.signal_process_group(peer, signal.SIGTERM)
     left = peer.wait_gone(15)
     assert not left and peer.returncode == 0, (peer.returncode, left, peer.logs())
     require_offline(swarm, tiny_llama_path, peer_id)
 
 
-def test_sigkill_of_a_peer_leaves_nothing_behind(swarm, tiny_llama_path):
+def test_sigkill_of_a_peer_leaves_nothing_behind(stoppable):
     # what fault tests do to simulate a dying machine: the peer, its DHT process and p2pd all vanish at once
-    swarm.start_bootstrap()
-    peer = swarm.start_peer(tiny_llama_path, "--blocks", "0:1")
-    swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [(0, 1)])
+    swarm, peers = stoppable
+    peer, _ = peers["sigkill"]
     members = peer.members()
     assert len(members) >= 3, members  # the peer, its hivemind DHT process, p2pd
     swarm.kill(peer)
@@ -157,26 +164,31 @@ def test_a_process_killed_alone_takes_its_dht_process_and_p2pd_along(swarm):
     assert not left, f"still running 10 s after the main process was killed:\n{describe(left)}"
 
 
+MODEL = "{model}"  # stands for the test model's folder
 BAD_ARGUMENTS = [
-    # (command and arguments after the model, what the error must say); the training settings' own checks are
-    # unit-tested (tests/client/test_train_config.py): here, that the commands turn them into clear exits
-    (["peer", "--blocks", "5"], "expected START:END"),
-    (["peer", "--blocks", "3:1"], "0 <= start < end"),
-    (["peer", "--dtype", "float8"], "invalid choice: 'float8'"),
-    (["peer", "--port", "70000"], "0..65535"),
-    (["peer", "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
-    (["peer", "--train"], "a training peer needs fixed blocks: pass --blocks"),
-    (["peer", "--blocks", "0:2", "--train", "--matchmaking-time", "70"], "averaging_timeout_s (60.0) must exceed"),
-    (["train"], "pass --initial-peers"),
-    (["train", "--local", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
-    (["train", "--local", "--data", "/no/such/text"], "/no/such/text"),
+    # (command line, what the error must say); the training settings' own checks are unit-tested
+    # (tests/client/test_train_config.py): here, that the commands turn them into clear exits
+    (["peer", MODEL, "--blocks", "5"], "expected START:END"),
+    (["peer", MODEL, "--blocks", "3:1"], "0 <= start < end"),
+    # detected only after the peer joined the DHT: its DHT process and p2pd must still go away
+    (["peer", MODEL, "--blocks", "2:9"], "--blocks 2:9 is outside the model's 0:4"),
+    (["peer", "/no/such/model-folder"], "model folder '/no/such/model-folder' does not exist"),
+    (["peer", MODEL, "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["peer", MODEL, "--port", "70000"], "0..65535"),
+    (["peer", MODEL, "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
+    (["peer", MODEL, "--train"], "a training peer needs fixed blocks: pass --blocks"),
+    (["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time", "70"], "averaging_timeout_s (60.0) must exceed"),
+    (["train", MODEL], "pass --initial-peers"),
+    (["train", MODEL, "--local", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
+    (["train", MODEL, "--local", "--data", "/no/such/text"], "/no/such/text"),
 ]
 
 
 def test_commands_reject_bad_arguments(swarm, tiny_llama_path):
-    # every case is its own process, started all at once: each must exit with a clear error, no traceback
-    runs = [(swarm.spawn(command, command, str(tiny_llama_path), *args), message)
-            for (command, *args), message in BAD_ARGUMENTS]
+    # every case is its own process, started all at once: each must exit with a clear error, no traceback, and
+    # leave nothing running
+    runs = [(swarm.spawn(command[0], *(arg.replace(MODEL, str(tiny_llama_path)) for arg in command)), message)
+            for command, message in BAD_ARGUMENTS]
     for proc, message in runs:
         left = proc.wait_gone(120)
         assert not left, f"{proc.name} is still running or left processes:\n{proc.logs()}"
@@ -186,38 +198,15 @@ def test_commands_reject_bad_arguments(swarm, tiny_llama_path):
         assert "Traceback" not in proc.stderr(), proc.logs()
 
 
-def test_peer_rejects_a_missing_model_folder(swarm, tmp_path):
-    missing = tmp_path / "no-such-model"
-    result = swarm.run("peer", str(missing), timeout_s=60)
-    assert result.returncode != 0
-    assert str(missing) in result.stderr and "does not exist" in result.stderr, result.stderr
-
-
-def test_peer_rejects_blocks_past_the_models_end(swarm, tiny_llama_path):
-    # detected only after the peer joined the DHT: its DHT process and p2pd must still go away
-    result = swarm.run("peer", str(tiny_llama_path), "--blocks", "2:9", timeout_s=90)
-    assert result.returncode != 0
-    assert "--blocks 2:9 is outside the model's 0:4" in result.stderr, result.stderr
-
-
-@pytest.mark.parametrize("case", ["missing-model", "blocks-past-the-end"])
-def test_peer_startup_errors_come_without_a_traceback(swarm, tiny_llama_path, tmp_path, case):
-    args = [str(tmp_path / "no-such-model")] if case == "missing-model" else [str(tiny_llama_path), "--blocks", "2:9"]
-    result = swarm.run("peer", *args, timeout_s=90)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr, result.stderr
-
-
 def test_help(swarm):
-    top = swarm.run("--help", timeout_s=30)
-    assert top.returncode == 0, top.stderr
-    for command in ("bootstrap", "peer", "status", "demo"):
-        assert f"  {command}" in top.stdout, top.stdout
-
-    peer = swarm.run("peer", "--help", timeout_s=60)
-    assert peer.returncode == 0, peer.stderr
-    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period", "--cache-dir"):
-        assert flag in peer.stdout, peer.stdout
-
-    unknown = swarm.run("frobnicate", timeout_s=30)
-    assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr, unknown
+    top, peer, unknown = (swarm.spawn(name, *args) for name, args in [
+        ("help", ["--help"]), ("peer-help", ["peer", "--help"]), ("unknown", ["frobnicate"])])
+    for proc in (top, peer, unknown):
+        assert not proc.wait_gone(60), proc.logs()
+    assert top.returncode == 0, top.stderr()
+    for command in ("bootstrap", "peer", "status", "demo", "train", "export"):
+        assert f"  {command}" in top.stdout(), top.stdout()
+    assert peer.returncode == 0, peer.stderr()
+    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period", "--cache-dir", "--train"):
+        assert flag in peer.stdout(), peer.stdout()
+    assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr(), unknown.logs()

@@ -193,11 +193,12 @@ def stage_tensor_shapes(model: Path, span: tuple[int, int]) -> list[tuple[int, .
     return shapes
 
 
-def bare_allreduce_s(initial_peers: list[str], shapes: list[tuple[int, ...]], *, rounds: int,
+def bare_allreduce_s(initial_peers: list[str], tensors: list[tuple[tuple[int, ...], torch.dtype]], *, rounds: int,
                      matchmaking_time_s: float, averaging_timeout_s: float) -> tuple[list[float], int]:
     """Seconds of each averager's step() over `rounds` successful rounds of two bare averagers, and the failed ones.
 
-    Each averager has a DHT node of its own joined through `initial_peers`; both call step() at the same
+    `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
+    both call step() at the same
     moment from two threads, with the settings a training group uses (swarm/averaging.py TrainingGroup).
     Rounds until the first success are a warm-up (the averagers find each other in the DHT), not counted.
     """
@@ -213,7 +214,8 @@ def bare_allreduce_s(initial_peers: list[str], shapes: list[tuple[int, ...]], *,
         for _ in range(2):
             dhts.append(start_dht(initial_peers))
             averagers.append(DecentralizedAverager(
-                [torch.randn(shape) for shape in shapes], dhts[-1], prefix=prefix, start=True, min_group_size=2,
+                [torch.randn(shape, dtype=dtype) for shape, dtype in tensors], dhts[-1], prefix=prefix, start=True,
+                min_group_size=2,
                 min_matchmaking_time=matchmaking_time_s, request_timeout=0.5, allreduce_timeout=averaging_timeout_s,
                 shutdown_timeout=2))
         find_s = min(averaging_timeout_s, 3 * matchmaking_time_s)  # as a training group gives up finding its own

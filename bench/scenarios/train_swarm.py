@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+
 from bench import train_runs as tr
 from bench.plan import Plan
 from bench.proxy import DelayProxy, netem_available
@@ -68,7 +70,8 @@ NOTES = {
     "rounds": "all-reduce: each peer's 'averaged with 2 members ... in X s', from its step() call to the result "
               "(its >= 1 s of matchmaking included, as in the bare one); both stages' groups and the trainers' group "
               "average at about the same time. Bare: two DecentralizedAveragers in the bench process, each on a DHT "
-              "node joined to the same bootstrap, tensors of a stage's size (its parameters x 4), "
+              "node joined to the same bootstrap, the tensors a stage's round carries (its gradients in float64, weights "
+              "and two Adam statistics in float32), "
               "min_matchmaking_time 1 s, request_timeout 0.5, both released at once from two threads",
 }
 
@@ -181,7 +184,10 @@ class TrainSwarm:
                                f"{self.swarm.log_dir}")
         shapes = tr.stage_tensor_shapes(self.model, SPANS[0])
         s = self.small
-        bare, failed = tr.bare_allreduce_s(self.swarm.initial_peers, shapes * 4, rounds=self.plan.repeats,
+        # what a group's round carries (swarm/averaging.py): gradients in float64, weights and Adam's two
+        # statistics in float32
+        tensors = [(shape, torch.float64) for shape in shapes] + [(shape, torch.float32) for shape in shapes] * 3
+        bare, failed = tr.bare_allreduce_s(self.swarm.initial_peers, tensors, rounds=self.plan.repeats,
                                            matchmaking_time_s=s.matchmaking_time_s,
                                            averaging_timeout_s=s.averaging_timeout_s)
         numel = 4 * sum(math.prod(shape) for shape in shapes)

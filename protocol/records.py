@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 
@@ -17,6 +17,8 @@ from protocol.errors import InvalidRecordError
 PROTOCOL_VERSION = "1"
 MODEL_INDEX_KEY = "_swarmlm.models"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"  # a libp2p peer id in base58
+MAX_RELAYS = 4
 
 
 class ServerState(enum.IntEnum):
@@ -50,6 +52,11 @@ class ServerInfo(_Record):
     dtype: str
     version: str
     endpoint: str = pydantic.Field(pattern=r"^[^\s:]+:\d{1,5}$")  # gRPC "host:port"
+    # how clients reach it: "direct" gRPC at `endpoint`, or "p2p": gRPC tunneled through libp2p streams of its DHT
+    # node (swarm/tunnel.py), through one of `relays` (peer ids that forward streams to it) when it has any
+    transport: Literal["direct", "p2p"] = "direct"
+    relays: tuple[pydantic.constr(pattern=PEER_ID_PATTERN), ...] = pydantic.Field(default=(), max_length=MAX_RELAYS)
+    relay: bool = False  # it forwards streams to peers behind NAT (swarm/relay.py)
     adapters: tuple[str, ...] = ()
     next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, to peers serving the next blocks
     run_id: str = pydantic.Field(default="", pattern=r"^[A-Za-z0-9_-]{0,64}$")  # training run; "" when frozen
@@ -63,9 +70,9 @@ class ServerInfo(_Record):
             raise ValueError(f"state must be one of {[int(s) for s in ServerState]}, got {value!r}")
         return ServerState(value)
 
-    @pydantic.field_validator("adapters", mode="before")
+    @pydantic.field_validator("adapters", "relays", mode="before")
     @classmethod
-    def _adapters_from_list(cls, value: Any) -> Any:
+    def _tuple_from_list(cls, value: Any) -> Any:
         return tuple(value) if isinstance(value, list) else value
 
     @pydantic.model_validator(mode="after")
@@ -78,6 +85,7 @@ class ServerInfo(_Record):
         wire = super().to_wire()
         wire["state"] = int(self.state)
         wire["adapters"] = list(self.adapters)
+        wire["relays"] = list(self.relays)
         return wire
 
 

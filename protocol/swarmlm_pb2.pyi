@@ -245,3 +245,41 @@ class StatePart(_message.Message):
     last: bool
     payload: bytes
     def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., last: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("endpoint",)
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    def __init__(self, endpoint: _Optional[str] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("reachable", "detail")
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    reachable: bool
+    detail: str
+    def __init__(self, reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RelayRegistration(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RelayRegistered(_message.Message):
+    __slots__ = ("ttl_s", "error")
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ttl_s: float
+    error: Error
+    def __init__(self, ttl_s: _Optional[float] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class RelayOpen(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class RelayOpened(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: Error
+    def __init__(self, error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...

@@ -1,6 +1,9 @@
 """Swarm mechanics shared by peers and clients.
 
 - dht: starting and stopping hivemind DHT nodes (loopback by default, no NAT probing)
+- tunnel: gRPC through libp2p streams, for peers that cannot be connected to
+- relay: relays that forward those streams to peers behind NAT
+- reachability: asking neighbours whether they can connect to a peer
 - directory: reading/writing block records and the model index
 - snapshot: SwarmSnapshot, the input of placement and routing decisions
 - placement: which blocks a peer should serve (pure functions)

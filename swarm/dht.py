@@ -12,6 +12,8 @@ import time
 from typing import Sequence
 
 import hivemind
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import DHTUnavailableError
 
@@ -138,3 +140,16 @@ def stop_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:
     return [str(maddr) for maddr in dht.get_visible_maddrs()]
+
+
+def peer_ids_of(maddrs: Sequence[str]) -> list[PeerID]:
+    """The peer ids in multiaddrs ("/ip4/.../tcp/.../p2p/<id>"), each once, in order; others are skipped."""
+    found = []
+    for maddr in maddrs:
+        try:
+            peer = PeerID.from_base58(Multiaddr(maddr)["p2p"])
+        except Exception:  # no /p2p/ part, or not a multiaddr: hivemind rejects those when it joins
+            continue
+        if peer not in found:
+            found.append(peer)
+    return found

@@ -36,6 +36,9 @@ def server_wire(**changes: Any) -> dict[str, Any]:
         "run_id": "run-1",
         "epoch": 12,
         "samples": 6,
+        "transport": "p2p",
+        "relays": ["12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"],
+        "relay": False,
     }
     wire.update(changes)
     return wire
@@ -66,9 +69,10 @@ def test_server_info_roundtrip_through_msgpack():
 
 def test_server_info_defaults():
     wire = server_wire()
-    del wire["adapters"], wire["next_pings"]
+    del wire["adapters"], wire["next_pings"], wire["transport"], wire["relays"], wire["relay"]
     info = ServerInfo.from_wire(through_dht(wire))
     assert info.adapters == () and info.next_pings == {}
+    assert info.transport == "direct" and info.relays == () and info.relay is False  # records of older peers
     assert ServerInfo.from_wire(through_dht(info.to_wire())) == info
 
 
@@ -120,6 +124,13 @@ def test_server_info_is_frozen():
         ({"run_id": "x" * 65}, "run_id"),
         ({"epoch": -1}, "epoch"),
         ({"samples": 1.5}, "samples"),
+        ({"transport": "relay"}, "transport"),
+        ({"transport": 1}, "transport"),
+        ({"relays": "12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"}, "relays"),
+        ({"relays": ["not a peer id"]}, "relays"),
+        ({"relays": ["12D3KooW0OIl" + "x" * 40]}, "relays"),  # 0, O, I and l are not base58
+        ({"relays": ["12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"] * 5}, "relays"),
+        ({"relay": 1}, "relay"),
     ],
 )
 def test_server_info_rejects(changes, field):

@@ -16,6 +16,7 @@ from pathlib import Path
 from swarm.checkpoint import load_config
 from swarm.default_model import DEFAULT_MODEL, resolve_default_model
 from swarm.paths import default_cache_dir
+from swarm.tunnel import describe_address
 from client.local_swarm import LocalSwarm, split_blocks
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         new_tokens = output.shape[1] - input_ids.shape[1]
         print("\nroute:")
         for peer_id, endpoint, start, end in route:
-            print(f"  blocks {start:>2}:{end:<2} -> peer {peer_id} at {endpoint}")
+            print(f"  blocks {start:>2}:{end:<2} -> peer {peer_id}, {describe_address(endpoint)}")
         print(f"{new_tokens} tokens in {elapsed:.2f}s ({new_tokens / elapsed:.1f} tokens/s, prefill included)")
         return 0
     except KeyboardInterrupt:

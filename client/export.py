@@ -40,7 +40,7 @@ async def fetch_peer_weights(pool: ChannelPool, endpoint: str, prefix: str, star
     request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
     pieces: dict[str, list[torch.Tensor]] = {}
     try:
-        async for part in pool.stub(endpoint).state(request, timeout=600):
+        async for part in (await pool.stub_for(endpoint)).state(request, timeout=600):
             pieces.setdefault(part.message.name, []).append(
                 decode_tensor(part.message.tensor, part.message.name, part.payload).clone())
     except grpc.RpcError as exc:

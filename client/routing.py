@@ -17,18 +17,27 @@ from dataclasses import dataclass
 from protocol.errors import NoPeersError
 from protocol.records import ServerInfo, ServerState
 from swarm.snapshot import SwarmSnapshot
+from swarm.tunnel import tunnel_address
 
 _MIN_THROUGHPUT = 1e-9  # a peer announcing 0 tokens/s is a last resort, not a division by zero
 
 
 @dataclass(frozen=True)
 class RouteHop:
-    """Send blocks `[start, end)` to `peer_id` at its gRPC `endpoint`."""
+    """Send blocks `[start, end)` to `peer_id` at `endpoint`: its gRPC "host:port", or a "p2p:..." address."""
 
     peer_id: str
     start: int
     end: int
     endpoint: str
+
+
+def dial_candidates(peer_id: str, info: ServerInfo) -> list[str]:
+    """The addresses to try for a peer, best first: its gRPC endpoint then libp2p straight to it, or, for a peer
+    that announces libp2p only, through each of its relays (straight to it when it has none)."""
+    if info.transport == "p2p":
+        return [tunnel_address(peer_id, relay) for relay in info.relays] or [tunnel_address(peer_id)]
+    return [info.endpoint, tunnel_address(peer_id)]
 
 
 def plan_inference_route(

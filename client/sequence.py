@@ -2,6 +2,9 @@
 
 A failed peer is banned for a while (longer each time it fails), the directory is refreshed at once,
 and the failed part of the chain is routed to other peers; only bad input fails immediately.
+
+Each peer is reached by the first of its addresses that answers a ping (`routing.dial_candidates`): its gRPC
+endpoint, or libp2p streams, straight or through its relays; the ping's time is the RTT routing counts.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 
 import hivemind
 import torch
@@ -21,10 +24,12 @@ from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, parse_dtype
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from protocol.packing import Packer
+from protocol.records import ServerInfo
 from swarm.directory import fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
+from swarm.tunnel import TunnelPool
 from client.config import ClientConfig
-from client.routing import RouteHop, plan_forward_route, plan_inference_route
+from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
 from client.transport import ChannelPool
 
 logger = logging.getLogger(__name__)
@@ -104,7 +109,8 @@ class RemoteSequence:
                  run_id: str | None = None):
         self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
         self.run_id = run_id  # when set, only peers that train this run are used
-        self.pool = ChannelPool(config.max_message_bytes)
+        self._p2p: hivemind.P2P | None = None
+        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p))
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -112,7 +118,14 @@ class RemoteSequence:
         self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
+        self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
+
+    async def p2p(self) -> hivemind.P2P:
+        """This client's handle on its DHT node's libp2p daemon, for peers reached through libp2p."""
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
 
     # --- directory and routing ---
 
@@ -140,11 +153,14 @@ class RemoteSequence:
             try:
                 if inference:
                     await self.measure_rtts(snapshot)
-                    return plan_inference_route(snapshot, start, end, client_rtt_s=self.rtts,
+                    hops = plan_inference_route(snapshot, start, end, client_rtt_s=self.rtts,
                                                 banned=self.bans.banned(snapshot.expirations),
                                                 min_cache_tokens=min_cache_tokens, model_name=self.prefix)
-                return plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations),
-                                          model_name=self.prefix)
+                else:
+                    hops = plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations),
+                                              model_name=self.prefix)
+                    await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
+                return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
             except NoPeersError:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -152,19 +168,36 @@ class RemoteSequence:
             delay = min(delay * 2, 5.0)
             refresh = True
 
-    async def measure_rtts(self, snapshot: SwarmSnapshot, timeout_s: float = 1.0) -> None:
-        """Ping (an Info call) every ONLINE peer not measured yet; one that does not answer gets `timeout_s`."""
+    async def measure_rtts(self, snapshot: SwarmSnapshot, timeout_s: float = 1.0,
+                           only: Collection[str] | None = None) -> None:
+        """Ping (an Info call) every ONLINE peer not measured yet (or those of `only`) on each of its addresses in
+        turn; the first that answers is its path. One that does not answer gets `timeout_s`."""
+        unknown = [(pid, info) for pid, info in snapshot.online().items()
+                   if pid not in self.rtts and (only is None or pid in only)]
+        await asyncio.gather(*(self._find_path(pid, info, timeout_s) for pid, info in unknown))
 
-        async def ping(peer_id: str, endpoint: str) -> None:
+    async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float) -> str:
+        candidates = dial_candidates(peer_id, info)
+        for address in candidates:
             began = time.perf_counter()
             try:
-                await self.pool.unary(endpoint, "info", pb.InfoRequest(), timeout_s)
-                self.rtts[peer_id] = time.perf_counter() - began
-            except SwarmError:
-                self.rtts[peer_id] = timeout_s
+                await self.pool.unary(address, "info", pb.InfoRequest(), timeout_s)
+            except SwarmError as exc:
+                logger.debug("peer %s does not answer at %s: %s", peer_id, address, exc)
+                await self.pool.drop(address)
+                continue
+            self.rtts[peer_id], self.paths[peer_id] = time.perf_counter() - began, address
+            if address != candidates[0]:
+                logger.info("peer %s is reached at %s (not at %s)", peer_id, address, candidates[0])
+            return address
+        self.rtts[peer_id] = timeout_s
+        return candidates[0]
 
-        unknown = [(pid, info.endpoint) for pid, info in snapshot.online().items() if pid not in self.rtts]
-        await asyncio.gather(*(ping(pid, endpoint) for pid, endpoint in unknown))
+    async def address_of(self, peer_id: str, info: ServerInfo, timeout_s: float = 1.0) -> str:
+        """Where to send `peer_id`'s requests: the path its ping answered on, found now if it is not known."""
+        if peer_id not in self.paths:
+            return await self._find_path(peer_id, info, timeout_s)
+        return self.paths[peer_id]
 
     def hop_dtype(self, hop: RouteHop) -> torch.dtype:
         info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
@@ -173,7 +206,8 @@ class RemoteSequence:
     async def report_failure(self, hop: RouteHop, error: BaseException) -> None:
         logger.warning("peer %s (blocks %d:%d) failed: %s", hop.peer_id, hop.start, hop.end, error)
         self.bans.ban(hop.peer_id)
-        self.rtts.pop(hop.peer_id, None)  # measure it afresh if it comes back
+        self.rtts.pop(hop.peer_id, None)  # measure it (and find its path) afresh if it comes back
+        self.paths.pop(hop.peer_id, None)
         self.failovers += 1
         await self.pool.drop(hop.endpoint)
 
@@ -274,6 +308,8 @@ class RemoteSequence:
 
     async def close(self) -> None:
         await self.pool.close()
+        if self._p2p is not None:  # its tasks live on this loop: end them before the loop does
+            await self._p2p.shutdown()
 
 
 class RemoteBlocks(torch.autograd.Function):

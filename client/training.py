@@ -220,7 +220,8 @@ class SwarmTrainer:
 
         async def ask(peer_id, info):
             try:
-                response = await self.sequence.pool.unary(info.endpoint, "info", pb.InfoRequest(), 5.0)
+                address = await self.sequence.address_of(peer_id, info)
+                response = await self.sequence.pool.unary(address, "info", pb.InfoRequest(), 5.0)
             except SwarmError:
                 return None
             if response.run_id != self.config.run_id:

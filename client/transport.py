@@ -1,4 +1,8 @@
-"""gRPC channels to peers, and calls that turn every failure into a swarmlm error."""
+"""gRPC channels to peers, and calls that turn every failure into a swarmlm error.
+
+A peer's address is its gRPC "host:port", or "p2p:..." for one reached through libp2p streams: its channel then
+goes to a local endpoint of a `swarm.tunnel.TunnelPool`, the same gRPC calls through another path.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import grpc
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
 from protocol.service import PeerStub, error_from_rpc
+from swarm.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +23,8 @@ logger = logging.getLogger(__name__)
 class ChannelPool:
     """One channel per peer endpoint, reused by every request. Lives on the client's event loop."""
 
-    def __init__(self, max_message_bytes: int):
+    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None):
+        self.tunnels = tunnels
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -27,10 +33,25 @@ class ChannelPool:
         self._dropped: weakref.WeakSet = weakref.WeakSet()  # channels closed under requests still in flight
 
     def stub(self, endpoint: str) -> PeerStub:
+        """The stub of a direct endpoint, or of a "p2p:..." address that `stub_for` has opened already."""
         if endpoint not in self._stubs:
-            channel = grpc.aio.insecure_channel(endpoint, options=self._options)
-            self._stubs[endpoint] = (channel, PeerStub(channel))
+            if is_tunnel(endpoint):
+                raise RuntimeError(f"{endpoint} needs `await stub_for(...)` first")
+            self._open(endpoint, endpoint)
         return self._stubs[endpoint][1]
+
+    async def stub_for(self, endpoint: str) -> PeerStub:
+        """The stub of any address, starting the local end of its tunnel if it is reached through libp2p."""
+        if endpoint not in self._stubs and is_tunnel(endpoint):
+            if self.tunnels is None:
+                raise PeerUnavailableError(f"peer {endpoint} is reached only through libp2p, which this client was "
+                                           f"not given (no DHT node)")
+            self._open(endpoint, await self.tunnels.local_endpoint(endpoint))
+        return self.stub(endpoint)
+
+    def _open(self, endpoint: str, target: str) -> None:
+        channel = grpc.aio.insecure_channel(target, options=self._options)
+        self._stubs[endpoint] = (channel, PeerStub(channel))
 
     async def drop(self, endpoint: str) -> None:
         """Forget a channel (its peer failed), so the next request reconnects."""
@@ -39,13 +60,22 @@ class ChannelPool:
             self._dropped.add(entry[0])
             await entry[0].close(grace=None)
 
+    def explain(self, error: SwarmError, endpoint: str) -> SwarmError:
+        """`error`, with why the libp2p stream failed when `endpoint` is reached through one and it did."""
+        reason = self.tunnels.failures.get(endpoint) if self.tunnels is not None and is_tunnel(endpoint) else None
+        if reason is None or not isinstance(error, PeerUnavailableError):
+            return error
+        return PeerUnavailableError(f"{error}; {reason}")
+
     async def close(self) -> None:
         for channel, _ in self._stubs.values():
             await channel.close(grace=None)
         self._stubs.clear()
+        if self.tunnels is not None:
+            await self.tunnels.close()
 
     async def unary(self, endpoint: str, method: str, request, timeout_s: float):
-        stub = self.stub(endpoint)
+        stub = await self.stub_for(endpoint)
         channel = self._stubs[endpoint][0]
         try:
             return await getattr(stub, method)(request, timeout=timeout_s)
@@ -55,7 +85,7 @@ class ChannelPool:
                 raise PeerUnavailableError(f"peer {endpoint} failed while this request was in flight") from None
             raise
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, endpoint) from exc
+            raise self.explain(error_from_rpc(exc, endpoint), endpoint) from exc
         except grpc.aio.UsageError as exc:  # its channel was closed under it, after another request failed
             raise PeerUnavailableError(f"peer {endpoint}: {exc}") from exc
 
@@ -64,8 +94,8 @@ class InferenceStream:
     """One open inference session on one peer: send a request, read its answer."""
 
     def __init__(self, pool: ChannelPool, endpoint: str):
-        self.endpoint = endpoint
-        self._call = pool.stub(endpoint).inference()
+        self.pool, self.endpoint = pool, endpoint
+        self._call = None  # opened with the first request: a tunnel's local end starts asynchronously
         self._closed = False
 
     async def request(self, request, timeout_s: float) -> Received:
@@ -75,7 +105,7 @@ class InferenceStream:
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.endpoint) from exc
+            raise self.pool.explain(error_from_rpc(exc, self.endpoint), self.endpoint) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call or its channel already ended
             raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {exc}") from exc
         if response is grpc.aio.EOF:
@@ -86,6 +116,10 @@ class InferenceStream:
         return response
 
     async def _exchange(self, request):
+        if self._call is None:
+            if self._closed:
+                raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
+            self._call = (await self.pool.stub_for(self.endpoint)).inference()
         await self._call.write(request)
         return await self._call.read()
 
@@ -93,6 +127,8 @@ class InferenceStream:
         if self._closed:
             return
         self._closed = True
+        if self._call is None:
+            return
         try:
             await asyncio.wait_for(self._call.done_writing(), 1.0)
         except (grpc.RpcError, asyncio.TimeoutError, SwarmError, RuntimeError):

@@ -2,6 +2,7 @@
 
 - config: PeerConfig, what `swarmlm peer` flags map onto
 - server: PeerServer lifecycle (DHT, block choice, gRPC, announcing)
+- reach: how clients reach the peer (direct gRPC, or libp2p through a relay from behind NAT)
 - blocks: loading a span of decoder layers from a checkpoint and running it
 - handler: the gRPC methods (forward, backward, inference stream, info, state)
 - training: a training peer's optimizer, gradient accumulation and group updates (`--train`)

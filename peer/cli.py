@@ -8,7 +8,7 @@ import logging
 
 from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
-from peer.config import DTYPE_CHOICES, PeerConfig
+from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
 from peer.training import TRAIN_MODES, TrainingConfig
 from swarm.averaging import add_averaging_arguments, averaging_from_args
 from swarm.optim import OPTIMIZERS
@@ -40,6 +40,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--announce-host", metavar="HOST[:PORT]",
                    help="announce this address instead of the one listened on (port forwarding, a proxy)")
     p.add_argument("--dht-port", type=int, default=0, help="DHT port (default: a free one)")
+    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="how clients reach this peer: direct (gRPC), p2p (gRPC through libp2p streams, through a "
+                        "relay from behind NAT), or auto: direct if a neighbour can connect to it, else p2p "
+                        "(default: auto)")
+    p.add_argument("--relay", action="store_true",
+                   help="also forward streams to peers behind NAT (for a peer that others can connect to)")
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
     p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
     p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
@@ -96,6 +102,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         port=args.port,
         announce_host=args.announce_host,
         dht_port=args.dht_port,
+        transport=args.transport,
+        relay=args.relay,
         device=args.device,
         dtype=args.dtype,
         cache_tokens=args.cache_tokens,

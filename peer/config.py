@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from peer.training import TrainingConfig
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+TRANSPORTS = ("auto", "direct", "p2p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,11 @@ class PeerConfig:
     """Announce this "HOST" or "HOST:PORT" instead of where the peer listens (port forwarding, a proxy)."""
     dht_port: int = 0
     """DHT (libp2p) port; 0 picks a free one."""
+    transport: str = "auto"
+    """How clients reach this peer: "direct" (gRPC at the announced endpoint), "p2p" (gRPC through libp2p
+    streams), or "auto": direct if a neighbour can connect to the endpoint, otherwise p2p through a relay."""
+    relay: bool = False
+    """Also forward streams to peers behind NAT (for a peer that others can connect to)."""
     device: str = "cpu"
     dtype: str = "auto"
     """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
@@ -74,6 +80,8 @@ class PeerConfig:
                              "(the stages of a run do not move)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):

@@ -1,4 +1,5 @@
-"""The peer daemon's lifecycle: join the DHT, pick and load blocks, serve gRPC, announce, leave cleanly."""
+"""The peer daemon's lifecycle: join the DHT, serve gRPC (directly or through libp2p), pick and load blocks,
+announce, leave cleanly."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
 from peer.handler import HandlerLimits, PeerServicer
+from peer.reach import Reach
 from peer.throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class PeerServer:
         self.servicer: PeerServicer | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.endpoint: str | None = None
+        self.reach = Reach(config)
         self.throughput = 0.0
         self.budget = CacheBudget(config.cache_tokens)
         self.ready = asyncio.Event()
@@ -100,6 +103,10 @@ class PeerServer:
             host, _, announced_port = cfg.announce_host.partition(":")
             self.endpoint = f"{host}:{announced_port or port}"
         await self.grpc_server.start()
+        # where others connect, or else through libp2p (which may replace the DHT node: see peer/reach.py)
+        self.dht = await self.reach.decide(self.dht, self.endpoint)
+        local_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        await self.reach.start(self.dht, f"{local_host}:{port}", self._relays_changed)
 
         await self._serve_blocks(await asyncio.to_thread(self._choose_blocks))
         self._announcer = asyncio.create_task(self._announce_forever())
@@ -127,7 +134,8 @@ class PeerServer:
         self.servicer.set_span(self.span)
         self.state = ServerState.ONLINE
         await self._announce(self.state)
-        logger.info("ONLINE: serving blocks %d:%d of %s at %s", *blocks, self.prefix, self.endpoint)
+        logger.info("ONLINE: serving blocks %d:%d of %s at %s", *blocks, self.prefix,
+                    self.reach.describe(self.endpoint, self.peer_id))
 
     async def _start_training(self) -> None:
         """Join the span's training group: copy its state if it is ahead, then update with it in the background."""
@@ -196,6 +204,9 @@ class PeerServer:
             dtype=str(self.dtype).removeprefix("torch."),
             version=PROTOCOL_VERSION,
             endpoint=self.endpoint or f"{self.config.host}:0",
+            transport=self.reach.transport,
+            relays=self.reach.relays,
+            relay=self.config.relay and self.reach.registrar is None,
             run_id=self.training.run_id if self.training else "",
             epoch=self.training.epoch if self.training else 0,
             samples=self.training.samples if self.training else 0,
@@ -208,6 +219,13 @@ class PeerServer:
                           wait=False)
         # awaited as a future, not in a thread: a DHT that died must not keep the process from exiting
         await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s)
+
+    def _relays_changed(self) -> None:
+        """Tell clients the relays through which this peer is reached now, without waiting for the next period."""
+        if self.blocks is not None:
+            task = asyncio.create_task(self._announce(self.state))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or logger.warning(
+                "announcing the new relays failed: %r", t.exception()))
 
     async def _announce_forever(self) -> None:
         while True:
@@ -246,6 +264,7 @@ class PeerServer:
                 await self._announce(ServerState.OFFLINE, timeout_s=3)
             except Exception as exc:
                 logger.warning("could not announce OFFLINE: %r", exc)
+        await self.reach.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from protocol.records import ServerState
+from protocol.records import ServerInfo, ServerState
 from swarm.dht import start_dht
 from swarm.directory import fetch_models, fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
@@ -28,13 +28,22 @@ def _ranges(blocks: list[int]) -> str:
     return ", ".join(parts)
 
 
+def describe_reach(info: ServerInfo) -> str:
+    """How clients reach the peer of a record: its gRPC endpoint, or libp2p (through which relays)."""
+    if info.transport == "direct":
+        return f"direct {info.endpoint}" + ("  relays for others" if info.relay else "")
+    if info.relays:
+        return f"behind NAT, via relay {', '.join(relay[:16] + '...' for relay in info.relays)}"
+    return "libp2p only"
+
+
 def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> str:
     lines = [f"model {prefix} ({repository}): {snapshot.num_blocks} blocks"]
     servers = sorted(snapshot.servers.items(), key=lambda item: (item[1].start_block, item[1].end_block, item[0]))
     for peer_id, info in servers:
         lines.append(
             f"  blocks {info.start_block:>3}:{info.end_block:<3}  {ServerState(info.state).name:<7}  {peer_id}  "
-            f"{info.endpoint}  {info.throughput:8.1f} tok/s  {info.dtype}  cache left {info.cache_tokens_left}"
+            f"{describe_reach(info)}  {info.throughput:8.1f} tok/s  {info.dtype}  cache left {info.cache_tokens_left}"
             + (f"  training {info.run_id!r}: update {info.epoch}, {info.samples} samples" if info.run_id else "")
         )
     uncovered = snapshot.uncovered_blocks()

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from client.routing import RouteHop, plan_forward_route, plan_inference_route
+from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
 from protocol.errors import NoPeersError
 from protocol.records import ServerInfo, ServerState
 from swarm.snapshot import SwarmSnapshot
@@ -253,3 +253,24 @@ def test_forward_missing_blocks_raise_with_range_and_command() -> None:
     assert "swarmlm peer X --blocks 12:16" in message
     with pytest.raises(NoPeersError, match=r"blocks 0-15 .*a \(banned\).*--blocks 0:16"):
         plan_forward_route(snap, 0, 24, banned={"a"})
+
+
+# --- how each peer is reached ---
+
+PEER, RELAY_A, RELAY_B = ("12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG",
+                          "12D3KooWT241nwFhv13PBe9xCSj7sSKjYiy6BSPNBWa2UJFijRdw",
+                          "12D3KooWQdEtvjX6SGNMXWFXTEFBjRD4Ru13eUg3efSEcALscQkZ")
+
+
+def test_a_direct_peer_is_tried_on_its_endpoint_then_over_libp2p() -> None:
+    assert dial_candidates(PEER, server(0, 1, port=6001)) == ["127.0.0.1:6001", f"p2p:{PEER}"]
+
+
+def test_a_peer_behind_nat_is_tried_through_each_of_its_relays_in_order() -> None:
+    info = server(0, 1).model_copy(update={"transport": "p2p", "relays": (RELAY_A, RELAY_B)})
+    assert dial_candidates(PEER, info) == [f"p2p:{PEER}@{RELAY_A}", f"p2p:{PEER}@{RELAY_B}"]
+
+
+def test_a_libp2p_peer_without_relays_is_dialed_by_its_id() -> None:
+    info = server(0, 1).model_copy(update={"transport": "p2p"})
+    assert dial_candidates(PEER, info) == [f"p2p:{PEER}"]

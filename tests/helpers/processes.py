@@ -270,22 +270,24 @@ class Swarm:
 
     # starting processes
 
-    def spawn(self, name: str, *args: str) -> ManagedProcess:
-        """Start `swarmlm ARGS...` as a managed process named `name` (numbered if the name was used)."""
-        return self._spawn(ManagedProcess, name, list(args))
+    def spawn(self, name: str, *args: str, netns: str | None = None) -> ManagedProcess:
+        """Start `swarmlm ARGS...` as a managed process named `name` (numbered if the name was used), inside the
+        network namespace `netns` if given (`ip netns exec` keeps the pid, so signals reach swarmlm itself)."""
+        return self._spawn(ManagedProcess, name, list(args), netns)
 
-    def _spawn(self, cls: type[T], name: str, args: list[str]) -> T:
+    def _spawn(self, cls: type[T], name: str, args: list[str], netns: str | None = None) -> T:
         assert not self._closed, "this swarm was closed"
         count = self._names.get(name, 0)
         self._names[name] = count + 1
         unique = name if count == 0 else f"{name}-{count}"
-        proc = cls(unique, swarmlm_command() + args, self.log_dir, self.env)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        proc = cls(unique, prefix + swarmlm_command() + args, self.log_dir, self.env)
         self.processes.append(proc)
         return proc
 
-    def start_bootstrap(self, *extra_args: str, timeout_s: float = 60.0) -> list[str]:
+    def start_bootstrap(self, *extra_args: str, timeout_s: float = 60.0, netns: str | None = None) -> list[str]:
         """Start `swarmlm bootstrap EXTRA...`, wait for the multiaddrs it prints, and make them the initial peers."""
-        proc = self._spawn(BootstrapProcess, "bootstrap", ["bootstrap", *extra_args])
+        proc = self._spawn(BootstrapProcess, "bootstrap", ["bootstrap", *extra_args], netns)
 
         def printed_maddrs() -> list[str] | None:
             lines = proc.stdout().splitlines()
@@ -299,7 +301,7 @@ class Swarm:
         self.initial_peers = proc.maddrs
         return proc.maddrs
 
-    def start_peer(self, model_path: str | Path, *extra_args: str) -> PeerProcess:
+    def start_peer(self, model_path: str | Path, *extra_args: str, netns: str | None = None) -> PeerProcess:
         """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`."""
         assert self.initial_peers, "start_bootstrap() first"
         count = self._names.get("peer", 0)
@@ -318,7 +320,7 @@ class Swarm:
             str(cache_dir),
             *extra_args,
         ]
-        proc = self._spawn(PeerProcess, "peer", args)
+        proc = self._spawn(PeerProcess, "peer", args, netns)
         proc.model_path, proc.cache_dir = Path(model_path), cache_dir
         return proc
 

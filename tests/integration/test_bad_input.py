@@ -1,6 +1,7 @@
 """Bad requests against a live peer get typed errors naming the problem, and the peer keeps serving others.
 
-One peer serves the whole module. Every bad request goes through `Guard.refused`: it must fail with exactly the
+One peer serves the whole module, once reached directly (gRPC) and once through libp2p (`--transport p2p`, the
+same gRPC through swarm/tunnel.py). Every bad request goes through `Guard.refused`: it must fail with exactly the
 expected error class, with the expected words in its message; right after it the witness, an inference session
 open on its own stream and channel for the whole module, takes its next step, whose output must match the local
 span, and the peer process must still be running. Where the bad request had a session, stream or channel of its
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from client.transport import ChannelPool, InferenceStream
+from swarm.tunnel import TunnelPool, tunnel_address
 from peer.blocks import BlockSpan, load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
@@ -181,28 +183,36 @@ async def _end(stream: InferenceStream) -> None:
 
 @dataclass
 class Peer:
-    endpoint: str
+    endpoint: str  # its gRPC "host:port", or its "p2p:<peer id>" address
     prefix: str
     span: BlockSpan  # the same blocks, loaded locally
     process: object  # its tests.helpers.processes.PeerProcess
+    dht: object  # a client-mode DHT node of this process, for the libp2p path
+    initial_peers: list[str]
+
+    def pool(self) -> ChannelPool:
+        """A client's channels to it (call on the loop that uses them)."""
+        return ChannelPool(1 << 26, TunnelPool(self.dht.replicate_p2p))
 
 
-@pytest.fixture(scope="module")
-def peer(tmp_path_factory, tiny_llama_path) -> Peer:
-    """One peer serving all 4 blocks, with small limits so that they can be hit."""
+@pytest.fixture(scope="module", params=["direct", "p2p"])
+def peer(request, tmp_path_factory, tiny_llama_path) -> Peer:
+    """One peer serving all 4 blocks, with small limits so that they can be hit, reached as `request.param`."""
     from tests.helpers.processes import Swarm
 
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
         process = swarm.start_peer(
             tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--max-message-mb", str(MAX_MESSAGE_MB),
-            "--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", "0.5",
+            "--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", "0.5", "--transport", request.param,
         )
         prefix = prefix_for_model(str(tiny_llama_path))
-        (info,) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().values()
+        ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
+        assert info.transport == request.param, info
         span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 0, NUM_LAYERS,
                          dtype=torch.float32, device=torch.device("cpu"))
-        yield Peer(info.endpoint, prefix, span, process)
+        endpoint = info.endpoint if request.param == "direct" else tunnel_address(peer_id)
+        yield Peer(endpoint, prefix, span, process, swarm.dht, swarm.initial_peers)
 
 
 class Guard:
@@ -230,7 +240,7 @@ class Guard:
 
     def start(self) -> None:
         async def start():
-            self.pool, self._witness_pool = ChannelPool(1 << 26), ChannelPool(1 << 26)
+            self.pool, self._witness_pool = self.peer.pool(), self.peer.pool()
             self.witness = await self.session(self.WITNESS_ID, WITNESS_LENGTH, seed=1, pool=self._witness_pool).open()
             await self.witness.step()
 
@@ -243,6 +253,8 @@ class Guard:
             for pool in (self.pool, self._witness_pool):
                 if pool is not None:
                     await pool.close()
+            if self.peer.endpoint.startswith("p2p:"):  # the replica's tasks live on this loop
+                await (await self.peer.dht.replicate_p2p()).shutdown()
 
         try:
             self.run(stop(), 30.0)
@@ -625,9 +637,12 @@ def test_cache_of_a_killed_client_is_freed(guard, tmp_path):
 import asyncio, sys
 from client.transport import ChannelPool, InferenceStream
 from protocol import swarmlm_pb2 as pb
+from swarm.dht import start_dht
+from swarm.tunnel import TunnelPool
 
 async def main():
-    stream = InferenceStream(ChannelPool(1 << 26), {endpoint!r})
+    tunnels = TunnelPool(start_dht({guard.peer.initial_peers!r}, client_mode=True).replicate_p2p)
+    stream = InferenceStream(ChannelPool(1 << 26, tunnels), {endpoint!r})
     await stream.request(pb.InferenceRequest(open=pb.OpenSession(
         span=pb.Span(model={prefix!r}, start=0, end={NUM_LAYERS}), session_id="doomed", max_length=64,
         batch_size=1)), 30)

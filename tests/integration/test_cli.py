@@ -174,6 +174,7 @@ BAD_ARGUMENTS = [
     (["peer", MODEL, "--blocks", "2:9"], "--blocks 2:9 is outside the model's 0:4"),
     (["peer", "/no/such/model-folder"], "model folder '/no/such/model-folder' does not exist"),
     (["peer", MODEL, "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["peer", MODEL, "--transport", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
     (["peer", MODEL, "--port", "70000"], "0..65535"),
     (["peer", MODEL, "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
     (["peer", MODEL, "--train"], "a training peer needs fixed blocks: pass --blocks"),

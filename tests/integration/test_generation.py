@@ -26,6 +26,8 @@ FAMILIES = {
     "qwen3": [(0, 1), (1, 3), (3, 4)],
 }
 BF16_PREFIX = "tiny-llama-bf16"
+# the llama once more, its second span served only through libp2p (--transport p2p): "llama-p2p" below
+P2P_PREFIX, P2P_SPANS = "tiny-llama-p2p", [(0, 2, "direct"), (2, 4, "p2p")]
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +43,30 @@ def swarm_of_families(tmp_path_factory):
         for start, end in [(0, 3), (3, 4)]:
             swarm.start_peer(paths["llama"], "--blocks", f"{start}:{end}", "--dtype", "bfloat16",
                              "--dht-prefix", BF16_PREFIX)
+        for start, end, transport in P2P_SPANS:
+            swarm.start_peer(paths["llama"], "--blocks", f"{start}:{end}", "--dht-prefix", P2P_PREFIX,
+                             "--transport", transport)
         for family, spans in FAMILIES.items():
             swarm.wait_online(prefix_for_model(str(paths[family])), spans, timeout_s=120)
         swarm.wait_online(BF16_PREFIX, [(0, 3), (3, 4)], timeout_s=120)
+        swarm.wait_online(P2P_PREFIX, [(start, end) for start, end, _ in P2P_SPANS], timeout_s=120)
         yield swarm, paths
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=[*sorted(FAMILIES), "llama-p2p"])
 def served(request, swarm_of_families):
-    """(remote model, local reference model) for one family."""
+    """(remote model, local reference model) for one family, or for the llama with a peer reached over libp2p."""
     swarm, paths = swarm_of_families
-    path = paths[request.param]
-    remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+    p2p = request.param == "llama-p2p"
+    path = paths["llama" if p2p else request.param]
+    remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers,
+                                                            dht_prefix=P2P_PREFIX if p2p else None)
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     try:
+        if p2p:  # the route really goes through libp2p for the peer that announces nothing else
+            with torch.no_grad():
+                remote(torch.tensor([[3, 4, 5]]))
+            assert [hop.endpoint.startswith("p2p:") for hop in remote.sequence.last_route] == [False, True]
         yield remote, local
     finally:
         remote.shutdown()

@@ -44,15 +44,18 @@ class Summary:
 
 @dataclass(frozen=True)
 class Target:
-    """A goal for a row's ratio (or value): `ratio <= 1.15`, `value < 10`, ..."""
+    """A goal for a row's ratio, value or excess over its reference: `ratio <= 1.15`, `value < 10`, ..."""
 
-    on: str  # "ratio" or "value"
+    on: str  # "ratio", "value", or "excess" (value - reference)
     op: str  # "<=", "<", ">=", ">"
     bound: float
     text: str
 
-    def met(self, ratio: float | None, value: float) -> bool | None:
-        x = ratio if self.on == "ratio" else value
+    def met(self, ratio: float | None, value: float, reference: float | None = None) -> bool | None:
+        if self.on == "excess":
+            x = None if reference is None else value - reference
+        else:
+            x = ratio if self.on == "ratio" else value
         if x is None or not math.isfinite(x):
             return None
         return {"<=": x <= self.bound, "<": x < self.bound, ">=": x >= self.bound, ">": x > self.bound}[self.op]
@@ -81,7 +84,9 @@ class Row:
 
     @property
     def met(self) -> bool | None:
-        return self.target.met(self.ratio, self.ours.median) if self.target is not None else None
+        if self.target is None:
+            return None
+        return self.target.met(self.ratio, self.ours.median, self.reference.median if self.reference else None)
 
     def to_json(self) -> dict:
         data = asdict(self)

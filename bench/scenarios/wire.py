@@ -6,7 +6,11 @@ All in one fresh process (see `measure`), on one event loop (the client library'
           compute thread hop, encode) over a span that returns its input unchanged, and the client's decode;
           decode-step and prefill payloads go over the inference stream, the training payload over Forward
   p2p     hivemind's P2P unary call echoing the same tensor message (libp2p through the p2pd daemons)
-The ratio is ours / bare per call; the target is at most 1.5x.
+  libp2p  ours, through the peer's libp2p tunnel (swarm/tunnel.py): how clients reach a peer they cannot
+          connect to; the same gRPC calls, over a local listener, a libp2p stream and the peer's tunnel
+  relay   ours through a relay (swarm/relay.py) between client and peer, as for a peer behind NAT
+The ratio is ours / bare per call; the target is at most 1.5x. A relayed decode step may add at most 2 ms to
+ours direct. All three libp2p nodes are in this process's machine, so loopback hides the relay's own link.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from peer.cache import CacheBudget
 from peer.handler import HandlerLimits, PeerServicer
 from client.loop import BackgroundLoop
 from client.transport import ChannelPool, InferenceStream
+from swarm.relay import RelayService, register
+from swarm.tunnel import TunnelPool, TunnelServer, tunnel_address
 from bench.stats import Row, Summary, Target
 
 WIRE_TARGET = Target("ratio", "<=", 1.5, "<= 1.5x bare echo")
+RELAY_TARGET = Target("excess", "<=", 2.0, "<= 2 ms over gRPC direct")
 _MAX_BYTES = 256 * 1024 * 1024
 _PREFIX = "bench-echo"
 
@@ -107,6 +114,33 @@ async def _p2p_pair():
     return server, client
 
 
+async def _libp2p_paths(endpoint: str):
+    """(nodes to shut down, client pool, {"libp2p": address, "relay": address}) for a peer serving `endpoint`:
+    its tunnel on one libp2p node, a relay on a second, the client on a third."""
+    from hivemind.p2p import P2P
+
+    common = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], auto_nat=False, nat_port_map=False)
+    nodes = [await P2P.create(**common)]
+    try:
+        maddrs = await nodes[0].get_visible_maddrs()
+        nodes += [await P2P.create(initial_peers=maddrs, **common) for _ in range(2)]
+        relay, peer, client = nodes
+        await RelayService(relay).start()
+        await TunnelServer(peer, endpoint).start()
+        await register(peer, relay.peer_id)
+    except BaseException:
+        for node in nodes:
+            await node.shutdown()
+        raise
+
+    async def get_client():
+        return client
+
+    peer_id = peer.peer_id.to_base58()
+    addresses = {"libp2p": tunnel_address(peer_id), "relay": tunnel_address(peer_id, relay.peer_id.to_base58())}
+    return nodes, ChannelPool(_MAX_BYTES, TunnelPool(get_client)), addresses
+
+
 async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload], calls: int, repeats: int) -> dict:
     servicer = echo_servicer(EchoSpan(hidden_size, dtype))
     server, port = await _bare_server(servicer)
@@ -116,40 +150,53 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
                                                            ("grpc.max_send_message_length", _MAX_BYTES)])
     bare_call = channel.unary_unary("/bench.Echo/Unary")
     p2p_server = p2p_client = None
+    libp2p_nodes, libp2p_pool, libp2p_addresses = [], None, {}
     results: dict = {"payloads": {}}
     try:
         try:
             p2p_server, p2p_client = await _p2p_pair()
         except Exception as exc:  # reported as not measured, with the reason
             results["p2p_error"] = f"{type(exc).__name__}: {exc}"
+        try:
+            libp2p_nodes, libp2p_pool, libp2p_addresses = await _libp2p_paths(endpoint)
+        except Exception as exc:
+            results["libp2p_error"] = f"{type(exc).__name__}: {exc}"
+        paths = {"ours": (pool, endpoint), **{name: (libp2p_pool, address) for name, address in
+                                               libp2p_addresses.items()}}
         for payload in payloads:
             tensor = torch.randn(payload.shape).to(dtype)
             raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             seq = payload.shape[1]
             positions = torch.arange(seq).unsqueeze(0)
-            stream, session_id = None, uuid.uuid4().hex
-            if payload.stream:
-                stream = InferenceStream(pool, endpoint)
-                await stream.request(pb.InferenceRequest(open=pb.OpenSession(
-                    span=pb.Span(model=_PREFIX, start=0, end=1), session_id=session_id, max_length=seq,
-                    batch_size=payload.shape[0])), 30)
+            streams = {}
 
-            async def ours():
-                if stream is not None:
+            def ours_over(path_pool: ChannelPool, address: str):
+                """One of our calls with this payload to the echo peer at `address` (a session of its own)."""
+                session_id = uuid.uuid4().hex
+                stream = InferenceStream(path_pool, address) if payload.stream else None
+
+                async def call():
                     packer = Packer()
-                    request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-                        session_id=session_id, hidden_states=packer.tensor(tensor.to(dtype)),
-                        position_ids=packer.tensor(positions), prefix_length=0)))
-                    response = await stream.request(request, 60)
-                    return decode_tensor(response.message.step.hidden_states, "hidden_states",
+                    if stream is not None:
+                        if session_id not in streams:
+                            streams[session_id] = stream
+                            await stream.request(pb.InferenceRequest(open=pb.OpenSession(
+                                span=pb.Span(model=_PREFIX, start=0, end=1), session_id=session_id,
+                                max_length=seq, batch_size=payload.shape[0])), 30)
+                        request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
+                            session_id=session_id, hidden_states=packer.tensor(tensor.to(dtype)),
+                            position_ids=packer.tensor(positions), prefix_length=0)))
+                        response = await stream.request(request, 60)
+                        return decode_tensor(response.message.step.hidden_states, "hidden_states",
+                                             response.payload).to(tensor.dtype)
+                    request = packer.pack(pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
+                                                            hidden_states=packer.tensor(tensor.to(dtype)),
+                                                            position_ids=packer.tensor(positions)))
+                    response = await path_pool.unary(address, "forward", request, 60)
+                    return decode_tensor(response.message.hidden_states, "hidden_states",
                                          response.payload).to(tensor.dtype)
-                packer = Packer()
-                request = packer.pack(pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
-                                                        hidden_states=packer.tensor(tensor.to(dtype)),
-                                                        position_ids=packer.tensor(positions)))
-                response = await pool.unary(endpoint, "forward", request, 60)
-                return decode_tensor(response.message.hidden_states, "hidden_states",
-                                     response.payload).to(tensor.dtype)
+
+                return call
 
             async def bare():
                 return await bare_call(raw, timeout=60)
@@ -159,7 +206,7 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
             async def p2p():
                 return await p2p_client.call_protobuf_handler(p2p_server.peer_id, "echo", message, pb.Tensor)
 
-            methods = {"bare": bare, "ours": ours}
+            methods = {"bare": bare, **{name: ours_over(*path) for name, path in paths.items()}}
             if p2p_client is not None:
                 methods["p2p"] = p2p
             samples = {name: [] for name in methods}
@@ -176,13 +223,17 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
                     began = time.perf_counter()
                     await fn()
                     samples[name].append(time.perf_counter() - began)
-            if stream is not None:
+            for stream in streams.values():
                 await stream.close()
             results["payloads"][payload.name] = {"samples": samples, "errors": errors, "bytes": len(raw),
                                                  "path": "inference stream step" if payload.stream else "Forward unary"}
     finally:
         await channel.close(grace=None)
         await pool.close()
+        if libp2p_pool is not None:
+            await libp2p_pool.close()
+        for node in libp2p_nodes:
+            await node.shutdown()
         await server.stop(grace=None)
         servicer.close()
         for p2p_node in (p2p_client, p2p_server):
@@ -235,6 +286,16 @@ def rows_from(config_name: str, hidden_size: int, dtype: str, results: dict) -> 
                             reference_name="bare gRPC echo", extra={"bytes": found["bytes"]}))
         else:
             rows[-1].extra["p2p"] = extra.get("p2p")
+        ours = Summary.of(samples["ours"]).scaled(1e3)
+        for name, metric in (("libp2p", "ours over libp2p"), ("relay", "ours through a relay")):
+            if not samples.get(name):
+                extra[name] = "not measured: " + (errors.get(name) or results.get("libp2p_error") or "unknown")
+                continue
+            target = RELAY_TARGET if name == "relay" and variant.startswith("decode step") else None
+            rows.append(Row(scenario="wire", config=config_name, variant=variant, metric=metric, unit="ms",
+                            ours=Summary.of(samples[name]).scaled(1e3), reference=ours,
+                            reference_name="ours, gRPC direct", target=target,
+                            extra={"bytes": found["bytes"], "path": found["path"]}))
     return rows
 
 

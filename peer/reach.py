@@ -3,7 +3,8 @@
 `--transport auto` asks DHT neighbours (the initial peers) to connect back to the gRPC endpoint
 (swarm/reachability.py). A peer they reach announces its endpoint; one they cannot reach leaves the DHT as a
 full node (others could not reach it there either), rejoins as a DHT client, registers with relays among its
-initial peers (swarm/relay.py), and announces "p2p" with those relays. Every peer also serves its gRPC
+initial peers or among the peers that announce `--relay` (swarm/relay.py), and announces "p2p" with those
+relays. Every peer also serves its gRPC
 server through libp2p streams (swarm/tunnel.py), the fallback of clients that cannot connect to the endpoint;
 peers others can reach answer probes, and relay with `--relay`.
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 
 import hivemind
+from hivemind.p2p import PeerID
 
 from protocol.errors import PeerUnavailableError
 from swarm.dht import peer_ids_of, start_dht, stop_dht
@@ -23,6 +26,8 @@ from swarm.tunnel import TunnelServer
 from peer.config import PeerConfig
 
 logger = logging.getLogger(__name__)
+
+Discover = Callable[[hivemind.DHT], Awaitable[Sequence[PeerID]]]  # relays the directory knows of, through a DHT node
 
 
 class Reach:
@@ -40,8 +45,10 @@ class Reach:
     def relays(self) -> tuple[str, ...]:
         return tuple(relay.to_base58() for relay in self.registrar.relays) if self.registrar else ()
 
-    async def decide(self, dht: hivemind.DHT, endpoint: str) -> hivemind.DHT:
+    async def decide(self, dht: hivemind.DHT, endpoint: str, discover: Discover | None = None) -> hivemind.DHT:
         """Probe (unless told the transport), rejoin as a DHT client behind NAT; the DHT node to go on with.
+
+        Behind NAT, the relays tried are the initial peers, then those `discover` finds.
 
         Raises:
             PeerUnavailableError: nobody can reach this peer and no relay took it.
@@ -63,7 +70,8 @@ class Reach:
             stop_dht(dht)
             dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True)
             logger.info("rejoined the DHT as a client, %s, to serve through a relay", dht.peer_id.to_base58())
-            self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers))
+            self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers),
+                                            discover=None if discover is None else lambda: discover(dht))
             if not await self.registrar.register():
                 raise PeerUnavailableError(
                     f"this peer cannot be reached at {endpoint}, and no relay among its --initial-peers took it: "

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import psutil
 import torch
+from hivemind.p2p import PeerID
 
 from protocol import swarmlm_pb2 as pb
 from protocol.records import PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model
@@ -104,7 +105,7 @@ class PeerServer:
             self.endpoint = f"{host}:{announced_port or port}"
         await self.grpc_server.start()
         # where others connect, or else through libp2p (which may replace the DHT node: see peer/reach.py)
-        self.dht = await self.reach.decide(self.dht, self.endpoint)
+        self.dht = await self.reach.decide(self.dht, self.endpoint, self._relays_in_directory)
         local_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
         await self.reach.start(self.dht, f"{local_host}:{port}", self._relays_changed)
 
@@ -219,6 +220,12 @@ class PeerServer:
                           wait=False)
         # awaited as a future, not in a thread: a DHT that died must not keep the process from exiting
         await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s)
+
+    async def _relays_in_directory(self, dht) -> list:
+        """Peers of this model that others can connect to and that relay (`--relay`)."""
+        snapshot = await asyncio.to_thread(fetch_snapshot, dht, self.prefix, self.num_layers)
+        return [PeerID.from_base58(pid) for pid, info in snapshot.online().items()
+                if info.relay and info.transport == "direct"]
 
     def _relays_changed(self) -> None:
         """Tell clients the relays through which this peer is reached now, without waiting for the next period."""

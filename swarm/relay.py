@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -151,16 +151,25 @@ async def register(p2p: hivemind.P2P, relay: PeerID, *, timeout_s: float = OPEN_
 
 
 class RelayRegistrar:
-    """Keeps a peer behind NAT registered with up to `wanted` relays among `candidates`."""
+    """Keeps a peer behind NAT registered with up to `wanted` relays among `candidates`, and among those that
+    `discover` finds (peers that announce that they relay), when it has fewer."""
 
-    def __init__(self, p2p: hivemind.P2P, candidates: Sequence[PeerID], *, wanted: int = 2):
-        self.p2p, self.candidates, self.wanted = p2p, list(candidates), wanted
+    def __init__(self, p2p: hivemind.P2P, candidates: Sequence[PeerID], *, wanted: int = 2,
+                 discover: Callable[[], Awaitable[Sequence[PeerID]]] | None = None):
+        self.p2p, self.candidates, self.wanted, self.discover = p2p, list(candidates), wanted, discover
         self.relays: list[PeerID] = []
         self._renew_s = REGISTRATION_TTL_S / 3
 
     async def register(self) -> list[PeerID]:
         """Renew with the current relays, then fill up from the other candidates; the relays registered with."""
         current = await self._try(self.relays)  # clients know these from our record: keep them while they last
+        if len(current) < self.wanted and self.discover is not None:
+            try:
+                found = await self.discover()
+            except Exception as exc:  # the directory may be briefly unreachable
+                logger.info("looking for relays in the directory failed: %r", exc)
+                found = []
+            self.candidates += [relay for relay in found if relay not in self.candidates and relay != self.p2p.peer_id]
         others = [relay for relay in self.candidates if relay not in current]
         if len(current) < self.wanted and others:
             current += (await self._try(others))[: self.wanted - len(current)]

@@ -159,17 +159,34 @@ def test_killing_the_home_peer_mid_generation_fails_over_to_a_public_peer(nat, m
         remote.shutdown()
 
 
-def test_a_peer_behind_nat_without_a_relay_exits_with_what_to_do(nat, model_path):
+def test_without_a_relay_a_home_peer_says_what_to_do_and_a_volunteer_relay_takes_it(nat, model_path):
     net, swarm, peers = nat
     lonely = Swarm(swarm.workdir / "no-relay")
     try:
         lonely.start_bootstrap("--host", PUBLIC_IP, "--no-relay", netns=net.public)
-        stranded = lonely.start_peer(model_path, "--blocks", "0:4", "--host", HOME_IP, netns=net.home)
+        stranded = lonely.start_peer(model_path, "--blocks", "2:4", "--host", HOME_IP, netns=net.home)
         assert not stranded.wait_gone(120), stranded.logs()
         stranded.expected_alive = False
         assert stranded.returncode == 1, stranded.logs()
         assert "cannot be reached at" in stranded.stderr() and "no relay among its --initial-peers took it" in \
             stranded.stderr(), stranded.logs()
         assert "Traceback" not in stranded.stderr(), stranded.logs()
+        # a public peer volunteers with --relay: a home peer finds it in the directory and is served through it
+        lonely.start_peer(model_path, "--blocks", "0:2", "--host", PUBLIC_IP, "--relay", netns=net.public)
+        lonely.wait_online(prefix_for_model(str(model_path)), [(0, 2)], timeout_s=120)
+        lonely.start_peer(model_path, "--blocks", "2:4", "--host", HOME_IP, netns=net.home)
+        lonely.wait_online(prefix_for_model(str(model_path)), SPANS, timeout_s=120)
+        relay_id, relay = record_of(lonely, model_path, (0, 2))
+        _, home = record_of(lonely, model_path, (2, 4))
+        assert relay.relay and relay.transport == "direct"
+        assert home.transport == "p2p" and home.relays == (relay_id,), home
+        local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        ids = torch.randint(3, VOCAB_SIZE, (1, 7), generator=torch.Generator().manual_seed(2))
+        remote = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=lonely.initial_peers)
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(remote(ids).logits, local(ids).logits, atol=1e-4, rtol=0)
+        finally:
+            remote.shutdown()
     finally:
         lonely.close()

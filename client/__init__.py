@@ -12,22 +12,29 @@
 - demo: `swarmlm demo`
 """
 
-from client.config import ClientConfig
-from client.model import AutoDistributedModelForCausalLM, ClientSession, DistributedModelForCausalLM
-from client.routing import RouteHop, plan_forward_route, plan_inference_route
-from client.session import InferenceSession
-from client.training import StepResult, SwarmTrainer, TrainConfig
+import importlib
 
-__all__ = [
-    "AutoDistributedModelForCausalLM",
-    "ClientConfig",
-    "ClientSession",
-    "DistributedModelForCausalLM",
-    "InferenceSession",
-    "RouteHop",
-    "StepResult",
-    "SwarmTrainer",
-    "TrainConfig",
-    "plan_forward_route",
-    "plan_inference_route",
-]
+# name -> (module, attribute): loaded on first use, so that parsing a command's arguments stays light
+_EXPORTS = {
+    "AutoDistributedModelForCausalLM": ("client.model", "AutoDistributedModelForCausalLM"),
+    "ClientConfig": ("client.config", "ClientConfig"),
+    "ClientSession": ("client.model", "ClientSession"),
+    "DistributedModelForCausalLM": ("client.model", "DistributedModelForCausalLM"),
+    "InferenceSession": ("client.session", "InferenceSession"),
+    "RouteHop": ("client.routing", "RouteHop"),
+    "StepResult": ("client.training", "StepResult"),
+    "SwarmTrainer": ("client.training", "SwarmTrainer"),
+    "TrainConfig": ("client.config", "TrainConfig"),
+    "plan_forward_route": ("client.routing", "plan_forward_route"),
+    "plan_inference_route": ("client.routing", "plan_inference_route"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'client' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    loaded = importlib.import_module(module)
+    return loaded if attribute is None else getattr(loaded, attribute)

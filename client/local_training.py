@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swarm.optim import make_optimizer
-from client.training import StepResult, TrainConfig, lm_loss, local_parameters
+from client.config import TrainConfig
+from client.training import StepResult, lm_loss, local_parameters
 
 
 class LocalTrainer:

@@ -14,16 +14,11 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from protocol.errors import SwarmError
-from swarm.averaging import add_averaging_arguments, averaging_from_args
-from swarm.checkpoint import resolve_model_path
-from swarm.optim import OPTIMIZERS
-from client.data import Prefetcher, TokenBatches, default_corpus, text_files, tokenize_files
-from client.export import TRAINER_FILE
-from client.training import StepResult, TrainConfig
+from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from client.config import TrainConfig
+
+# torch, transformers and hivemind are imported once the flags are known good: a wrong one is answered at once
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +61,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        step_timeout_s=args.step_timeout, host=args.host)
 
 
-def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None) -> Prefetcher:
+def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None):
     from transformers import AutoTokenizer
+
+    from client.data import Prefetcher, TokenBatches, default_corpus, text_files, tokenize_files
 
     files = text_files(args.data) if args.data else default_corpus()
     try:
@@ -99,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     save = Path(args.save) if args.save else None
     resumed = json.loads((save / STATE_FILE).read_text()) if save and (save / STATE_FILE).exists() else None
     trainer = batches = model = None
+    from swarm.checkpoint import resolve_model_path
+
     try:
         model_path = resolve_model_path(args.model)
         batches = load_batches(model_path, args, resumed["data"] if resumed else None)
@@ -120,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | None):
+    import torch
+
     if args.local:
         from client.local_training import LocalTrainer
 
@@ -131,6 +132,8 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
                                                             dht_prefix=args.dht_prefix, dtype=torch.float32)
     try:
         if resume is not None:
+            from client.export import TRAINER_FILE
+
             _load_local_parts(model, resume / TRAINER_FILE)
         return SwarmTrainer(model, config), model
     except BaseException:
@@ -138,14 +141,14 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
         raise
 
 
-def _train(trainer, batches: Prefetcher, args, first: int) -> None:
+def _train(trainer, batches, args, first: int) -> None:
     from tqdm import tqdm
 
     log = open(args.log_json, "a") if args.log_json else None
     try:
         bar = tqdm(range(first, first + args.steps), disable=args.no_progress, unit="step", file=sys.stderr)
         for step in bar:
-            result: StepResult = trainer.step(next(batches))
+            result = trainer.step(next(batches))
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
             epochs = " ".join(f"{s}-{e}:{n}" for (s, e), n in sorted(result.stage_epochs.items()))
             bar.set_postfix_str(f"loss {result.loss:.4f}, {tokens_per_s:.0f} tok/s" + (f", updates {epochs}"
@@ -162,8 +165,11 @@ def _train(trainer, batches: Prefetcher, args, first: int) -> None:
             log.close()
 
 
-def _save(save: Path, trainer, batches: Prefetcher, args) -> None:
+def _save(save: Path, trainer, batches, args) -> None:
     """The trainer's part of the model and where the data stands; the peers save their own (--save-dir)."""
+    from safetensors.torch import save_file
+
+    from client.export import TRAINER_FILE
     save.mkdir(parents=True, exist_ok=True)
     if args.local:
         trainer.save_pretrained(save)
@@ -181,6 +187,9 @@ def _save(save: Path, trainer, batches: Prefetcher, args) -> None:
 
 
 def _load_local_parts(model, file: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
     tensors = load_file(str(file))
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.averaging import AveragingSettings
+from swarm.settings import AveragingSettings
 from client.data import Prefetcher, TokenBatches, default_corpus, tokenize_files
 from client.local_swarm import LocalSwarm, split_blocks
 
@@ -25,7 +25,8 @@ def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> 
     from transformers import AutoTokenizer
 
     from client.model import AutoDistributedModelForCausalLM
-    from client.training import SwarmTrainer, TrainConfig
+    from client.config import TrainConfig
+    from client.training import SwarmTrainer
     from swarm.checkpoint import load_config
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

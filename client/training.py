@@ -19,52 +19,20 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
-from protocol.records import check_run_id
-from swarm.averaging import AveragingSettings, TrainingGroup, group_key, has_nonfinite
+from swarm.averaging import TrainingGroup, group_key, has_nonfinite
 from swarm.dht import start_dht, stop_dht
-from swarm.optim import OPTIMIZERS, make_optimizer
+from swarm.optim import make_optimizer
+from client.config import TrainConfig
 from client.sequence import TrainingTag
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """What a trainer does per step (`swarmlm train`); the local reference reads the same fields."""
-
-    run_id: str = "default"
-    batch_size: int = 8
-    """Samples (sequences) per step from this trainer."""
-    micro_batch_size: int = 2
-    """Samples per request through the peers; batch_size / micro_batch_size of them are in flight."""
-    max_in_flight: int = 0
-    """Micro-batches in flight at once (0: all of a step's)."""
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    averaging: AveragingSettings = field(default_factory=AveragingSettings)
-    step_timeout_s: float = 60.0
-    """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""
-    host: str = "127.0.0.1"
-    """Address the trainer's DHT node listens on: trainers average with each other through it."""
-
-    def __post_init__(self) -> None:
-        check_run_id(self.run_id)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a positive multiple of micro_batch_size "
-                             f"({self.micro_batch_size})")
-        if self.max_in_flight < 0 or not self.step_timeout_s > 0:
-            raise ValueError(f"max_in_flight must be >= 0 and step_timeout_s > 0, got {self.max_in_flight}, "
-                             f"{self.step_timeout_s}")
 
 
 @dataclass

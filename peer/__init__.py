@@ -13,9 +13,24 @@
 - cli: `swarmlm peer`
 """
 
-from peer.blocks import BlockSpan, load_span
-from peer.config import PeerConfig
-from peer.training import SpanTraining, TrainingConfig
-from peer.server import PeerServer
+import importlib
 
-__all__ = ["BlockSpan", "PeerConfig", "PeerServer", "SpanTraining", "TrainingConfig", "load_span"]
+# name -> (module, attribute): loaded on first use, so that parsing a command's arguments stays light
+_EXPORTS = {
+    "BlockSpan": ("peer.blocks", "BlockSpan"),
+    "PeerConfig": ("peer.config", "PeerConfig"),
+    "PeerServer": ("peer.server", "PeerServer"),
+    "SpanTraining": ("peer.training", "SpanTraining"),
+    "TrainingConfig": ("peer.training", "TrainingConfig"),
+    "load_span": ("peer.blocks", "load_span"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'peer' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    loaded = importlib.import_module(module)
+    return loaded if attribute is None else getattr(loaded, attribute)

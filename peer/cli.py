@@ -9,10 +9,8 @@ import logging
 from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
 from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
-from peer.training import TRAIN_MODES, TrainingConfig
-from swarm.averaging import add_averaging_arguments, averaging_from_args
-from swarm.optim import OPTIMIZERS
-from peer.server import PeerServer
+from peer.config import TRAIN_MODES, TrainingConfig
+from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+
+    from peer.server import PeerServer  # torch, transformers, hivemind: only once the flags are known good
 
     async def main() -> int:
         server = PeerServer(config)

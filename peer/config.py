@@ -1,14 +1,50 @@
-"""Configuration of a peer daemon."""
+"""Configuration of a peer daemon (and of its training), checked before anything heavy is imported."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from peer.training import TrainingConfig
+from protocol.records import check_run_id
+from swarm.settings import OPTIMIZERS, AveragingSettings
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "direct", "p2p")
+TRAIN_MODES = ("full", "lora")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """How a peer trains the blocks it serves (`swarmlm peer ... --train`)."""
+
+    run_id: str = "default"
+    """Peers of one run and one span average together; trainers name the run they feed."""
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    target_batch_size: int = 8
+    """Samples the group accumulates (over all its members) per update."""
+    mode: str = "full"
+    """full: train every weight of the span; lora: train LoRA adapters of its linear layers only."""
+    lora_rank: int = 8
+    averaging: AveragingSettings = field(default_factory=AveragingSettings)
+    save_dir: str | None = None
+    """Save the span's weights and optimizer state here, and resume from them on restart."""
+    save_every: int = 0
+    """Save every this many updates (0: only when the peer stops)."""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"train mode must be one of {TRAIN_MODES}, got {self.mode!r}")
+        if not self.lr > 0 or not self.weight_decay >= 0:
+            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+        if self.target_batch_size < 1 or self.lora_rank < 1 or self.save_every < 0:
+            raise ValueError(f"target_batch_size and lora_rank must be >= 1 and save_every >= 0, got "
+                             f"{self.target_batch_size}, {self.lora_rank}, {self.save_every}")
+
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,59 +7,43 @@
 - service: method table of the Peer service, derived from the .proto
 """
 
-from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import (
-    BadRequestError,
-    CacheFullError,
-    InternalError,
-    InvalidRecordError,
-    MessageTooLargeError,
-    ModelNotFoundError,
-    NoPeersError,
-    PeerUnavailableError,
-    SequenceTooLongError,
-    StaleEpochError,
-    StateDownloadError,
-    SwarmError,
-    UnknownSessionError,
-    WrongSpanError,
-    error_from_code,
-)
-from protocol.records import (
-    MODEL_INDEX_KEY,
-    PROTOCOL_VERSION,
-    ModelRecord,
-    ServerInfo,
-    ServerState,
-    block_key,
-    prefix_for_model,
-)
+import importlib
 
-__all__ = [
-    "MODEL_INDEX_KEY",
-    "PROTOCOL_VERSION",
-    "BadRequestError",
-    "CacheFullError",
-    "InternalError",
-    "InvalidRecordError",
-    "MessageTooLargeError",
-    "ModelNotFoundError",
-    "ModelRecord",
-    "NoPeersError",
-    "PeerUnavailableError",
-    "SequenceTooLongError",
-    "StaleEpochError",
-    "StateDownloadError",
-    "ServerInfo",
-    "ServerState",
-    "SwarmError",
-    "UnknownSessionError",
-    "WrongSpanError",
-    "block_key",
-    "decode_tensor",
-    "encode_tensor",
-    "error_from_code",
-    "pb",
-    "prefix_for_model",
-]
+# name -> (module, attribute): loaded on first use, so that parsing a command's arguments stays light
+_EXPORTS = {
+    "BadRequestError": ("protocol.errors", "BadRequestError"),
+    "CacheFullError": ("protocol.errors", "CacheFullError"),
+    "InternalError": ("protocol.errors", "InternalError"),
+    "InvalidRecordError": ("protocol.errors", "InvalidRecordError"),
+    "MODEL_INDEX_KEY": ("protocol.records", "MODEL_INDEX_KEY"),
+    "MessageTooLargeError": ("protocol.errors", "MessageTooLargeError"),
+    "ModelNotFoundError": ("protocol.errors", "ModelNotFoundError"),
+    "ModelRecord": ("protocol.records", "ModelRecord"),
+    "NoPeersError": ("protocol.errors", "NoPeersError"),
+    "PROTOCOL_VERSION": ("protocol.records", "PROTOCOL_VERSION"),
+    "PeerUnavailableError": ("protocol.errors", "PeerUnavailableError"),
+    "SequenceTooLongError": ("protocol.errors", "SequenceTooLongError"),
+    "ServerInfo": ("protocol.records", "ServerInfo"),
+    "ServerState": ("protocol.records", "ServerState"),
+    "StaleEpochError": ("protocol.errors", "StaleEpochError"),
+    "StateDownloadError": ("protocol.errors", "StateDownloadError"),
+    "SwarmError": ("protocol.errors", "SwarmError"),
+    "UnknownSessionError": ("protocol.errors", "UnknownSessionError"),
+    "WrongSpanError": ("protocol.errors", "WrongSpanError"),
+    "block_key": ("protocol.records", "block_key"),
+    "decode_tensor": ("protocol.codec", "decode_tensor"),
+    "encode_tensor": ("protocol.codec", "encode_tensor"),
+    "error_from_code": ("protocol.errors", "error_from_code"),
+    "pb": ("protocol.swarmlm_pb2", None),  # the module itself
+    "prefix_for_model": ("protocol.records", "prefix_for_model"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'protocol' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    loaded = importlib.import_module(module)
+    return loaded if attribute is None else getattr(loaded, attribute)

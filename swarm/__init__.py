@@ -9,6 +9,7 @@
 - placement: which blocks a peer should serve (pure functions)
 - averaging: training groups on hivemind's all-reduce (progress, rounds, joining)
 - optim: optimizers built the same way by peers and trainers
+- settings: optimizer names and averaging timing, checked before anything heavy is imported
 - checkpoint: reading a checkpoint's config and selected tensors
 - default_model: the built-in default model, converted once from a shipped GGUF file
 - bootstrap, status, cli: the `swarmlm bootstrap`, `swarmlm status` and `swarmlm` commands
@@ -19,7 +20,7 @@ Exports load on first use, so `swarmlm --help` does not pay for torch and hivemi
 import importlib
 
 _EXPORTS = {
-    "AveragingSettings": "swarm.averaging",
+    "AveragingSettings": "swarm.settings",
     "SwarmSnapshot": "swarm.snapshot",
     "TrainingGroup": "swarm.averaging",
     "announce": "swarm.directory",

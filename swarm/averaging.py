@@ -21,9 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-import argparse
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import hivemind
 import torch
@@ -34,30 +32,9 @@ from protocol.errors import InvalidRecordError, StateDownloadError
 from protocol.records import TrainingProgress
 from swarm.dht import dht_result
 from swarm.optim import set_step_count, state_tensors
+from swarm.settings import AveragingSettings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True)
-class AveragingSettings:
-    """Timing of a group's rounds; the defaults suit volunteers on the internet, tests shorten them."""
-
-    matchmaking_time_s: float = 15.0
-    """How long a round waits for members to gather before it averages."""
-    averaging_timeout_s: float = 60.0
-    """A round not done in this long fails; each member then updates with its own gradients."""
-    load_state_timeout_s: float = 60.0
-    """How long a joining member tries to copy a member's state before giving up."""
-    progress_period_s: float = 0.5
-    """How often a member publishes its progress; a record not renewed for 4 periods is gone."""
-
-    def __post_init__(self) -> None:
-        for name in ("matchmaking_time_s", "averaging_timeout_s", "load_state_timeout_s", "progress_period_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.averaging_timeout_s <= self.matchmaking_time_s:
-            raise ValueError(f"averaging_timeout_s ({self.averaging_timeout_s}) must exceed matchmaking_time_s "
-                             f"({self.matchmaking_time_s})")
 
 
 class _Averager(DecentralizedAverager):
@@ -353,18 +330,3 @@ def group_key(prefix: str, run_id: str, part: str) -> str:
 
 def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
     return any(not bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-
-
-def add_averaging_arguments(t) -> None:
-    """The flags of AveragingSettings, shared by `swarmlm peer --train` and `swarmlm train`."""
-    t.add_argument("--matchmaking-time", type=float, default=15.0, metavar="S",
-                   help="how long an averaging round gathers its group (default: 15)")
-    t.add_argument("--averaging-timeout", type=float, default=60.0, metavar="S",
-                   help="a round not done in this long falls back to local gradients (default: 60)")
-    t.add_argument("--load-state-timeout", type=float, default=60.0, metavar="S",
-                   help="how long a joining member tries to copy its group's state (default: 60)")
-
-
-def averaging_from_args(args: argparse.Namespace) -> AveragingSettings:
-    return AveragingSettings(matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
-                             load_state_timeout_s=args.load_state_timeout)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+from swarm.settings import OPTIMIZERS
 
 
 def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float,

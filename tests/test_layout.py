@@ -153,3 +153,16 @@ def test_cli_entry_point_imports_nothing_heavy():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("module, args", [
+    ("peer.cli", ["model", "--blocks", "0:2", "--train", "--transport", "p2p"]),
+    ("client.train_cli", ["model", "--local", "--batch-size", "4"]),
+])
+def test_commands_check_their_flags_before_importing_anything_heavy(module, args):
+    # a wrong flag is answered at once, not after seconds of loading torch, transformers and hivemind
+    code = (f"import sys, {module} as m; m.config_from_args(m.build_parser('x').parse_args({args!r})); "
+            f"print(sorted({{'torch', 'transformers', 'hivemind'}} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

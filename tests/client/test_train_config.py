@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from client.training import TrainConfig
+from client.config import TrainConfig
 from peer.config import PeerConfig
-from peer.training import TrainingConfig
+from peer.config import TrainingConfig
 
 
 @pytest.mark.parametrize("kwargs, words", [

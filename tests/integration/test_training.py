@@ -23,7 +23,7 @@ from client.local_training import LocalTrainer
 from client.sequence import TrainingTag
 from protocol.errors import BadRequestError, StaleEpochError
 from protocol.records import prefix_for_model
-from swarm.averaging import AveragingSettings
+from swarm.settings import AveragingSettings
 from tests.helpers.models import VOCAB_SIZE, make_tiny
 from tests.helpers.processes import Swarm
 from tests.helpers.tokenizer import save_char_tokenizer

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from swarm.averaging import AveragingSettings, TrainingGroup, group_key
+from swarm.averaging import TrainingGroup, group_key
+from swarm.settings import AveragingSettings
 from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.optim import make_optimizer
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.averaging import AveragingSettings
-from swarm.optim import OPTIMIZERS, make_optimizer, set_step_count, state_tensors
+from swarm.settings import AveragingSettings
+from swarm.optim import make_optimizer, set_step_count, state_tensors
+from swarm.settings import OPTIMIZERS
 
 
 def params(seed: int = 0) -> list[torch.nn.Parameter]:

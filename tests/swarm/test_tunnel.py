@@ -110,7 +110,9 @@ def test_a_relay_forwards_to_registered_peers_only(dhts):
     async def main():
         server, endpoint = await serve_grpc(home.peer_id.to_base58())
         relay_p2p, home_p2p, client_p2p = [await d.replicate_p2p() for d in (relay, home, client)]
-        service, tunnel = RelayService(relay_p2p, ttl_s=3.0), TunnelServer(home_p2p, endpoint)
+        now = [0.0]
+        service = RelayService(relay_p2p, ttl_s=60.0, clock=lambda: now[0])
+        tunnel = TunnelServer(home_p2p, endpoint)
         await service.start()
         await tunnel.start()
         pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
@@ -118,7 +120,7 @@ def test_a_relay_forwards_to_registered_peers_only(dhts):
         try:
             with pytest.raises(PeerUnavailableError, match="is not registered with this relay"):
                 await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
-            assert await register(home_p2p, relay.peer_id) == 3.0
+            assert await register(home_p2p, relay.peer_id) == 60.0
             await pool.drop(tunnel_address(home_id, relay_id))
             answer = await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
             assert answer.peer_id == home_id
@@ -127,8 +129,13 @@ def test_a_relay_forwards_to_registered_peers_only(dhts):
                 with pytest.raises(PeerUnavailableError, match="is not registered"):
                     await pool.unary(tunnel_address(other, relay_id), "info", pb.InfoRequest(), 10.0)
             # a registration that is not renewed runs out
-            await asyncio.sleep(3.5)
+            now[0] = 59.0
+            assert service.registered() == [home.peer_id]
+            now[0] = 61.0
             assert service.registered() == []
+            await pool.drop(tunnel_address(home_id, relay_id))
+            with pytest.raises(PeerUnavailableError, match="is not registered"):
+                await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
         finally:
             await pool.close()
             for part in (tunnel, service):

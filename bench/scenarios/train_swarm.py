@@ -44,8 +44,8 @@ class Band(Target):
 
     low: float = 0.0
 
-    def met(self, ratio: float | None, value: float) -> bool | None:
-        within = super().met(ratio, value)
+    def met(self, ratio: float | None, value: float, reference: float | None = None) -> bool | None:
+        within = super().met(ratio, value, reference)
         return within if within is not True else ratio >= self.low
 
 

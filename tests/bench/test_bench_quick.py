@@ -32,6 +32,9 @@ def test_summary_and_targets_on_plain_numbers():
     row.ours = Summary.of([11.0])
     assert row.met is True
     assert Target("value", "<", 10.0, "< 10 s").met(None, 9.9) is True
+    excess = Target("excess", "<=", 2.0, "<= 2 ms over")
+    assert excess.met(None, 3.4, 1.5) is True and excess.met(None, 3.6, 1.5) is False
+    assert excess.met(None, 3.0) is None  # no reference, no verdict
     with pytest.raises(ValueError, match="repeats"):
         Plan(configs=("tiny",), repeats=0)
     with pytest.raises(ValueError, match="scenarios"):

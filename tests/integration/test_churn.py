@@ -22,7 +22,7 @@ from tests.helpers.models import make_tiny_llama
 from tests.helpers.peers import process_serving
 
 SPANS = [(0, 2), (0, 2), (2, 4), (2, 4), (2, 4)]
-CHURN_S = 40.0
+CHURN_S = 30.0
 NUM_PROMPTS = 20  # references computed up front, then reused in turn
 KILL_EVERY_S = 4.0
 

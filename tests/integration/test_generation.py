@@ -20,14 +20,13 @@ from tests.helpers.processes import Swarm
 
 FAMILIES = {
     # family: spans served by one peer each
-    "llama": [(0, 2), (2, 4)],
+    "llama": [(0, 2), (2, 4)],  # its second peer is reached only over libp2p (P2P_SPAN)
     "mistral": [(0, 3), (3, 4)],
     "qwen2": [(0, 1), (1, 4)],
     "qwen3": [(0, 1), (1, 3), (3, 4)],
 }
 BF16_PREFIX = "tiny-llama-bf16"
-# the llama once more, its second span served only through libp2p (--transport p2p): "llama-p2p" below
-P2P_PREFIX, P2P_SPANS = "tiny-llama-p2p", [(0, 2, "direct"), (2, 4, "p2p")]
+P2P_FAMILY, P2P_SPAN = "llama", (2, 4)  # served with --transport p2p: every llama test goes through libp2p too
 
 
 @pytest.fixture(scope="module")
@@ -39,31 +38,26 @@ def swarm_of_families(tmp_path_factory):
         swarm.start_bootstrap()
         for family, spans in FAMILIES.items():
             for start, end in spans:
-                swarm.start_peer(paths[family], "--blocks", f"{start}:{end}")
+                p2p = ("--transport", "p2p") if (family, (start, end)) == (P2P_FAMILY, P2P_SPAN) else ()
+                swarm.start_peer(paths[family], "--blocks", f"{start}:{end}", *p2p)
         for start, end in [(0, 3), (3, 4)]:
             swarm.start_peer(paths["llama"], "--blocks", f"{start}:{end}", "--dtype", "bfloat16",
                              "--dht-prefix", BF16_PREFIX)
-        for start, end, transport in P2P_SPANS:
-            swarm.start_peer(paths["llama"], "--blocks", f"{start}:{end}", "--dht-prefix", P2P_PREFIX,
-                             "--transport", transport)
         for family, spans in FAMILIES.items():
             swarm.wait_online(prefix_for_model(str(paths[family])), spans, timeout_s=120)
         swarm.wait_online(BF16_PREFIX, [(0, 3), (3, 4)], timeout_s=120)
-        swarm.wait_online(P2P_PREFIX, [(start, end) for start, end, _ in P2P_SPANS], timeout_s=120)
         yield swarm, paths
 
 
-@pytest.fixture(scope="module", params=[*sorted(FAMILIES), "llama-p2p"])
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def served(request, swarm_of_families):
-    """(remote model, local reference model) for one family, or for the llama with a peer reached over libp2p."""
+    """(remote model, local reference model) for one family."""
     swarm, paths = swarm_of_families
-    p2p = request.param == "llama-p2p"
-    path = paths["llama" if p2p else request.param]
-    remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers,
-                                                            dht_prefix=P2P_PREFIX if p2p else None)
+    path = paths[request.param]
+    remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     try:
-        if p2p:  # the route really goes through libp2p for the peer that announces nothing else
+        if request.param == P2P_FAMILY:  # the route really goes through libp2p for the peer that announces it
             with torch.no_grad():
                 remote(torch.tensor([[3, 4, 5]]))
             assert [hop.endpoint.startswith("p2p:") for hop in remote.sequence.last_route] == [False, True]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -33,8 +34,13 @@ def _interrupt(signum, frame):
 
 
 def pytest_configure(config):
-    """A CI timeout sends SIGTERM: turn it into KeyboardInterrupt, so that fixtures still stop their processes."""
+    """A CI timeout sends SIGTERM: turn it into KeyboardInterrupt, so that fixtures still stop their processes.
+
+    The processes the tests start (well over a hundred) also cache our modules' bytecode where the environment
+    forbids it (PYTHONDONTWRITEBYTECODE): each would compile all of them again, about half a second apiece.
+    """
     signal.signal(signal.SIGTERM, _interrupt)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.hookimpl(hookwrapper=True)

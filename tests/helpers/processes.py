@@ -327,18 +327,22 @@ class Swarm:
     def run(self, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
         """Run `swarmlm ARGS...` to completion (bounded), returning its exit code and output; nothing is left."""
         name = args[0].lstrip("-") if args else "swarmlm"
-        proc = self.spawn(name or "swarmlm", *args)
+        return self.finish(self.spawn(name or "swarmlm", *args), timeout_s)
+
+    def finish(self, proc: ManagedProcess, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+        """Wait (bounded) for a spawned command to exit; its exit code and output. Nothing of it may be left."""
+        args = proc.args
         try:
             proc.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.expected_alive = False
             proc.signal_group(signal.SIGKILL)
             proc.wait_gone(KILL_TIMEOUT_S)
-            raise TimeoutError(f"`swarmlm {' '.join(args)}` ran over {timeout_s} s\n{proc.logs()}") from None
+            raise TimeoutError(f"`{' '.join(args)}` ran over {timeout_s} s\n{proc.logs()}") from None
         proc.expected_alive = False
         left = proc.wait_gone(5.0)
         if left:
-            raise LeftoverProcessError(f"`swarmlm {' '.join(args)}` exited but left:\n{describe(left)}\n{proc.logs()}")
+            raise LeftoverProcessError(f"`{' '.join(args)}` exited but left:\n{describe(left)}\n{proc.logs()}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout(), proc.stderr())
 
     # stopping processes

@@ -23,7 +23,7 @@ from tests.helpers.peers import process_serving
 
 SPANS = [(0, 2), (0, 2), (2, 4), (2, 4), (2, 4)]
 CHURN_S = 30.0
-NUM_PROMPTS = 20  # references computed up front, then reused in turn
+NUM_PROMPTS = 10  # references computed up front, then reused in turn
 KILL_EVERY_S = 4.0
 
 

@@ -64,14 +64,14 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
     """One trainer, two stages of one peer each, fp32: the same losses for 20 steps and the same weights."""
     steps = 20
     with Swarm(tmp_path / "swarm") as swarm:
+        # the reference needs no swarm: it trains while the swarm starts
+        local = swarm.spawn("train-local", "train", str(model_path), "--local", *train_flags("exact", steps),
+                            "--log-json", str(tmp_path / "local.jsonl"), "--save", str(tmp_path / "local"))
         swarm.start_bootstrap()
         for start, end in [(0, 2), (2, 4)]:
             swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("exact", 8))
         swarm.wait_online(prefix_for_model(str(model_path)), [(0, 2), (2, 4)], timeout_s=120)
-
-        local = swarm.run("train", str(model_path), "--local", *train_flags("exact", steps),
-                          "--log-json", str(tmp_path / "local.jsonl"), "--save", str(tmp_path / "local"),
-                          timeout_s=300)
+        local = swarm.finish(local, timeout_s=300)
         assert local.returncode == 0, local.stderr[-3000:]
         remote = swarm.run("train", str(model_path), "--initial-peers", *swarm.initial_peers,
                            *train_flags("exact", steps), "--log-json", str(tmp_path / "swarm.jsonl"),

@@ -4,9 +4,8 @@
 (swarm/reachability.py). A peer they reach announces its endpoint; one they cannot reach leaves the DHT as a
 full node (others could not reach it there either), rejoins as a DHT client, registers with relays among its
 initial peers or among the peers that announce `--relay` (swarm/relay.py), and announces "p2p" with those
-relays. Every peer also serves its gRPC
-server through libp2p streams (swarm/tunnel.py), the fallback of clients that cannot connect to the endpoint;
-peers others can reach answer probes, and relay with `--relay`.
+relays. Every peer also serves its gRPC server through libp2p streams (swarm/tunnel.py), the fallback of
+clients that cannot connect to the endpoint; peers others can reach answer probes, and relay with `--relay`.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ class Reach:
                             "; ".join(result.details))
         if not reachable:
             await (await dht.replicate_p2p()).shutdown()  # its tasks live on this loop
-            stop_dht(dht)
+            await asyncio.to_thread(stop_dht, dht)
             dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True)
             logger.info("rejoined the DHT as a client, %s, to serve through a relay", dht.peer_id.to_base58())
             self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -68,10 +69,13 @@ class BlockSpan(nn.Module):
         cache: DynamicCache | None = None,
         prefix_length: int = 0,
         blocks: tuple[int, int] | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run blocks `blocks` (default: all of the span) on hidden states of shape [batch, seq, hidden].
 
         `prefix_length` tokens are already in `cache`; `attention_mask` covers prefix + new tokens.
+        `between_layers` is called between layers, in the forward and (when it builds a graph) in its backward:
+        see peer/compute.py.
         """
         start, end = blocks or (self.start, self.end)
         types = self.types[start - self.start : end - self.start]
@@ -96,7 +100,11 @@ class BlockSpan(nn.Module):
             for kind, first in first_of_type.items()
         }
         position_embeddings = self.rotary(hidden_states, position_ids)
-        for layer, kind in zip(layers, types):
+        for index, (layer, kind) in enumerate(zip(layers, types)):
+            if between_layers is not None and index:
+                between_layers()
+                if hidden_states.requires_grad:  # the backward passes here too
+                    hidden_states.register_hook(lambda grad: between_layers())
             hidden_states = layer(
                 hidden_states,
                 attention_mask=masks[kind],

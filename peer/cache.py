@@ -1,9 +1,14 @@
-"""KV-cache budget: sessions reserve tokens up front and wait (bounded) when the budget is spent."""
+"""KV-cache budget: sessions reserve tokens up front and wait (bounded) when the budget is spent.
+
+No one source (a client's address) may hold more than `max_share` of the budget, so that one client cannot
+take all of it and keep it: with several clients behind one address (a NAT, a relay) they share its quota.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from typing import AsyncIterator
 
 from protocol.errors import CacheFullError
@@ -15,11 +20,15 @@ class CacheBudget:
     Reserving up front means a session that started never runs out of cache halfway through a generation.
     """
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, max_share: float = 1.0):
         if max_tokens <= 0:
             raise ValueError(f"cache budget must be positive, got {max_tokens} tokens")
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         self.max_tokens = max_tokens
+        self.source_quota = max(1, int(max_tokens * max_share))
         self.used_tokens = 0
+        self.used_by: Counter[str] = Counter()
         self._freed = asyncio.Condition()
 
     @property
@@ -27,25 +36,38 @@ class CacheBudget:
         return self.max_tokens - self.used_tokens
 
     @contextlib.asynccontextmanager
-    async def reserve(self, tokens: int, timeout_s: float) -> AsyncIterator[None]:
+    async def reserve(self, tokens: int, timeout_s: float, source: str = "") -> AsyncIterator[None]:
         """Hold `tokens` for the body; wait up to `timeout_s` for them, then raise CacheFullError."""
-        if tokens > self.max_tokens:
+        if tokens > self.source_quota:
+            whole = "whole budget" if self.source_quota == self.max_tokens else "quota per client address"
             raise CacheFullError(
-                f"a session needs {tokens} cache tokens but this peer's whole budget is {self.max_tokens}; "
+                f"a session needs {tokens} cache tokens but this peer's {whole} is {self.source_quota}; "
                 f"ask for a shorter max_length or a smaller batch, or use a peer with more --cache-tokens"
             )
+
+        def fits() -> bool:
+            return self.tokens_left >= tokens and self.used_by[source] + tokens <= self.source_quota
+
         async with self._freed:
             try:
-                await asyncio.wait_for(self._freed.wait_for(lambda: self.tokens_left >= tokens), timeout_s)
+                await asyncio.wait_for(self._freed.wait_for(fits), timeout_s)
             except asyncio.TimeoutError:
+                mine = self.used_by[source]
                 raise CacheFullError(
                     f"no room for {tokens} cache tokens after waiting {timeout_s:.1f}s "
-                    f"({self.tokens_left} of {self.max_tokens} left); try again later or another peer"
+                    f"({self.tokens_left} of {self.max_tokens} left"
+                    + (f"; your address holds {mine} of its quota {self.source_quota}"
+                       if self.source_quota < self.max_tokens and mine + tokens > self.source_quota else "")
+                    + "); try again later or another peer"
                 ) from None
             self.used_tokens += tokens
+            self.used_by[source] += tokens
         try:
             yield
         finally:
             async with self._freed:
                 self.used_tokens -= tokens
+                self.used_by[source] -= tokens
+                if not self.used_by[source]:
+                    del self.used_by[source]
                 self._freed.notify_all()

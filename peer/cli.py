@@ -8,6 +8,7 @@ import logging
 
 from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
+from peer.admission import WorkLimits
 from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
 from peer.config import TRAIN_MODES, TrainingConfig
 from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
@@ -59,8 +60,33 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
     p.add_argument("--cache-dir", help="where measurements are cached (default: ~/.cache/swarmlm)")
+    add_limit_arguments(p)
     add_training_arguments(p)
     return p
+
+
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    w, d = p.add_argument_group("limits (what one client may ask of this peer)"), WorkLimits()
+    w.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, metavar="N",
+                   help=f"tokens (batch x new tokens) in one request (default: {d.max_request_tokens})")
+    w.add_argument("--max-attention-cost", type=int, default=d.max_attention_cost, metavar="N",
+                   help=f"batch x new tokens x attended tokens of one request (default: {d.max_attention_cost})")
+    w.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens, metavar="N",
+                   help=f"tokens of the requests waiting for compute; beyond, new ones are refused at once "
+                        f"(default: {d.max_queued_tokens})")
+    w.add_argument("--max-queued-mb", type=float, default=d.max_queued_bytes / 2**20, metavar="MB",
+                   help=f"input MiB of the requests waiting for compute (default: {d.max_queued_bytes // 2**20})")
+    w.add_argument("--session-lifetime", type=float, default=3600.0, metavar="S",
+                   help="close a session this long after it opened, however active (default: 3600)")
+    w.add_argument("--max-cache-share", type=float, default=0.5, metavar="F",
+                   help="share of --cache-tokens that one client address may hold (default: 0.5)")
+    w.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
+                   help="close a session whose client does not read a response for this long (default: 30)")
+
+
+def limits_from_args(args: argparse.Namespace) -> WorkLimits:
+    return WorkLimits(max_request_tokens=args.max_request_tokens, max_attention_cost=args.max_attention_cost,
+                      max_queued_tokens=args.max_queued_tokens, max_queued_bytes=int(args.max_queued_mb * 2**20))
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +133,10 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         cache_tokens=args.cache_tokens,
         alloc_timeout_s=args.alloc_timeout,
         session_timeout_s=args.session_timeout,
+        session_lifetime_s=args.session_lifetime,
+        max_cache_share=args.max_cache_share,
+        write_timeout_s=args.write_timeout,
+        work=limits_from_args(args),
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
         activation_cache_mb=args.activation_cache_mb,
         update_period_s=args.update_period,

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from protocol.records import check_run_id
+from peer.admission import WorkLimits
 from swarm.settings import OPTIMIZERS, AveragingSettings
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -83,6 +84,14 @@ class PeerConfig:
     """How long a new session waits for cache space before it gets CacheFullError."""
     session_timeout_s: float = 300.0
     """An inference session idle this long is closed and its cache freed."""
+    session_lifetime_s: float = 3600.0
+    """An inference session is closed this long after it opened, however active."""
+    max_cache_share: float = 0.5
+    """Most of the cache budget that the sessions of one client address may hold together."""
+    write_timeout_s: float = 30.0
+    """A session whose client does not read a response within this long is closed."""
+    work: WorkLimits = field(default_factory=WorkLimits)
+    """Caps on one request and on the work queued for the compute thread."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent."""
     activation_cache_mb: float = 1024.0
@@ -129,8 +138,10 @@ class PeerConfig:
             raise ValueError(f"activation_cache_mb must be >= 0, got {self.activation_cache_mb}")
         if self.balance_margin < 0:
             raise ValueError(f"balance_margin must be >= 0, got {self.balance_margin}")
+        if not 0 < self.max_cache_share <= 1:
+            raise ValueError(f"max_cache_share must be in (0, 1], got {self.max_cache_share}")
         for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s", "rebalance_period_s",
-                     "activation_ttl_s"):
+                     "activation_ttl_s", "session_lifetime_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.announce_host is not None and not re.fullmatch(r"[^\s:]+(:\d{1,5})?", self.announce_host):

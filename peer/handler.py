@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -23,8 +22,10 @@ from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, Wr
 from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
+from peer.admission import Admission, WorkLimits
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
+from peer.compute import INFERENCE, TRAINING, ComputeQueue
 from peer import validation
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class Session:
     cache: object
     position: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    opened_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class HandlerLimits:
     """Memory for forward activations kept for their backward (0: backward always recomputes)."""
     activation_ttl_s: float = 60.0
     """How long kept activations wait for their backward."""
+    session_lifetime_s: float = 3600.0
+    """An inference session is closed this long after it opened, however busy: no one keeps cache forever."""
+    write_timeout_s: float = 30.0
+    """A stream whose client does not take a response within this long is closed."""
+    work: WorkLimits = field(default_factory=WorkLimits)
 
 
 class PeerServicer:
@@ -79,8 +86,9 @@ class PeerServicer:
         self.sessions: dict[str, Session] = {}
         self._opening: set[str] = set()  # ids of sessions waiting for cache
         self.activations = ActivationStore(limits.activation_bytes, limits.activation_ttl_s)
-        self._busy = 0  # computations running on the compute thread
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.admission = Admission(limits.work, self.max_positions)
+        self._busy = 0  # computations queued for or running on the compute thread
+        self.compute = ComputeQueue()
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
@@ -88,10 +96,10 @@ class PeerServicer:
         self.activations.clear()  # they belong to the blocks served so far
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.compute.close()
 
-    async def _compute(self, fn, tokens: int):
-        """Run `fn` on the compute thread; a step of a few tokens runs right here instead.
+    async def _compute(self, fn, tokens: int, priority: int = TRAINING):
+        """Run `fn` on the compute thread (peer/compute.py); a step of a few tokens runs right here instead.
 
         A decode step takes milliseconds, and the two thread switches around it cost a good share of
         that on a busy machine; a longer computation goes to the thread so the network is served meanwhile.
@@ -100,7 +108,7 @@ class PeerServicer:
             return fn()
         self._busy += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            return await self.compute.run(fn, priority)
         finally:
             self._busy -= 1
 
@@ -123,6 +131,7 @@ class PeerServicer:
             raise BadRequestError("hidden_states is missing")
         validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
         batch, seq, _ = hidden.shape
+        self.admission.check(batch, seq, prefix_length)
         mask = validation.check_mask(
             decode_optional(message, "attention_mask", payload), batch=batch, length=prefix_length + seq
         )
@@ -156,9 +165,11 @@ class PeerServicer:
                 if keep_id and self.activations.enabled:
                     return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions)
                 with torch.inference_mode():
-                    return span(hidden, mask, positions, blocks=blocks)
+                    return span(hidden, mask, positions, blocks=blocks, between_layers=self.compute.checkpoint)
 
-            out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
+            tokens = hidden.shape[0] * hidden.shape[1]
+            with self.admission.admit(tokens, hidden.nbytes):
+                out = await self._compute(run, tokens)
             packer = Packer()
             return packer.pack(pb.ForwardResponse(hidden_states=packer.tensor(out, request.output_compression)))
 
@@ -195,7 +206,9 @@ class PeerServicer:
                     (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
                 return grad_inputs
 
-            grad_inputs = await self._compute(run, hidden.shape[0] * hidden.shape[1] * 3)
+            tokens = hidden.shape[0] * hidden.shape[1]
+            with self.admission.admit(tokens, hidden.nbytes + grad.nbytes):
+                grad_inputs = await self._compute(run, tokens * 3)
             packer = Packer()
             return packer.pack(pb.BackwardResponse(grad_inputs=packer.tensor(grad_inputs, request.output_compression)))
 
@@ -204,7 +217,7 @@ class PeerServicer:
     def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions) -> Kept:
         inputs = hidden.to(span.device).requires_grad_(True)
         with torch.enable_grad():
-            outputs = span(inputs, mask, positions, blocks=blocks)
+            outputs = span(inputs, mask, positions, blocks=blocks, between_layers=self.compute.checkpoint)
         return Kept(blocks, inputs, outputs, mask, positions, nbytes=0)
 
     def _forward_keeping(self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions) -> torch.Tensor:
@@ -248,21 +261,48 @@ class PeerServicer:
 
     # --- inference stream ---
 
-    async def inference(self, requests: AsyncIterator[Received], context) -> AsyncIterator:
-        """One session per stream: `open`, then `step`s, then `close` (or the stream ends, or it times out)."""
+    async def inference(self, requests: AsyncIterator[Received], context) -> None:
+        """One session per stream: `open`, then `step`s, then `close` (or the stream ends, or it times out).
+
+        Responses are written with a timeout: a client that stops reading would otherwise hold its session
+        (and its cache) for as long as it keeps the connection open.
+        """
+        responses = self._session(requests, _source_of(context))
+        try:
+            async for response in responses:
+                try:
+                    await asyncio.wait_for(context.write(response), self.limits.write_timeout_s)
+                except asyncio.TimeoutError:
+                    logger.info("a client did not read its session's response within %.0fs; closing the stream",
+                                self.limits.write_timeout_s)
+                    return
+        finally:
+            await responses.aclose()  # frees the session's cache now, not when the generator is collected
+
+    async def _session(self, requests: AsyncIterator[Received], source: str) -> AsyncIterator:
         session: Session | None = None
+        limits = self.limits
         async with contextlib.AsyncExitStack() as stack:
             iterator = requests.__aiter__()
             while True:
                 try:
-                    received = await asyncio.wait_for(iterator.__anext__(), self.limits.session_timeout_s)
+                    received = await asyncio.wait_for(iterator.__anext__(), limits.session_timeout_s)
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
                     logger.info("session %s idle for %.0fs, closing it", session and session.session_id,
-                                self.limits.session_timeout_s)
+                                limits.session_timeout_s)
                     yield _error(UnknownSessionError(
-                        f"session timed out after {self.limits.session_timeout_s:.0f}s without requests; open a new one"))
+                        f"session timed out after {limits.session_timeout_s:.0f}s without requests; open a new one"))
+                    return
+                # past its lifetime, a session ends at its next request, whose answer says why (a stream closed
+                # before would leave the client to guess), or at its idle timeout
+                if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:
+                    logger.info("session %s reached its lifetime of %.0fs, closing it", session.session_id,
+                                limits.session_lifetime_s)
+                    yield _error(UnknownSessionError(
+                        f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
+                        f"(--session-lifetime); open a new one"))
                     return
                 request: pb.InferenceRequest = received.message
                 kind = request.WhichOneof("kind")
@@ -270,7 +310,7 @@ class PeerServicer:
                     if kind == "open":
                         if session is not None:
                             raise BadRequestError(f"session {session.session_id} is already open on this stream")
-                        session = await self._open(request.open, stack)
+                        session = await self._open(request.open, stack, source)
                         yield pb.InferenceResponse(
                             opened=pb.SessionOpened(session_id=session.session_id, max_length=session.max_length))
                     elif kind == "step":
@@ -288,7 +328,7 @@ class PeerServicer:
                     logger.exception("inference request failed")
                     yield _error(SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}"))
 
-    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack) -> Session:
+    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack, source: str) -> Session:
         blocks = self._blocks(request.span)
         if not request.session_id:
             raise BadRequestError("session_id is empty")
@@ -307,7 +347,8 @@ class PeerServicer:
         self._opening.add(request.session_id)
         try:
             async with contextlib.AsyncExitStack() as opening:  # undone unless the session opens
-                await opening.enter_async_context(self.budget.reserve(request.max_length * request.batch_size, timeout))
+                await opening.enter_async_context(
+                    self.budget.reserve(request.max_length * request.batch_size, timeout, source))
                 if self.span is None:  # it started moving while this session waited for cache
                     raise WrongSpanError("this peer is moving to other blocks; use another peer")
                 session = Session(request.session_id, blocks, request.max_length, request.batch_size,
@@ -339,7 +380,8 @@ class PeerServicer:
                 session.position = step.prefix_length
             try:
                 with torch.inference_mode():
-                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)
+                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,
+                                between_layers=self.compute.checkpoint)
             except Exception:
                 try:  # some layers may have grown: keep the cache consistent
                     rewind_cache(session.cache, step.prefix_length)
@@ -347,7 +389,9 @@ class PeerServicer:
                     session.cache, session.position = span.new_cache(), 0
                 raise
 
-        out = await self._compute(run, hidden.shape[0] * hidden.shape[1])
+        tokens = hidden.shape[0] * hidden.shape[1]
+        with self.admission.admit(tokens, hidden.nbytes):
+            out = await self._compute(run, tokens, INFERENCE)
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
         packer = Packer()
@@ -365,6 +409,12 @@ def _pieces(tensor: torch.Tensor, max_bytes: int):
     rows = max(1, max_bytes // row_bytes)
     for start in range(0, tensor.shape[0], rows):
         yield tensor[start:start + rows].contiguous(), start + rows >= tensor.shape[0]
+
+
+def _source_of(context) -> str:
+    """The client's address without its port ("ipv4:1.2.3.4:5678" -> "ipv4:1.2.3.4"): whose cache quota it uses."""
+    peer = context.peer() or ""
+    return peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
 
 
 def _error(exc: SwarmError) -> pb.InferenceResponse:

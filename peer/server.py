@@ -44,7 +44,7 @@ class PeerServer:
         self.endpoint: str | None = None
         self.reach = Reach(config)
         self.throughput = 0.0
-        self.budget = CacheBudget(config.cache_tokens)
+        self.budget = CacheBudget(config.cache_tokens, config.max_cache_share)
         self.ready = asyncio.Event()
         self._announcer: asyncio.Task | None = None
         self._rebalancer: asyncio.Task | None = None
@@ -86,7 +86,8 @@ class PeerServer:
             self.budget,
             HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s,
                           activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
-                          activation_ttl_s=cfg.activation_ttl_s),
+                          activation_ttl_s=cfg.activation_ttl_s, session_lifetime_s=cfg.session_lifetime_s,
+                          write_timeout_s=cfg.write_timeout_s, work=cfg.work),
             self._info,
         )
         options = [

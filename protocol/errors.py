@@ -8,6 +8,7 @@
     ├── UnknownSessionError        unknown_session    no such (or an expired) inference session
     ├── WrongSpanError             wrong_span         the peer does not serve the requested blocks
     ├── CacheFullError             cache_full         no KV-cache space within the allocation timeout
+    ├── OverloadedError            overloaded         the peer's queue is full: route elsewhere or retry later
     ├── PeerUnavailableError       peer_unavailable   a peer could not be reached or vanished mid-request
     ├── NoPeersError               no_peers           nobody serves some blocks of a model
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
@@ -54,6 +55,10 @@ class WrongSpanError(SwarmError):
 
 class CacheFullError(SwarmError):
     code = "cache_full"
+
+
+class OverloadedError(SwarmError):
+    code = "overloaded"
 
 
 class PeerUnavailableError(SwarmError):

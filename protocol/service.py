@@ -19,6 +19,7 @@ from protocol.errors import (
     BadRequestError,
     CacheFullError,
     MessageTooLargeError,
+    OverloadedError,
     PeerUnavailableError,
     SwarmError,
     UnknownSessionError,
@@ -75,6 +76,7 @@ _STATUS_BY_ERROR: list[tuple[type[SwarmError], grpc.StatusCode]] = [
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (WrongSpanError, grpc.StatusCode.FAILED_PRECONDITION),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import struct
 from typing import Awaitable, Callable
@@ -63,6 +64,12 @@ def parse_tunnel_address(address: str) -> tuple[PeerID, PeerID | None]:
 
 
 # --- bytes between two streams ---
+
+
+def loopback_source(peer: PeerID) -> str:
+    """An address in 127.0.0.0/8 (all of it is loopback on Linux) that stands for `peer`."""
+    digest = hashlib.blake2b(peer.to_bytes(), digest_size=3).digest()
+    return "127." + ".".join(str(byte) for byte in digest[:2]) + f".{max(2, digest[2])}"
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -135,7 +142,14 @@ class TunnelServer:
         self._tasks.add(task)
         try:
             host, _, port = self.endpoint.rpartition(":")
-            local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)
+            # from an address of its own per remote peer, so that the gRPC server tells tunneled clients apart
+            # (each client address has its own cache quota, peer/cache.py)
+            source = (loopback_source(info.peer_id), 0) if host.startswith("127.") else None
+            try:
+                local = await asyncio.wait_for(asyncio.open_connection(host, int(port), local_addr=source),
+                                               OPEN_TIMEOUT_S)
+            except OSError:  # a system where only 127.0.0.1 is loopback: tunneled clients share one quota
+                local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)
             await splice((reader, writer), local)
         except (OSError, asyncio.TimeoutError) as exc:
             logger.warning("a tunnel from %s could not reach this peer's gRPC server: %r", info.peer_id, exc)

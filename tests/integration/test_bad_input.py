@@ -205,6 +205,7 @@ def peer(request, tmp_path_factory, tiny_llama_path) -> Peer:
         process = swarm.start_peer(
             tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--max-message-mb", str(MAX_MESSAGE_MB),
             "--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", "0.5", "--transport", request.param,
+            "--max-cache-share", "1",  # the cases here fill the whole budget; quotas are test_limits.py's
         )
         prefix = prefix_for_model(str(tiny_llama_path))
         ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()

@@ -75,3 +75,20 @@ def test_more_than_the_whole_budget_fails_at_once():
 def test_budget_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
         CacheBudget(0)
+
+
+def test_one_client_address_holds_at_most_its_share():
+    async def go():
+        budget = CacheBudget(100, max_share=0.5)
+        with pytest.raises(CacheFullError, match="quota per client address is 50"):
+            async with budget.reserve(60, timeout_s=1, source="ipv4:10.0.0.1"):
+                pass
+        async with budget.reserve(30, timeout_s=1, source="ipv4:10.0.0.1"):
+            with pytest.raises(CacheFullError, match="your address holds 30 of its quota 50"):
+                async with budget.reserve(30, timeout_s=0.1, source="ipv4:10.0.0.1"):
+                    pass
+            async with budget.reserve(50, timeout_s=1, source="ipv4:10.0.0.2"):  # others still fit
+                assert budget.tokens_left == 20
+        assert budget.tokens_left == 100 and not budget.used_by
+
+    asyncio.run(go())

@@ -10,6 +10,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
+    OverloadedError,
     DHTUnavailableError,
     InternalError,
     InvalidRecordError,
@@ -49,6 +50,7 @@ def test_the_tree_has_the_documented_classes():
         UnknownSessionError,
         WrongSpanError,
         CacheFullError,
+        OverloadedError,
         PeerUnavailableError,
         NoPeersError,
         ModelNotFoundError,
@@ -119,6 +121,7 @@ def test_methods_match_the_proto():
         (UnknownSessionError("m"), grpc.StatusCode.NOT_FOUND),
         (WrongSpanError("m"), grpc.StatusCode.FAILED_PRECONDITION),
         (CacheFullError("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (OverloadedError("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (PeerUnavailableError("m"), grpc.StatusCode.INTERNAL),
         (NoPeersError("m"), grpc.StatusCode.INTERNAL),
         (ModelNotFoundError("m"), grpc.StatusCode.INTERNAL),

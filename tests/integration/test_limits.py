@@ -1,0 +1,266 @@
+"""Bounded work on a live peer: hard caps per request, a bounded queue, KV-cache quotas, session lifetime and
+write timeouts. Each attack runs against a real peer process next to an honest "witness" session that must
+stay exact, and the peer must be left with the witness alone.
+
+The witness reaches the peer through libp2p (swarm/tunnel.py), so that the peer sees it come from another
+address than the attacker's direct gRPC connection: each address has its own cache quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from client.transport import ChannelPool, InferenceStream
+from peer.blocks import load_span
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor, encode_tensor
+from protocol.errors import (
+    CacheFullError,
+    MessageTooLargeError,
+    OverloadedError,
+    SequenceTooLongError,
+    SwarmError,
+    UnknownSessionError,
+)
+from protocol.records import prefix_for_model
+from protocol.service import PeerStub
+from swarm.checkpoint import load_config
+from swarm.tunnel import TunnelPool, tunnel_address
+from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
+
+NUM_LAYERS = 2
+CACHE_TOKENS = 96  # per address at most half: 48
+WITNESS_LENGTH = 16
+MAX_REQUEST_TOKENS = 320  # > MAX_POSITIONS, so that a too-long sequence meets the positions check first
+MAX_ATTENTION_COST = 200 * 200
+MAX_QUEUED_TOKENS = 400
+SESSION_LIFETIME_S = 6.0
+WRITE_TIMEOUT_S = 2.0
+TIMEOUT_S = 30.0
+ATOL = 1e-5
+
+
+def _hidden(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Witness:
+    """An honest session stepping through a fixed sequence; every output must match the local span."""
+
+    def __init__(self, stream: InferenceStream, prefix: str, span):
+        self.stream, self.prefix = stream, prefix
+        self.tokens = _hidden(1, WITNESS_LENGTH, HIDDEN_SIZE, seed=1)
+        torch.set_num_threads(1)  # as the peer computes: alike rounding
+        cache = span.new_cache()
+        with torch.inference_mode():
+            self.expected = torch.cat([span(self.tokens[:, i:i + 1], None, torch.tensor([[i]]), cache, i)
+                                       for i in range(WITNESS_LENGTH)], dim=1)
+        self.position = 0
+
+    async def open(self):
+        await self.stream.request(_open(self.prefix, "witness", WITNESS_LENGTH), TIMEOUT_S)
+        return self
+
+    async def step(self) -> None:
+        p = self.position
+        response = await self.stream.request(_step("witness", self.tokens[:, p:p + 1], p), TIMEOUT_S)
+        out = decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload)
+        torch.testing.assert_close(out, self.expected[:, p:p + 1], atol=ATOL, rtol=0)
+        self.position = (p + 1) % WITNESS_LENGTH
+
+
+def _open(prefix: str, session_id: str, max_length: int) -> pb.InferenceRequest:
+    return pb.InferenceRequest(open=pb.OpenSession(span=pb.Span(model=prefix, start=0, end=NUM_LAYERS),
+                                                   session_id=session_id, max_length=max_length, batch_size=1))
+
+
+def _step(session_id: str, hidden: torch.Tensor, prefix_length: int) -> pb.InferenceRequest:
+    positions = torch.arange(prefix_length, prefix_length + hidden.shape[1]).unsqueeze(0)
+    return pb.InferenceRequest(step=pb.InferenceStep(session_id=session_id, prefix_length=prefix_length,
+                                                     hidden_states=encode_tensor(hidden),
+                                                     position_ids=encode_tensor(positions)))
+
+
+def _forward(prefix: str, batch: int, length: int) -> pb.ForwardRequest:
+    return pb.ForwardRequest(span=pb.Span(model=prefix, start=0, end=NUM_LAYERS),
+                             hidden_states=encode_tensor(_hidden(batch, length, HIDDEN_SIZE, seed=length)))
+
+
+async def _end(stream: InferenceStream) -> None:
+    with contextlib.suppress(SwarmError):
+        await stream.request(pb.InferenceRequest(close=pb.CloseSession()), TIMEOUT_S)
+    await stream.close()
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory, tiny_llama_path):
+    from tests.helpers.processes import Swarm
+
+    with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
+        swarm.start_bootstrap()
+        process = swarm.start_peer(
+            tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--cache-tokens", str(CACHE_TOKENS),
+            "--alloc-timeout", "0.5", "--max-request-tokens", str(MAX_REQUEST_TOKENS),
+            "--max-attention-cost", str(MAX_ATTENTION_COST), "--max-queued-tokens", str(MAX_QUEUED_TOKENS),
+            "--session-lifetime", str(SESSION_LIFETIME_S), "--write-timeout", str(WRITE_TIMEOUT_S),
+        )
+        prefix = prefix_for_model(str(tiny_llama_path))
+        ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
+        span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 0, NUM_LAYERS,
+                         dtype=torch.float32, device=torch.device("cpu"))
+        yield {"process": process, "prefix": prefix, "endpoint": info.endpoint, "p2p": tunnel_address(peer_id),
+               "dht": swarm.dht, "span": span}
+
+
+@pytest.fixture
+def attack(peer):
+    """Run a test coroutine `fn(prefix, pool, endpoint, witness)` next to the witness; then check what is left."""
+
+    def run(fn, timeout_s: float = 120.0, outlives_witness: bool = False):
+        async def main():
+            pool = ChannelPool(1 << 26)  # the attacker: direct gRPC
+            witness_pool = ChannelPool(1 << 26, TunnelPool(peer["dht"].replicate_p2p))
+            witness = await Witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"], peer["span"]).open()
+            try:
+                await witness.step()
+                await fn(peer["prefix"], pool, peer["endpoint"], witness)
+                if outlives_witness:  # the witness reached its lifetime too: a new one must be exact
+                    with pytest.raises(UnknownSessionError, match="--session-lifetime"):
+                        await witness.step()
+                    await _end(witness.stream)
+                    witness = await Witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"],
+                                            peer["span"]).open()
+                await witness.step()
+                assert peer["process"].alive(), f"the peer exited with {peer['process'].returncode}"
+                deadline = time.monotonic() + 10.0  # streams the test gave up on end on the peer a little later
+                while True:
+                    info = await pool.unary(peer["endpoint"], "info", pb.InfoRequest(), TIMEOUT_S)
+                    state = (info.open_sessions, info.cache_tokens_left)
+                    if state == (1, CACHE_TOKENS - WITNESS_LENGTH) or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                assert state == (1, CACHE_TOKENS - WITNESS_LENGTH), f"(sessions, cache left) afterwards: {state}"
+            finally:
+                await _end(witness.stream)
+                await pool.close()
+                await witness_pool.close()
+                await (await peer["dht"].replicate_p2p()).shutdown()  # the replica's tasks live on this loop
+
+        asyncio.run(asyncio.wait_for(main(), timeout_s))
+
+    return run
+
+
+def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
+    async def fn(prefix, pool, endpoint, witness):
+        cases = [
+            ((1, MAX_POSITIONS + 1), SequenceTooLongError, f"model's {MAX_POSITIONS} positions"),
+            ((2, 200), MessageTooLargeError, "--max-request-tokens"),
+            ((1, 201), MessageTooLargeError, "--max-attention-cost"),
+        ]
+        for (batch, length), error, words in cases:
+            for method in ("forward", "backward"):
+                request = _forward(prefix, batch, length)
+                if method == "backward":
+                    request = pb.BackwardRequest(span=request.span, hidden_states=request.hidden_states,
+                                                 grad_outputs=request.hidden_states)
+                with pytest.raises(error, match=words.replace("-", r"\-")):
+                    await pool.unary(endpoint, method, request, TIMEOUT_S)
+                await witness.step()
+        # within the caps: served
+        response = await pool.unary(endpoint, "forward", _forward(prefix, 1, 200), TIMEOUT_S)
+        assert list(response.message.hidden_states.shape) == [1, 200, HIDDEN_SIZE]
+
+    attack(fn)
+
+
+def test_a_full_queue_answers_overloaded_at_once(attack):
+    async def fn(prefix, pool, endpoint, witness):
+        # 8 requests of 190 tokens at once: the queue takes two (380 <= 400 tokens), refuses what comes on top
+        calls = [pool.unary(endpoint, "forward", _forward(prefix, 1, 190), TIMEOUT_S) for _ in range(8)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert refused and all(isinstance(r, OverloadedError) for r in refused), results
+        assert "--max-queued-tokens" not in str(refused[0]) and "use another peer" in str(refused[0])
+        assert len(refused) < len(results)
+        await witness.step()
+        await pool.unary(endpoint, "forward", _forward(prefix, 1, 190), TIMEOUT_S)  # the queue drained
+
+    attack(fn)
+
+
+def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
+    async def fn(prefix, pool, endpoint, witness):
+        streams = [InferenceStream(pool, endpoint) for _ in range(3)]
+        try:
+            await streams[0].request(_open(prefix, "squat-1", CACHE_TOKENS // 2), TIMEOUT_S)  # its whole quota
+            with pytest.raises(CacheFullError, match=f"your address holds {CACHE_TOKENS // 2} of its quota"):
+                await streams[1].request(_open(prefix, "squat-2", 8), TIMEOUT_S)
+            # the rest stays for others: the witness's address opens a second session in it
+            other = InferenceStream(ChannelPool(1 << 26, TunnelPool(peer["dht"].replicate_p2p)), peer["p2p"])
+            left = CACHE_TOKENS - CACHE_TOKENS // 2 - WITNESS_LENGTH
+            await other.request(_open(prefix, "other", left), TIMEOUT_S)
+            await _end(other)
+            await other.pool.close()
+            await witness.step()
+        finally:
+            for stream in streams:
+                await _end(stream)
+
+    attack(fn)
+
+
+def test_a_session_ends_at_its_lifetime_however_busy(attack):
+    async def fn(prefix, pool, endpoint, witness):
+        stream = InferenceStream(pool, endpoint)
+        try:
+            await stream.request(_open(prefix, "forever", 8), TIMEOUT_S)
+            started, ended = time.monotonic(), None
+            # steps back to back, which would keep it open forever without the lifetime (and the answer to the
+            # step in flight when it runs out says why)
+            while time.monotonic() < started + 3 * SESSION_LIFETIME_S:
+                try:
+                    await stream.request(_step("forever", _hidden(1, 1, HIDDEN_SIZE), 0), TIMEOUT_S)
+                except UnknownSessionError as exc:
+                    assert "--session-lifetime" in str(exc)
+                    ended = time.monotonic() - started
+                    break
+            assert ended is not None, "the session outlived its lifetime"
+            assert ended >= SESSION_LIFETIME_S - 1.0
+        finally:
+            await _end(stream)
+
+    attack(fn, outlives_witness=True)
+
+
+def test_a_client_that_stops_reading_loses_its_session(attack, peer):
+    async def fn(prefix, pool, endpoint, witness):
+        channel = grpc.aio.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", 1 << 26)])
+        try:
+            call = PeerStub(channel).inference()
+            await call.write(_open(prefix, "no-reader", 40))
+            # prefill steps of 200 tokens: 50 KiB answers that the client never reads, until flow control stops
+            # the peer's writes; the peer must then close the stream and free the cache
+            prefill = _step("no-reader", _hidden(1, 40, HIDDEN_SIZE), 0)
+            freed = False
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline and not freed:
+                try:
+                    await asyncio.wait_for(call.write(prefill), 1.0)
+                except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+                    pass
+                info = await pool.unary(endpoint, "info", pb.InfoRequest(), TIMEOUT_S)
+                freed = info.cache_tokens_left == CACHE_TOKENS - WITNESS_LENGTH and info.open_sessions == 1
+            assert freed, "the peer kept the session of a client that stopped reading"
+            await witness.step()
+        finally:
+            await channel.close(grace=None)
+
+    attack(fn, timeout_s=180.0)

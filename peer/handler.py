@@ -307,6 +307,7 @@ class PeerServicer:
                 request: pb.InferenceRequest = received.message
                 kind = request.WhichOneof("kind")
                 try:
+                    received.check()  # bytes that could not be read: this request fails, the stream goes on
                     if kind == "open":
                         if session is not None:
                             raise BadRequestError(f"session {session.session_id} is already open on this stream")

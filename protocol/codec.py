@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -69,42 +70,86 @@ def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor
     return pb.Tensor(shape=list(tensor.shape), dtype=original, data=data, compression=compression)
 
 
+MAX_NDIM = 8  # our tensors have at most 3 dimensions; more is a malformed message
+MAX_ELEMENTS = 1 << 40  # product of the nonzero dimensions: far past any message, far below int64 overflow
+_FLOAT16_ORIGINALS = (torch.float32, torch.float64)  # what `wire_form` compresses
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a `Tensor` message says about its bytes, checked: the dtype, the dtype on the wire, the shape."""
+
+    dtype: torch.dtype
+    wire_dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def layout(message: pb.Tensor, name: str = "tensor") -> Layout:
+    """Check a `Tensor` message's dtype, compression and shape (not its bytes).
+
+    Raises:
+        BadRequestError: naming `name` and what is wrong.
+    """
+    if message.compression not in (pb.NONE, pb.FLOAT16):
+        raise BadRequestError(f"{name}: unknown compression {message.compression}")
+    dtype = parse_dtype(message.dtype)
+    wire_dtype = dtype
+    if message.compression == pb.FLOAT16:
+        if dtype not in _FLOAT16_ORIGINALS:
+            raise BadRequestError(f"{name}: FLOAT16 compression applies to float32 and float64 tensors, "
+                                  f"not {message.dtype}; send it uncompressed")
+        wire_dtype = torch.float16
+    if len(message.shape) > MAX_NDIM:
+        raise BadRequestError(f"{name}: {len(message.shape)} dimensions, at most {MAX_NDIM} are accepted")
+    shape = tuple(message.shape)
+    if any(dim < 0 for dim in shape):
+        raise BadRequestError(f"{name}: negative dimension in shape {list(shape)}")
+    if math.prod(dim or 1 for dim in shape) > MAX_ELEMENTS:
+        raise BadRequestError(f"{name}: shape {list(shape)} is too large to be a tensor")
+    itemsize = torch.empty((), dtype=wire_dtype).element_size()
+    return Layout(dtype, wire_dtype, shape, math.prod(shape) * itemsize)
+
+
+def payload_range(message: pb.Tensor, name: str, payload_size: int) -> tuple[int, int]:
+    """[start, end) of a payload tensor's bytes in a payload of `payload_size` bytes, checked."""
+    nbytes = layout(message, name).nbytes
+    if message.data:
+        raise BadRequestError(f"{name}: a tensor in the payload must not carry data of its own")
+    if message.offset + nbytes > payload_size:
+        raise BadRequestError(f"{name}: shape {list(message.shape)} of {message.dtype} needs {nbytes} bytes at "
+                              f"offset {message.offset} of the payload, which has {payload_size}")
+    return message.offset, message.offset + nbytes
+
+
 def decode_tensor(message: pb.Tensor, name: str = "tensor", payload: memoryview | None = None) -> torch.Tensor:
     """Deserialize a tensor, checking that its bytes match its shape and dtype.
 
     A tensor in the message's `payload` is read in place when it is aligned: it then shares memory with the
     received message (private to this request), so it costs no copy.
+
+    Raises:
+        BadRequestError: naming `name` and what is wrong (dtype, compression, shape, bytes).
     """
-    dtype = parse_dtype(message.dtype)
-    wire_dtype = torch.float16 if message.compression == pb.FLOAT16 else dtype
-    if message.compression not in (pb.NONE, pb.FLOAT16):
-        raise BadRequestError(f"{name}: unknown compression {message.compression}")
-    shape = tuple(message.shape)
-    if any(dim < 0 for dim in shape):
-        raise BadRequestError(f"{name}: negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=wire_dtype).element_size()
-    expected = math.prod(shape) * itemsize
+    form = layout(message, name)
     if message.in_payload:
-        if message.data:
-            raise BadRequestError(f"{name}: a tensor in the payload must not carry data of its own")
-        available = len(payload) if payload is not None else 0
-        if message.offset + expected > available:
-            raise BadRequestError(f"{name}: shape {list(shape)} of {message.dtype} needs {expected} bytes at "
-                                  f"offset {message.offset} of the payload, which has {available}")
-    elif len(message.data) != expected:
+        payload_range(message, name, len(payload) if payload is not None else 0)
+    elif len(message.data) != form.nbytes:
         raise BadRequestError(
-            f"{name}: shape {list(shape)} of {message.dtype} needs {expected} bytes, got {len(message.data)}"
+            f"{name}: shape {list(form.shape)} of {message.dtype} needs {form.nbytes} bytes, got {len(message.data)}"
         )
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
+    if form.nbytes == 0:
+        return torch.empty(form.shape, dtype=form.dtype)
+    itemsize = torch.empty((), dtype=form.wire_dtype).element_size()
     if message.in_payload:
-        tensor = torch.frombuffer(payload, dtype=wire_dtype, count=expected // itemsize, offset=message.offset)
+        tensor = torch.frombuffer(payload, dtype=form.wire_dtype, count=form.nbytes // itemsize,
+                                  offset=message.offset)
         if tensor.data_ptr() % itemsize:  # a sender that did not align it: copy rather than read unaligned
             tensor = tensor.clone()
     else:
-        tensor = torch.frombuffer(bytearray(message.data), dtype=wire_dtype)
-    tensor = tensor.reshape(shape)
-    return tensor.to(dtype) if wire_dtype != dtype else tensor
+        tensor = torch.frombuffer(bytearray(message.data), dtype=form.wire_dtype)
+    tensor = tensor.reshape(form.shape)
+    return tensor.to(form.dtype) if form.wire_dtype != form.dtype else tensor
 
 
 def encode_optional(tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:

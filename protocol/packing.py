@@ -5,6 +5,10 @@ a view of its bytes; `Packed.SerializeToString` joins the payload field and the 
 copy. The result is an ordinary protobuf message (the payload field comes first; protobuf allows any order).
 Receiving: `unpack` finds the payload among the top-level fields and parses only the rest with protobuf;
 `codec.decode_tensor` then reads each tensor in place from the received bytes.
+
+A received message is hostile until checked, and `unpack` keeps it cheap: it counts the fields (nested ones
+and repeated numbers included) before protobuf builds anything, accepts one payload field at most, and
+refuses a payload that its tensors do not cover (bytes of no tensor beyond alignment padding, or overlaps).
 """
 
 from __future__ import annotations
@@ -12,14 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from google.protobuf.message import DecodeError
 
 from protocol import codec
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError
+from protocol.errors import BadRequestError, SwarmError
 
 PAYLOAD_FIELD = 15
 ALIGN = 64  # tensors start at multiples of this from the start of the message
 INLINE_BYTES = 32 * 1024  # smaller tensors keep their bytes in `Tensor.data`: fewer steps beat fewer copies
+MAX_FIELDS = 1024  # fields and repeated numbers in one message, nested ones included
+MAX_DEPTH = 8  # nested messages (ours nest 3 deep)
+_CONTINUED = bytes(range(0x80, 0x100))  # varint bytes that another byte follows
 _PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])  # field 15, length-delimited
 
 
@@ -111,16 +119,61 @@ def _shift_offsets(message, delta: int) -> None:
 
 @dataclass(frozen=True)
 class Received:
-    """A received message and a read-only view of its payload (empty if it has none)."""
+    """A received message and a read-only view of its payload (empty if it has none).
+
+    `error` is set when the bytes were refused (`message` is then empty): see protocol/service.py.
+    """
 
     message: object
     payload: memoryview
+    error: SwarmError | None = None
+
+    def check(self) -> None:
+        """Raise why the bytes were refused, if they were."""
+        if self.error is not None:
+            raise self.error
 
 
 def unpack(cls, data: bytes) -> Received:
-    """Parse `data` as a `cls`, leaving its payload in place in `data`."""
-    pos, payloads = 0, []  # (field start, bytes start, bytes end) of each payload field
-    while pos < len(data):
+    """Parse `data` as a `cls`, leaving its payload in place in `data`.
+
+    Memory stays within about the size of `data`: fields are counted (MAX_FIELDS) before protobuf builds
+    anything, one payload field at most is accepted, and the payload tensors must cover the payload.
+
+    Raises:
+        BadRequestError: the bytes are not a well-formed `cls`, naming what is wrong.
+    """
+    payload = _scan(cls.DESCRIPTOR, data, 0, len(data), [MAX_FIELDS], top=True)
+    if payload is None:
+        message, view = _parse(cls, data), memoryview(b"")
+    else:
+        field_start, start, end = payload
+        # the rest of the message without the payload field; senders put it first, so usually no copy
+        rest = memoryview(data)[end:] if field_start == 0 else data[:field_start] + data[end:]
+        message, view = _parse(cls, rest), memoryview(data)[start:end]
+    _check_covered(message, len(view))
+    return Received(message, view)
+
+
+def _parse(cls, data):
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise BadRequestError(f"malformed message: not a valid {cls.DESCRIPTOR.name}: {exc}") from None
+
+
+def _scan(descriptor, data, pos: int, end: int, budget: list[int], top: bool = False, depth: int = 0):
+    """Walk the fields of data[pos:end] (a `descriptor` message), nested messages included, spending `budget`.
+
+    Returns (field start, bytes start, bytes end) of the payload field at the top level, or None.
+    """
+    if depth > MAX_DEPTH:
+        raise BadRequestError(f"malformed message: messages nested more than {MAX_DEPTH} deep")
+    payload = None
+    while pos < end:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise BadRequestError(f"malformed message: more than {MAX_FIELDS} fields (ours have fewer than 100)")
         field_start = pos
         key, pos = _read_varint(data, pos)
         kind = key & 7
@@ -132,19 +185,57 @@ def unpack(cls, data: bytes) -> Received:
             pos += 4
         elif kind == 2:
             length, pos = _read_varint(data, pos)
-            if key >> 3 == PAYLOAD_FIELD:
-                payloads.append((field_start, pos, pos + length))
+            if pos + length > end:
+                raise BadRequestError("malformed message: a field runs past the end of the message")
+            field = descriptor.fields_by_number.get(key >> 3)
+            if top and key >> 3 == PAYLOAD_FIELD:
+                if payload is not None:
+                    raise BadRequestError(f"malformed message: more than one payload field ({PAYLOAD_FIELD}); "
+                                          f"send all tensors' bytes in one")
+                payload = (field_start, pos, pos + length)
+            elif field is not None and field.message_type is not None:
+                _scan(field.message_type, data, pos, pos + length, budget, depth=depth + 1)
+            elif field is not None and field.is_repeated:  # packed numbers: at least one byte each
+                budget[0] -= _count_packed(data, pos, length)
             pos += length
         else:
             raise BadRequestError(f"malformed message: unsupported wire type {kind}")
-        if pos > len(data):
+        if pos > end:
             raise BadRequestError("malformed message: a field runs past the end of the message")
-    if not payloads:
-        return Received(cls.FromString(data), memoryview(b""))
-    pieces, last = [], 0
-    for field_start, _, end in payloads:
-        pieces.append(data[last:field_start])
-        last = end
-    pieces.append(data[last:])
-    _, start, end = payloads[-1]  # as in protobuf, the last occurrence wins
-    return Received(cls.FromString(b"".join(pieces)), memoryview(data)[start:end])
+    return payload
+
+
+def _count_packed(data, pos: int, length: int) -> int:
+    """How many varints data[pos:pos + length] holds (bytes without the continuation bit), or an upper bound."""
+    if length > 10 * MAX_FIELDS:
+        return length  # over the budget however they are counted
+    return len(bytes(data[pos:pos + length]).translate(None, _CONTINUED))
+
+
+def _check_covered(message, payload_size: int) -> None:
+    """The payload tensors of `message` must not overlap, and leave only padding (< ALIGN bytes) unused."""
+    ranges = sorted(codec.payload_range(tensor, name, payload_size) + (name,)
+                    for name, tensor in _payload_tensors(message))
+    used, last = 0, None
+    for start, end, name in ranges:
+        if start < used:
+            raise BadRequestError(f"malformed message: {name} overlaps {last} in the payload")
+        if start - used >= ALIGN:
+            raise BadRequestError(f"malformed message: payload bytes {used}:{start} (before {name}) belong to no "
+                                  f"tensor")
+        used, last = end, name
+    if payload_size - used >= ALIGN:
+        raise BadRequestError(f"malformed message: payload bytes {used}:{payload_size} belong to no tensor")
+
+
+def _payload_tensors(message):
+    """(field name, Tensor) of each payload tensor in `message`, nested messages included."""
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            continue
+        for item in value if field.is_repeated else (value,):
+            if isinstance(item, pb.Tensor):
+                if item.in_payload:
+                    yield field.name, item
+            else:
+                yield from _payload_tensors(item)

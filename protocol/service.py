@@ -14,7 +14,7 @@ from typing import Any, Callable
 import grpc
 
 from protocol import swarmlm_pb2 as pb
-from protocol.packing import unpack
+from protocol.packing import Received, unpack
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
@@ -42,16 +42,47 @@ class Method:
     server_streaming: bool
 
     @property
-    def request_deserializer(self) -> Callable[[bytes], Any]:
-        return _deserializer(self.request)
+    def request_deserializer(self) -> Callable[[bytes], Received]:
+        """Server side: always a `Received`; refused bytes set its `error` (see `_method_handler`)."""
+        return functools.partial(_receive, self.request)
 
     @property
     def response_deserializer(self) -> Callable[[bytes], Any]:
-        return _deserializer(self.response)
+        """Client side: a `Received` (a plain message where the type has no payload), or a `Refused`."""
+        return functools.partial(_read_response, self.response)
 
 
-def _deserializer(cls) -> Callable[[bytes], Any]:
-    return functools.partial(unpack, cls) if "payload" in cls.DESCRIPTOR.fields_by_name else cls.FromString
+def has_payload(cls) -> bool:
+    return "payload" in cls.DESCRIPTOR.fields_by_name
+
+
+# gRPC turns an exception in a deserializer into an untyped UNKNOWN status on the server, and into a None
+# response on the client; so refused bytes travel as values, and become typed errors where they are used.
+
+
+def _receive(cls, data: bytes) -> Received:
+    try:
+        return unpack(cls, data)
+    except SwarmError as exc:
+        return Received(cls(), memoryview(b""), exc)
+
+
+class Refused:
+    """A response whose bytes could not be read: touching any attribute raises why."""
+
+    def __init__(self, error: SwarmError):
+        object.__setattr__(self, "_error", error)
+
+    def __getattr__(self, name: str):
+        error = object.__getattribute__(self, "_error")
+        raise type(error)(str(error))
+
+
+def _read_response(cls, data: bytes):
+    received = _receive(cls, data)
+    if received.error is not None:  # the peer's fault, not the caller's: another peer may do
+        return Refused(PeerUnavailableError(f"a peer's {cls.DESCRIPTOR.name} could not be read: {received.error}"))
+    return received if has_payload(cls) else received.message
 
 
 def _serialize(message) -> bytes:
@@ -95,7 +126,43 @@ def _method_handler(method: Method, func: Callable) -> grpc.RpcMethodHandler:
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(method.client_streaming, method.server_streaming)]
-    return make(func, request_deserializer=method.request_deserializer, response_serializer=_serialize)
+    return make(_refusing(method, func), request_deserializer=method.request_deserializer,
+                response_serializer=_serialize)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: SwarmError) -> None:
+    """End the call with `error`: its status, and its code in the trailing metadata."""
+    await context.abort(status_for(error), str(error), trailing_metadata=((ERROR_CODE_KEY, error.code),))
+
+
+def _refusing(method: Method, func: Callable) -> Callable:
+    """`func`, answering a unary request whose bytes were refused with its typed error instead.
+
+    The servicer gets a `Received` where the request type has a payload, else the plain message. Streamed
+    requests go to it as they are: it calls `Received.check()` on each, so that one bad message does not
+    end the stream.
+    """
+    if method.client_streaming:
+        return func
+    plain = not has_payload(method.request)
+
+    if method.server_streaming:
+        async def streaming(received: Received, context):
+            if received.error is not None:
+                await abort(context, received.error)
+                return
+            async for response in func(received.message if plain else received, context):
+                yield response
+
+        return streaming
+
+    async def unary(received: Received, context):
+        if received.error is not None:
+            await abort(context, received.error)
+            return None
+        return await func(received.message if plain else received, context)
+
+    return unary
 
 
 def make_generic_handler(servicer: Any) -> grpc.GenericRpcHandler:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_optional, decode_tensor, encode_optional, encode_tensor
+from protocol.codec import MAX_NDIM, decode_optional, decode_tensor, encode_optional, encode_tensor
 from protocol.errors import BadRequestError
 
 SHAPES = [(), (0,), (5,), (2, 3), (2, 0, 4), (1, 1, 64), (2, 7, 16)]
@@ -165,3 +165,36 @@ def test_optional_helpers():
     request.attention_mask.CopyFrom(pb.Tensor(shape=[2], dtype="int64", data=b"\0"))
     with pytest.raises(BadRequestError, match="attention_mask"):
         decode_optional(request, "attention_mask")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int64", "int32", "uint8", "bool"])
+def test_decode_rejects_float16_compression_of_other_dtypes(dtype):
+    """Only float32 and float64 are sent compressed (`wire_form`); 2 bytes per element read as int64 is a bug."""
+    message = pb.Tensor(shape=[4], dtype=dtype, data=bytes(8), compression=pb.FLOAT16)
+    with pytest.raises(BadRequestError, match=f"FLOAT16 compression applies to float32 and float64 .*not {dtype}"):
+        decode_tensor(message, "x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decode_accepts_float16_compression_of_float32_and_float64(dtype):
+    tensor = torch.tensor([1.5, -2.0], dtype=dtype)
+    assert torch.equal(decode_tensor(encode_tensor(tensor, pb.FLOAT16)), tensor)
+
+
+def test_decode_rejects_too_many_dimensions():
+    message = pb.Tensor(shape=[1] * (MAX_NDIM + 1), dtype="float32", data=bytes(4))
+    with pytest.raises(BadRequestError, match=f"{MAX_NDIM + 1} dimensions, at most {MAX_NDIM}"):
+        decode_tensor(message, "x")
+    assert decode_tensor(pb.Tensor(shape=[1] * MAX_NDIM, dtype="float32", data=bytes(4))).shape == (1,) * MAX_NDIM
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [2**63 - 1, 0], [0] + [2**40] * 7, [2**32, 2**32]])
+def test_decode_rejects_huge_shapes_without_overflow(shape):
+    """Zero elements or not, dimensions whose product overflows int64 strides are refused, typed."""
+    message = pb.Tensor(shape=shape, dtype="float32")
+    with pytest.raises(BadRequestError, match="too large to be a tensor|needs"):
+        decode_tensor(message, "x")
+
+
+def test_decode_of_an_empty_shape_with_a_large_dimension():
+    assert decode_tensor(pb.Tensor(shape=[0, 1 << 20], dtype="float32")).shape == (0, 1 << 20)

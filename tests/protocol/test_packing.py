@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import tracemalloc
+
 import numpy
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_optional, decode_tensor, encode_tensor
 from protocol.errors import BadRequestError
-from protocol.packing import ALIGN, INLINE_BYTES, Packer, unpack
+from protocol.packing import ALIGN, INLINE_BYTES, MAX_FIELDS, Packer, unpack
 
 BIG = INLINE_BYTES // 4 + 1  # float32 elements that go to the payload
 
@@ -77,20 +80,117 @@ def test_message_without_payload_unpacks_as_usual():
 def test_payload_reference_out_of_range_is_bad_request(offset, words):
     message = pb.ForwardResponse(hidden_states=pb.Tensor(shape=[2, 2], dtype="float32", in_payload=True,
                                                          offset=offset), payload=b"\0" * 16)
-    received = unpack(pb.ForwardResponse, message.SerializeToString())
-    with pytest.raises(BadRequestError, match=words):
-        decode_tensor(received.message.hidden_states, "hidden_states", received.payload)
+    with pytest.raises(BadRequestError, match=words):  # refused as soon as the message is read
+        unpack(pb.ForwardResponse, message.SerializeToString())
+    with pytest.raises(BadRequestError, match=words):  # and by the decoder, for callers that skip unpack
+        decode_tensor(message.hidden_states, "hidden_states", memoryview(message.payload))
 
 
 def test_payload_tensor_must_not_carry_data():
     message = pb.ForwardResponse(hidden_states=pb.Tensor(shape=[1], dtype="float32", in_payload=True,
                                                          data=b"\0" * 4), payload=b"\0" * 4)
-    received = unpack(pb.ForwardResponse, message.SerializeToString())
     with pytest.raises(BadRequestError, match="must not carry data"):
-        decode_tensor(received.message.hidden_states, "hidden_states", received.payload)
+        unpack(pb.ForwardResponse, message.SerializeToString())
+    with pytest.raises(BadRequestError, match="must not carry data"):
+        decode_tensor(message.hidden_states, "hidden_states", memoryview(message.payload))
 
 
 @pytest.mark.parametrize("raw", [b"\x0a", b"\x0a\x05ab", b"\xff" * 11, b"\x7a\x80", b"\x0b"])
 def test_malformed_bytes_are_bad_request(raw):
     with pytest.raises(BadRequestError, match="malformed"):
         unpack(pb.ForwardResponse, raw)
+
+
+def _payload_field(body: bytes) -> bytes:
+    return bytes([(15 << 3) | 2]) + _varint(len(body)) + body
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def test_a_second_payload_field_is_refused():
+    raw = _packed(torch.randn(1, BIG, 1))
+    with pytest.raises(BadRequestError, match="more than one payload field"):
+        unpack(pb.InferenceRequest, raw + _payload_field(b""))
+
+
+def test_too_many_fields_are_refused_before_protobuf_parses_them():
+    one = pb.InferenceRequest(step=pb.InferenceStep(session_id="s")).SerializeToString()  # 2 fields
+    assert unpack(pb.InferenceRequest, one * 10).message.step.session_id == "s"  # protobuf merges repeats
+    many = one * (MAX_FIELDS // 2 + 1)
+    with pytest.raises(BadRequestError, match=f"more than {MAX_FIELDS} fields"):
+        unpack(pb.InferenceRequest, many)
+
+
+def test_a_shape_of_millions_of_dims_is_refused_by_its_count():
+    tensor = pb.Tensor(shape=[1] * 3_000_000, dtype="float32")
+    with pytest.raises(BadRequestError, match=f"more than {MAX_FIELDS} fields"):
+        unpack(pb.ForwardResponse, pb.ForwardResponse(hidden_states=tensor).SerializeToString())
+
+
+def test_unknown_fields_count_too():
+    unknown = bytes([(14 << 3) | 0, 1]) * (MAX_FIELDS + 1)  # field 14 of ForwardResponse does not exist
+    with pytest.raises(BadRequestError, match="fields"):
+        unpack(pb.ForwardResponse, unknown)
+    assert unpack(pb.ForwardResponse, unknown[:20]).payload.nbytes == 0
+
+
+@pytest.mark.parametrize("raw", [b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", b"\x0a\x02\xff\xff"])
+def test_protobuf_errors_become_bad_request(raw):
+    with pytest.raises(BadRequestError, match="malformed"):
+        unpack(pb.ForwardResponse, raw)
+    with pytest.raises(BadRequestError, match="malformed"):
+        unpack(pb.InfoResponse, b"\x12\x02\xff\xfe")  # invalid UTF-8 in a string field
+
+
+def _with_payload(payload: bytes, *tensors: pb.Tensor) -> bytes:
+    request = pb.BackwardRequest(**dict(zip(("hidden_states", "grad_outputs"), tensors)))
+    return _payload_field(payload) + request.SerializeToString()
+
+
+def _in_payload(offset: int, elements: int = 16) -> pb.Tensor:
+    return pb.Tensor(shape=[elements], dtype="float32", in_payload=True, offset=offset)
+
+
+def test_payload_padding_is_accepted():
+    raw = _with_payload(bytes(ALIGN - 1 + 64 + ALIGN - 1 + 64 + ALIGN - 1), _in_payload(ALIGN - 1),
+                        _in_payload(ALIGN - 1 + 64 + ALIGN - 1))
+    received = unpack(pb.BackwardRequest, raw)
+    assert decode_tensor(received.message.grad_outputs, "g", received.payload).shape == (16,)
+
+
+@pytest.mark.parametrize("payload_bytes, offsets, words", [
+    (64 + ALIGN, [0], "payload bytes 64:128 belong to no tensor"),
+    (ALIGN + 64, [ALIGN], "payload bytes 0:64 (before hidden_states) belong to no tensor"),
+    (64 + ALIGN + 64, [0, 64 + ALIGN], "payload bytes 64:128 (before grad_outputs)"),
+    (96, [0, 32], "grad_outputs overlaps hidden_states"),
+    (64, [0, 0], "overlaps"),
+    (ALIGN, [], "payload bytes 0:64 belong to no tensor"),
+])
+def test_payload_bytes_of_no_tensor_or_shared_are_refused(payload_bytes, offsets, words):
+    with pytest.raises(BadRequestError, match=re.escape(words)):
+        unpack(pb.BackwardRequest, _with_payload(bytes(payload_bytes), *map(_in_payload, offsets)))
+
+
+def test_memory_stays_near_the_message_size():
+    """A few MB of crafted fields cost at most a few times their size to refuse or to read."""
+    many_payloads = _payload_field(b"") * (2 << 20)  # 4 MiB of payload fields
+    many_fields = bytes([(14 << 3) | 0, 1]) * (2 << 20)
+    big = _packed(torch.randn(1, 1 << 20, 1))  # a 4 MiB tensor, read in place
+    for raw in (many_payloads, many_fields, big):
+        tracemalloc.start()
+        try:
+            try:
+                received = unpack(pb.InferenceRequest, raw)
+                decode_tensor(received.message.step.hidden_states, "h", received.payload)
+            except BadRequestError:
+                pass
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 2 * len(raw) + (1 << 20), f"{peak} bytes held for {len(raw)} received"

@@ -8,20 +8,21 @@ The client checks its input as a peer would (shapes, dtypes, NaN/inf, lengths, m
 BadRequestError to its caller before any network call. What a peer then answers cannot blame the caller, so its
 error code does not decide between retry and abort (`blame`):
 
-| a peer's code                  | whose fault, given input that passed the checks here          | the client       |
-|--------------------------------|---------------------------------------------------------------|------------------|
-| bad_request, message_too_large | the peer's: the input passed the same checks here             | bans, re-routes  |
-| sequence_too_long              | the peer's: lengths are checked here against the max_length   | bans, re-routes  |
-|                                | the session was opened with                                   |                  |
-| stale_epoch (training)         | the caller's: the stage updated; the trainer drops or redoes  | raises           |
-|                                | the micro-batch (outside training: the peer's)                |                  |
-| unknown_session                | the peer's: it lost a session the client opened               | re-routes, replays |
-| wrong_span                     | the peer's: it no longer serves the blocks its record claims  | re-routes        |
-| cache_full                     | the peer's: no room now                                       | re-routes        |
-| no_peers, any other code       | the peer's                                                    | bans, re-routes  |
+| a peer's code                  | whose fault, given input that passed the checks here                | the client        |
+|--------------------------------|---------------------------------------------------------------------|-------------------|
+| bad_request, message_too_large | the peer's: the same checks passed here                             | re-routes         |
+| sequence_too_long              | the peer's: lengths are checked here against the session's length  | re-routes         |
+| stale_epoch, in training       | the caller's: the stage updated; the trainer drops or redoes it     | raises            |
+| stale_epoch, elsewhere         | the peer's: nothing was asked of an update                          | re-routes         |
+| unknown_session                | the peer's: it lost a session the client opened                     | re-routes         |
+| wrong_span                     | the peer's: it no longer serves the blocks its record claims        | re-routes         |
+| cache_full                     | the peer's: no room now                                             | re-routes         |
+| peer_unavailable, internal,    | the peer's                                                          | re-routes         |
+| no_peers, any other code       |                                                                     |                   |
 
-Every re-route bans the peer for a while (client/sequence.py BanList). Raised by the client itself and not
-retried: BadRequestError (and its subclasses) for the caller's input, NoPeersError once nobody is left.
+To re-route is to ban the peer for a while (client/sequence.py BanList) and send its blocks to others (an
+inference session replays its history into them). Raised by the client itself, and not retried:
+BadRequestError (and its subclasses) for the caller's input, NoPeersError once nobody is left.
 """
 
 from __future__ import annotations

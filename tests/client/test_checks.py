@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from client import checks
+from client.config import ClientConfig
+from client.sequence import RemoteSequence
+from client.session import InferenceSession
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import encode_tensor
 from protocol.errors import (
@@ -60,6 +65,31 @@ def test_good_inputs_pass():
     checks.check_inputs(_hidden(1, 3, HIDDEN, dtype=torch.bfloat16), torch.ones(1, 3, dtype=torch.bool),
                         torch.arange(3)[None], hidden_size=None, max_positions=None)
     checks.check_grad(_hidden(1, 3, HIDDEN), (1, 3, HIDDEN))
+
+
+def test_bad_input_fails_before_any_network_call():
+    """No DHT at all: had anything been sent (or the swarm looked up), the error would not be a BadRequestError."""
+    sequence = RemoteSequence(None, "model", 2, ClientConfig(initial_peers=("/ip4/127.0.0.1/tcp/1",)),
+                              hidden_size=HIDDEN, max_positions=16)
+    nan = torch.full((1, 2, HIDDEN), float("nan"))
+
+    async def go():
+        with pytest.raises(BadRequestError, match="NaN or inf"):
+            await sequence.forward(nan, None, torch.arange(2)[None])
+        with pytest.raises(SequenceTooLongError, match="17 tokens exceed the model's 16 positions"):
+            await sequence.forward(_hidden(1, 17, HIDDEN), None, None)
+        session = InferenceSession(sequence, max_length=8, batch_size=1)
+        with pytest.raises(BadRequestError, match="NaN or inf"):
+            await session.step(nan, None, torch.arange(2)[None])
+        with pytest.raises(SequenceTooLongError, match="max_length 8"):
+            await session.step(_hidden(1, 9, HIDDEN), None, torch.arange(9)[None])
+        with pytest.raises(BadRequestError, match="attention_mask must have shape"):
+            await session.step(_hidden(1, 2, HIDDEN), torch.ones(1, 3, dtype=torch.int64), torch.arange(2)[None])
+        with pytest.raises(SequenceTooLongError, match="max_length 17 exceeds the model's 16 positions"):
+            InferenceSession(sequence, max_length=17, batch_size=1)
+        await sequence.close()
+
+    asyncio.run(go())
 
 
 def test_a_bad_gradient_is_the_callers():

@@ -4,7 +4,8 @@
 - sequence: the remote blocks, routing, retries, forward/backward with autograd
 - session: inference sessions with server-side KV caches and failover by replay
 - routing: route planning (pure functions)
-- transport: gRPC channels and calls; loop: the background event loop
+- transport: gRPC channels (a bounded pool) and calls; loop: the background event loop
+- checks: the caller's input before sending, every peer's answer before use, whose fault a peer's error is
 - config: ClientConfig
 - training: SwarmTrainer, pipelined synchronous training with the peers of a run; local_training: its reference
 - data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched

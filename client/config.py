@@ -30,11 +30,14 @@ class ClientConfig:
     """How long to wait for some blocks to be served before raising NoPeersError."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message sent or accepted."""
+    max_channels: int = 64
+    """gRPC channels kept open to peers at most; beyond it the least recently used idle one is closed."""
 
     def __post_init__(self) -> None:
         if not self.initial_peers:
             raise ValueError("initial_peers is empty; pass the bootstrap node's multiaddr, e.g. /ip4/.../tcp/.../p2p/...")
-        for name in ("request_timeout_s", "connect_timeout_s", "directory_refresh_s", "max_message_bytes"):
+        for name in ("request_timeout_s", "connect_timeout_s", "directory_refresh_s", "max_message_bytes",
+                     "max_channels"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_retries", "retry_delay_s", "wait_for_peers_s"):

@@ -135,7 +135,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def _connect(self, options: ClientConfig, prefix: str) -> None:
         self._loop = BackgroundLoop()
         self._dht = start_dht(options.initial_peers, client_mode=True)
-        self.sequence = RemoteSequence(self._dht, prefix, self.config.num_hidden_layers, options)
+        self.sequence = RemoteSequence(self._dht, prefix, self.config.num_hidden_layers, options,
+                                       hidden_size=self.config.hidden_size,
+                                       max_positions=self.config.max_position_embeddings)
 
     def _run(self, coro):
         return self._loop.run(coro)

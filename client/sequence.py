@@ -1,7 +1,11 @@
 """The remote blocks of one model: routing, retries and forward/backward over chains of peers.
 
 A failed peer is banned for a while (longer each time it fails), the directory is refreshed at once,
-and the failed part of the chain is routed to other peers; only bad input fails immediately.
+and the failed part of the chain is routed to other peers. A peer fails when it cannot be reached, or answers
+with an error or with anything but what was asked for (client/checks.py: every answer is checked, and input
+is checked here before it is sent, so that only the caller's bad input fails immediately).
+
+Peers are reached only at the addresses of their records, which `fetch_snapshot` validated.
 
 Each peer is reached by the first of its addresses that answers a ping (`routing.dial_candidates`): its gRPC
 endpoint, or libp2p streams, straight or through its relays; the ping's time is the RTT routing counts.
@@ -21,13 +25,14 @@ import hivemind
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, parse_dtype
+from protocol.codec import parse_dtype
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.directory import fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
 from swarm.tunnel import TunnelPool
+from client import checks
 from client.config import ClientConfig
 from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
 from client.transport import ChannelPool
@@ -35,11 +40,20 @@ from client.transport import ChannelPool
 logger = logging.getLogger(__name__)
 
 _MAX_BAN_S = 60.0
+_STRIKES_HALF_LIFE_S = 600.0
 
 
 def is_retriable(error: BaseException) -> bool:
-    """Bad input is the caller's to fix, and NoPeersError comes after waiting already; the rest may work elsewhere."""
+    """Bad input is the caller's to fix, and NoPeersError comes after waiting already; the rest may work elsewhere.
+
+    Decide on what `checks.blame` made of a peer's error: a peer's own bad_request means nothing here.
+    """
     return isinstance(error, SwarmError) and not isinstance(error, (BadRequestError, NoPeersError))
+
+
+def describe(hop: RouteHop) -> str:
+    """A hop's peer, as error messages name it."""
+    return f"{hop.peer_id} at {hop.endpoint}"
 
 
 @dataclass(frozen=True)
@@ -63,25 +77,36 @@ class HopRecord:
 class BanList:
     """Peers that failed recently.
 
-    A ban lasts `base_s`, doubled with each repeated failure up to a minute. After that a peer is used again
-    only once it has announced itself since it failed: a crashed peer's record stays in the DHT until it
-    expires, and without this rule the client would try the dead peer again each time its ban ran out.
+    A ban lasts `base_s`, doubled with each repeated failure (strike) up to a minute. Strikes halve with each
+    `half_life_s` without a new one, so that one slip long after a peer's last failures costs a short ban.
+    After its ban a peer is used again only once it has announced itself since it failed: a crashed peer's
+    record stays in the DHT until it expires, and without this rule the client would try the dead peer again
+    each time its ban ran out.
     """
 
-    def __init__(self, base_s: float, clock: Callable[[], float] = time.monotonic):
-        self.base_s, self.clock = base_s, clock
+    def __init__(self, base_s: float, clock: Callable[[], float] = time.monotonic,
+                 half_life_s: float = _STRIKES_HALF_LIFE_S):
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self.base_s, self.clock, self.half_life_s = base_s, clock, half_life_s
         self._until: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}
+        self._strikes: dict[str, tuple[int, float]] = {}  # peer id -> (strikes, when the last one came)
         self._failed_at: dict[str, float] = {}
         # peer id -> expiration of its latest record in the first directory read after it failed
         self._last_record: dict[str, float] = {}
 
+    def strikes(self, peer_id: str) -> int:
+        """`peer_id`'s strikes now: its failures, halved (rounding down) per quiet `half_life_s` since the last."""
+        count, at = self._strikes.get(peer_id, (0, 0.0))
+        halvings = int((self.clock() - at) // self.half_life_s)
+        return count >> min(max(halvings, 0), 63)
+
     def ban(self, peer_id: str) -> float:
         """Ban `peer_id` for longer than last time; returns the ban's length in seconds."""
-        strikes = self._strikes.get(peer_id, 0) + 1
-        self._strikes[peer_id] = strikes
-        length_s = min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
+        strikes = self.strikes(peer_id) + 1
         now = self.clock()
+        self._strikes[peer_id] = (strikes, now)
+        length_s = min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
         self._until[peer_id] = now + length_s
         self._failed_at[peer_id] = now
         self._last_record.pop(peer_id, None)
@@ -106,11 +131,13 @@ class RemoteSequence:
     """Blocks [0, num_blocks) of a model as served by the swarm. Its coroutines run on the client's loop."""
 
     def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, config: ClientConfig,
-                 run_id: str | None = None):
+                 run_id: str | None = None, *, hidden_size: int | None = None, max_positions: int | None = None):
         self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
         self.run_id = run_id  # when set, only peers that train this run are used
+        # the model's, to check inputs as the peers will (None: not checked here)
+        self.hidden_size, self.max_positions = hidden_size, max_positions
         self._p2p: hivemind.P2P | None = None
-        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p))
+        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels)
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -204,8 +231,9 @@ class RemoteSequence:
         return parse_dtype(info.dtype) if info is not None else torch.float32
 
     async def report_failure(self, hop: RouteHop, error: BaseException) -> None:
-        logger.warning("peer %s (blocks %d:%d) failed: %s", hop.peer_id, hop.start, hop.end, error)
-        self.bans.ban(hop.peer_id)
+        length_s = self.bans.ban(hop.peer_id)
+        logger.warning("peer %s (blocks %d:%d) failed, banned for %.0fs: %s", hop.peer_id, hop.start, hop.end,
+                       length_s, error)
         self.rtts.pop(hop.peer_id, None)  # measure it (and find its path) afresh if it comes back
         self.paths.pop(hop.peer_id, None)
         self.failovers += 1
@@ -218,17 +246,25 @@ class RemoteSequence:
 
     # --- stateless forward / backward ---
 
+    def check_inputs(self, hidden: torch.Tensor, mask, positions, prefix_length: int = 0) -> None:
+        """Raise BadRequestError for inputs a peer would refuse, before anything is sent."""
+        checks.check_inputs(hidden, mask, positions, hidden_size=self.hidden_size, max_positions=self.max_positions,
+                            prefix_length=prefix_length)
+
     async def _call_forward(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
+        dtype = self.hop_dtype(hop)
         packer = Packer()
         request = packer.pack(pb.ForwardRequest(
             span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-            hidden_states=packer.tensor(hidden.to(self.hop_dtype(hop))),
+            hidden_states=packer.tensor(hidden.to(dtype)),
             attention_mask=packer.optional(mask),
             position_ids=packer.optional(positions),
             backward_id=backward_id,
         ))
+        checks.check_size(request, self.config.max_message_bytes)
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
-        return decode_tensor(response.message.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
+        output = checks.unary_answer(response, "hidden_states", peer=describe(hop), shape=hidden.shape, dtype=dtype)
+        return output.to(hidden.dtype)
 
     async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str,
                              training: TrainingTag | None = None) -> torch.Tensor:
@@ -245,8 +281,10 @@ class RemoteSequence:
             position_ids=packer.optional(positions),
             backward_id=backward_id,
         ))
+        checks.check_size(request, self.config.max_message_bytes)
         response = await self.pool.unary(hop.endpoint, "backward", request, self.config.request_timeout_s)
-        return decode_tensor(response.message.grad_inputs, "grad_inputs", response.payload).to(grad.dtype)
+        grad_inputs = checks.unary_answer(response, "grad_inputs", peer=describe(hop), shape=inputs.shape, dtype=dtype)
+        return grad_inputs.to(grad.dtype)
 
     async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None,
                       keep_for_backward: bool = False) -> tuple[torch.Tensor, list[HopRecord]]:
@@ -254,7 +292,13 @@ class RemoteSequence:
 
         With `keep_for_backward`, peers are asked to keep their activations until the backward, which then
         need not recompute the forward.
+
+        Raises:
+            BadRequestError: the inputs are not what a peer accepts (nothing was sent).
+            NoPeersError: nobody serves some of the blocks.
+            SwarmError: peers kept failing (`max_retries` route changes), e.g. PeerFaultError.
         """
+        self.check_inputs(hidden, mask, positions)
         end = self.num_blocks if end is None else end
         records: list[HopRecord] = []
         block, attempt, refresh = start, 0, False
@@ -265,9 +309,10 @@ class RemoteSequence:
                 try:
                     output = await self._call_forward(hop, hidden, mask, positions, backward_id)
                 except Exception as exc:
-                    if not is_retriable(exc) or attempt >= self.config.max_retries:
-                        raise
-                    await self.report_failure(hop, exc)
+                    error = checks.blame(exc, describe(hop))
+                    if not is_retriable(error) or attempt >= self.config.max_retries:
+                        raise error
+                    await self.report_failure(hop, error)
                     await self.backoff(attempt)
                     attempt, refresh = attempt + 1, True
                     break
@@ -283,6 +328,8 @@ class RemoteSequence:
         With `training`, peers add their parameter gradients to their run's next update; `done` then receives
         (hop, inputs, grad) of each hop that answered, so that a trainer can redo the work of a peer that died.
         """
+        if records:
+            checks.check_grad(grad, tuple(records[-1].inputs.shape))
         for record in reversed(records):
             grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)
         return grad
@@ -296,9 +343,10 @@ class RemoteSequence:
                 done.append((hop, inputs, grad))
             return grad_inputs
         except Exception as exc:
-            if not is_retriable(exc) or attempt >= self.config.max_retries:
-                raise
-            await self.report_failure(hop, exc)
+            error = checks.blame(exc, describe(hop), training=training is not None)
+            if not is_retriable(error) or attempt >= self.config.max_retries:
+                raise error
+            await self.report_failure(hop, error)
             await self.backoff(attempt)
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)

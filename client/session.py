@@ -2,11 +2,13 @@
 
 Each span remembers every input it was sent. When its peer fails, the span is routed to other peers
 (possibly several), the history is replayed to rebuild their caches at exactly the client's position,
-and the step goes on; the outputs are the same as without the failure.
+and the step goes on; the outputs are the same as without the failure. A peer whose answer is wrong (kind,
+shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as one that died.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -15,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor
-from protocol.errors import BadRequestError
+from protocol.errors import BadRequestError, SequenceTooLongError
 from protocol.packing import Packer
+from client import checks
 from client.routing import RouteHop
-from client.sequence import RemoteSequence, is_retriable
+from client.sequence import RemoteSequence, describe, is_retriable
 from client.transport import InferenceStream
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,13 @@ class InferenceSession:
     def __init__(self, sequence: RemoteSequence, max_length: int, batch_size: int):
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if sequence.max_positions is not None and max_length > sequence.max_positions:
+            raise SequenceTooLongError(f"max_length {max_length} exceeds the model's {sequence.max_positions} "
+                                       f"positions; open the session with a smaller max_length")
+        if batch_size < 1:
+            raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
         self.sequence, self.max_length, self.batch_size = sequence, max_length, batch_size
+        self._step_ids = itertools.count(1)  # each request's id, which its answer must echo
         self.spans: list[SpanSession] = []
         self.position = 0
         self.mask: torch.Tensor | None = None  # [batch, position], kept only once padding appears
@@ -63,7 +71,9 @@ class InferenceSession:
             max_length=self.max_length, batch_size=self.batch_size,
             alloc_timeout_s=self.sequence.config.connect_timeout_s))
         try:
-            await stream.request(request, self.sequence.config.connect_timeout_s + self.sequence.config.request_timeout_s)
+            response = await stream.request(
+                request, self.sequence.config.connect_timeout_s + self.sequence.config.request_timeout_s)
+            checks.opened_answer(response, peer=describe(hop), session_id=session_id, max_length=self.max_length)
         except BaseException:
             await stream.close()
             raise
@@ -78,9 +88,10 @@ class InferenceSession:
                 try:
                     opened.append(await self._open(hop))
                 except Exception as exc:
-                    if is_retriable(exc):
-                        await self.sequence.report_failure(hop, exc)
-                    raise
+                    error = checks.blame(exc, describe(hop))
+                    if is_retriable(error):
+                        await self.sequence.report_failure(hop, error)
+                    raise error
         except BaseException:
             for span in opened:
                 await span.stream.close()
@@ -99,15 +110,19 @@ class InferenceSession:
             attempt += 1
 
     async def _send(self, span: SpanSession, hidden, mask, positions, prefix_length: int) -> torch.Tensor:
+        dtype, step_id = self.sequence.hop_dtype(span.hop), next(self._step_ids)
         packer = Packer()
         request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=span.session_id, hidden_states=packer.tensor(hidden.to(self.sequence.hop_dtype(span.hop))),
+            session_id=span.session_id, hidden_states=packer.tensor(hidden.to(dtype)),
             attention_mask=packer.optional(mask), position_ids=packer.optional(positions),
-            prefix_length=prefix_length)))
+            prefix_length=prefix_length, step_id=step_id)))
+        checks.check_size(request, self.sequence.config.max_message_bytes)
         response = await span.stream.request(request, self.sequence.config.request_timeout_s)
-        step = response.message.step
-        span.position = step.position
-        return decode_tensor(step.hidden_states, "hidden_states", response.payload).to(hidden.dtype)
+        position = prefix_length + hidden.shape[1]
+        output = checks.step_answer(response, peer=describe(span.hop), shape=hidden.shape, dtype=dtype,
+                                    step_id=step_id, position=position)
+        span.position = position
+        return output.to(hidden.dtype)
 
     async def _replace(self, index: int) -> None:
         """Route span `index` to other peers and replay its history into them."""
@@ -123,11 +138,12 @@ class InferenceSession:
                 try:
                     history = await self._send(span, history, mask, positions, prefix_length=0)
                 except Exception as exc:
-                    if is_retriable(exc):
-                        await self.sequence.report_failure(span.hop, exc)
+                    error = checks.blame(exc, describe(span.hop))
+                    if is_retriable(error):
+                        await self.sequence.report_failure(span.hop, error)
                     for opened in replacements:
                         await opened.stream.close()
-                    raise
+                    raise error
         self.spans[index : index + 1] = replacements
         self.recoveries += 1
         self.sequence.recoveries += 1
@@ -152,18 +168,25 @@ class InferenceSession:
             self.sequence.recovery_s += time.perf_counter() - began
 
     async def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        """Send `hidden` [batch, new, hidden] for tokens at `positions`; `mask` covers past + new tokens or is None."""
+        """Send `hidden` [batch, new, hidden] for tokens at `positions`; `mask` covers past + new tokens or is None.
+
+        Raises:
+            BadRequestError: the inputs are not what a peer accepts (nothing was sent); SequenceTooLongError
+                past the session's max_length.
+            SwarmError: peers kept failing (`max_retries` route changes), e.g. PeerFaultError.
+        """
         if self.closed:
             raise BadRequestError("this inference session is closed; open a new one")
+        if hidden.ndim != 3:
+            raise BadRequestError(f"hidden_states must be [batch, new tokens, hidden], got shape {list(hidden.shape)}")
         batch, new = hidden.shape[:2]
         if batch != self.batch_size:
             raise BadRequestError(f"the session was opened for batch {self.batch_size}, got batch {batch}")
         if self.position + new > self.max_length:
-            raise BadRequestError(
+            raise SequenceTooLongError(
                 f"{self.position} tokens so far + {new} new exceed the session's max_length {self.max_length}; "
                 f"open the session with a larger max_length")
-        if mask is not None and mask.shape != (batch, self.position + new):
-            raise BadRequestError(f"attention_mask must have shape [{batch}, {self.position + new}], got {list(mask.shape)}")
+        self.sequence.check_inputs(hidden, mask, positions, prefix_length=self.position)
         if mask is not None and bool(mask.all()) and self.mask is None:
             mask = None  # no padding: the peers assume a full mask, and it need not travel
         elif mask is None and self.mask is not None:
@@ -179,9 +202,10 @@ class InferenceSession:
                     raise RuntimeError(f"span at {span.position} tokens, session at {self.position}")
                 output = await self._send(span, hidden, mask, positions, prefix_length=self.position)
             except Exception as exc:
-                if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
-                    raise
-                await self.sequence.report_failure(span.hop, exc)
+                error = checks.blame(exc, describe(span.hop))
+                if not is_retriable(error) or attempt >= self.sequence.config.max_retries:
+                    raise error
+                await self.sequence.report_failure(span.hop, error)
                 attempt = await self._recover(index, attempt)
                 continue
             span.inputs.append(hidden)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import Counter, OrderedDict
 
 import grpc
 
@@ -21,37 +22,63 @@ logger = logging.getLogger(__name__)
 
 
 class ChannelPool:
-    """One channel per peer endpoint, reused by every request. Lives on the client's event loop."""
+    """One channel per peer endpoint, reused by every request. Lives on the client's event loop.
 
-    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None):
-        self.tunnels = tunnels
+    At most `max_channels` stay open: opening one more closes the least recently used channel that no call or
+    inference stream is using (a busy one is never closed for room: the pool then holds more until calls end).
+    """
+
+    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None, max_channels: int = 64):
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be >= 1, got {max_channels}")
+        self.tunnels, self.max_channels = tunnels, max_channels
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        self._stubs: dict[str, tuple[grpc.aio.Channel, PeerStub]] = {}
+        # least recently used first
+        self._stubs: OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = OrderedDict()
+        self._users: Counter[str] = Counter()  # endpoint -> calls and streams on its channel now
         self._dropped: weakref.WeakSet = weakref.WeakSet()  # channels closed under requests still in flight
 
-    def stub(self, endpoint: str) -> PeerStub:
-        """The stub of a direct endpoint, or of a "p2p:..." address that `stub_for` has opened already."""
-        if endpoint not in self._stubs:
-            if is_tunnel(endpoint):
-                raise RuntimeError(f"{endpoint} needs `await stub_for(...)` first")
-            self._open(endpoint, endpoint)
-        return self._stubs[endpoint][1]
+    @property
+    def endpoints(self) -> list[str]:
+        """Endpoints with an open channel, least recently used first."""
+        return list(self._stubs)
 
     async def stub_for(self, endpoint: str) -> PeerStub:
         """The stub of any address, starting the local end of its tunnel if it is reached through libp2p."""
-        if endpoint not in self._stubs and is_tunnel(endpoint):
-            if self.tunnels is None:
-                raise PeerUnavailableError(f"peer {endpoint} is reached only through libp2p, which this client was "
-                                           f"not given (no DHT node)")
-            self._open(endpoint, await self.tunnels.local_endpoint(endpoint))
-        return self.stub(endpoint)
+        if endpoint not in self._stubs:
+            await self._make_room()
+            target = endpoint
+            if is_tunnel(endpoint):
+                if self.tunnels is None:
+                    raise PeerUnavailableError(f"peer {endpoint} is reached only through libp2p, which this client "
+                                               f"was not given (no DHT node)")
+                target = await self.tunnels.local_endpoint(endpoint)
+            if endpoint not in self._stubs:  # another request may have opened it meanwhile
+                channel = grpc.aio.insecure_channel(target, options=self._options)
+                self._stubs[endpoint] = (channel, PeerStub(channel))
+        self._stubs.move_to_end(endpoint)
+        return self._stubs[endpoint][1]
 
-    def _open(self, endpoint: str, target: str) -> None:
-        channel = grpc.aio.insecure_channel(target, options=self._options)
-        self._stubs[endpoint] = (channel, PeerStub(channel))
+    async def _make_room(self) -> None:
+        while len(self._stubs) >= self.max_channels:
+            idle = next((endpoint for endpoint in self._stubs if not self._users[endpoint]), None)
+            if idle is None:
+                logger.debug("all %d channels are in use; opening one more", len(self._stubs))
+                return
+            channel, _ = self._stubs.pop(idle)
+            await channel.close(grace=None)
+
+    def hold(self, endpoint: str) -> None:
+        """Count a user of `endpoint`'s channel (an open stream), so that it is not closed for room."""
+        self._users[endpoint] += 1
+
+    def release(self, endpoint: str) -> None:
+        self._users[endpoint] -= 1
+        if self._users[endpoint] <= 0:
+            del self._users[endpoint]
 
     async def drop(self, endpoint: str) -> None:
         """Forget a channel (its peer failed), so the next request reconnects."""
@@ -77,6 +104,7 @@ class ChannelPool:
     async def unary(self, endpoint: str, method: str, request, timeout_s: float):
         stub = await self.stub_for(endpoint)
         channel = self._stubs[endpoint][0]
+        self.hold(endpoint)
         try:
             return await getattr(stub, method)(request, timeout=timeout_s)
         except asyncio.CancelledError:
@@ -88,6 +116,8 @@ class ChannelPool:
             raise self.explain(error_from_rpc(exc, endpoint), endpoint) from exc
         except grpc.aio.UsageError as exc:  # its channel was closed under it, after another request failed
             raise PeerUnavailableError(f"peer {endpoint}: {exc}") from exc
+        finally:
+            self.release(endpoint)
 
 
 class InferenceStream:
@@ -120,6 +150,7 @@ class InferenceStream:
             if self._closed:
                 raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
             self._call = (await self.pool.stub_for(self.endpoint)).inference()
+            self.pool.hold(self.endpoint)  # until close(): the stream keeps its channel open
         await self._call.write(request)
         return await self._call.read()
 
@@ -129,6 +160,7 @@ class InferenceStream:
         self._closed = True
         if self._call is None:
             return
+        self.pool.release(self.endpoint)
         try:
             await asyncio.wait_for(self._call.done_writing(), 1.0)
         except (grpc.RpcError, asyncio.TimeoutError, SwarmError, RuntimeError):

@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-import numpy
 import torch
 
 from protocol.errors import BadRequestError, SequenceTooLongError
-
-
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a CPU tensor holds no NaN or inf, checked by numpy on one thread.
-
-    torch would spread this over its thread pool; waking the pool's sleeping threads costs more than the
-    check itself, on every request. bfloat16 (unknown to numpy): no value has all exponent bits set.
-    """
-    if tensor.numel() == 0:
-        return True
-    if tensor.dtype == torch.bfloat16:
-        bits = tensor.contiguous().view(torch.int16).numpy()
-        return not bool(((bits & 0x7F80) == 0x7F80).any())
-    return bool(numpy.isfinite(tensor.contiguous().numpy()).all())
+from protocol.finite import all_finite
 
 
 def check_hidden(hidden: torch.Tensor, *, hidden_size: int, dtype: torch.dtype, name: str = "hidden_states") -> None:
@@ -32,7 +18,7 @@ def check_hidden(hidden: torch.Tensor, *, hidden_size: int, dtype: torch.dtype, 
         raise BadRequestError(f"{name} must have at least one sequence and one token, got shape {list(hidden.shape)}")
     if hidden.dtype != dtype:
         raise BadRequestError(f"{name} has dtype {hidden.dtype}, this peer computes in {dtype}; send {dtype}")
-    if not _all_finite(hidden):
+    if not all_finite(hidden):
         raise BadRequestError(f"{name} contains NaN or inf")
 
 
@@ -68,7 +54,7 @@ def check_grad(grad: torch.Tensor, hidden: torch.Tensor) -> None:
         raise BadRequestError(f"grad_outputs has shape {list(grad.shape)}, hidden_states {list(hidden.shape)}")
     if grad.dtype != hidden.dtype:
         raise BadRequestError(f"grad_outputs has dtype {grad.dtype}, hidden_states {hidden.dtype}")
-    if not _all_finite(grad):
+    if not all_finite(grad):
         raise BadRequestError("grad_outputs contains NaN or inf")
 
 

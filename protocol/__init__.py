@@ -1,7 +1,7 @@
 """Pure data shared by peers and clients.
 
 - swarmlm.proto / swarmlm_pb2: wire messages and the gRPC service, version 1
-- codec: torch tensors <-> protobuf Tensor
+- codec: torch tensors <-> protobuf Tensor; finite: the NaN/inf check both sides make on received tensors
 - records: DHT record schemas (ServerInfo, ModelRecord, TrainingProgress) and key naming
 - errors: the exception tree and its wire codes
 - service: method table of the Peer service, derived from the .proto
@@ -21,6 +21,7 @@ _EXPORTS = {
     "ModelRecord": ("protocol.records", "ModelRecord"),
     "NoPeersError": ("protocol.errors", "NoPeersError"),
     "PROTOCOL_VERSION": ("protocol.records", "PROTOCOL_VERSION"),
+    "PeerFaultError": ("protocol.errors", "PeerFaultError"),
     "PeerUnavailableError": ("protocol.errors", "PeerUnavailableError"),
     "SequenceTooLongError": ("protocol.errors", "SequenceTooLongError"),
     "ServerInfo": ("protocol.records", "ServerInfo"),

@@ -10,6 +10,7 @@
     ├── CacheFullError             cache_full         no KV-cache space within the allocation timeout
     ├── OverloadedError            overloaded         the peer's queue is full: route elsewhere or retry later
     ├── PeerUnavailableError       peer_unavailable   a peer could not be reached or vanished mid-request
+    ├── PeerFaultError             peer_fault         a peer answered wrongly, or refused input the client checked
     ├── NoPeersError               no_peers           nobody serves some blocks of a model
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
@@ -63,6 +64,14 @@ class OverloadedError(SwarmError):
 
 class PeerUnavailableError(SwarmError):
     code = "peer_unavailable"
+
+
+class PeerFaultError(SwarmError):
+    """A peer's answer was not what was asked for (kind, shape, dtype, NaN/inf, position, step id), or it refused
+    a request that passed the client's own checks. Raised on the client only: the peer is banned and its blocks
+    are routed to others, so a caller sees it only once every retry met a faulty peer."""
+
+    code = "peer_fault"
 
 
 class NoPeersError(SwarmError):

@@ -85,6 +85,7 @@ EXPORTS = {
         "ModelRecord",
         "NoPeersError",
         "PROTOCOL_VERSION",
+        "PeerFaultError",
         "PeerUnavailableError",
         "SequenceTooLongError",
         "StaleEpochError",

@@ -68,3 +68,33 @@ def test_a_new_announcement_does_not_shorten_the_ban():
     assert bans.banned({"a": 505.0}) == {"a"}
     clock.now += 3.5
     assert bans.banned({"a": 505.0}) == set()
+
+
+def test_strikes_halve_with_each_quiet_period():
+    """One slip long after a run of failures costs a short ban, not the capped one."""
+    clock = Clock()
+    bans = BanList(base_s=1.0, clock=clock, half_life_s=100.0)
+    for _ in range(6):
+        bans.ban("a")
+    assert bans.strikes("a") == 6
+    clock.now += 99.0
+    assert bans.strikes("a") == 6, "decayed before a whole quiet period"
+    clock.now += 1.0
+    assert bans.strikes("a") == 3
+    assert bans.ban("a") == 8.0  # 3 + 1 strikes: 2 ** 3 s, not the 60 s seven strikes would cost
+    clock.now += 250.0  # two whole quiet periods since that failure: 4 -> 1
+    assert bans.strikes("a") == 1
+    clock.now += 1000.0
+    assert bans.strikes("a") == 0
+    assert bans.ban("a") == 1.0  # forgotten: a first failure again
+
+
+def test_failures_within_a_quiet_period_keep_growing():
+    clock = Clock()
+    bans = BanList(base_s=1.0, clock=clock, half_life_s=100.0)
+    lengths = []
+    for _ in range(4):
+        lengths.append(bans.ban("a"))
+        clock.now += 60.0  # each failure comes before the previous one's quiet period is over
+    assert lengths == [1.0, 2.0, 4.0, 8.0]
+    assert bans.strikes("b") == 0

@@ -85,3 +85,79 @@ def test_dropping_a_channel_fails_its_other_calls_as_peer_failures():
             await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_the_pool_keeps_at_most_max_channels_closing_idle_ones_first():
+    """Channels to many peers: beyond the cap the least recently used idle one closes; one an inference stream
+    holds stays open, and every endpoint still answers (reconnecting when it was closed)."""
+
+    async def go():
+        servers, endpoints = [], []
+        for _ in range(4):
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((make_generic_handler(Answers()),))
+            endpoints.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+        pool = ChannelPool(1 << 20, max_channels=2)
+        stream = InferenceStream(pool, endpoints[0])
+        try:
+            opened = await stream.request(pb.InferenceRequest(open=pb.OpenSession(session_id="s")), 5)
+            assert opened.message.opened.session_id == "s"
+            for endpoint in endpoints[1:]:
+                assert (await pool.unary(endpoint, "info", pb.InfoRequest(), 5)).peer_id == "answers"
+                assert len(pool.endpoints) <= 2
+            # the stream's channel was the least recently used all along, but it is busy: the idle ones went
+            assert pool.endpoints == [endpoints[0], endpoints[3]]
+            again = await stream.request(pb.InferenceRequest(open=pb.OpenSession(session_id="t")), 5)
+            assert again.message.opened.session_id == "t"  # the stream lived through it
+            await stream.close()  # now idle: the next new channel closes it
+            assert (await pool.unary(endpoints[1], "info", pb.InfoRequest(), 5)).peer_id == "answers"
+            assert pool.endpoints == [endpoints[3], endpoints[1]]
+        finally:
+            await stream.close()
+            await pool.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_a_pool_full_of_busy_channels_opens_one_more():
+    async def go():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((make_generic_handler(SlowEcho()),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = ChannelPool(1 << 20, max_channels=1)
+        # two names of one server: two channels, both busy at once
+        first, second = f"127.0.0.1:{port}", f"localhost:{port}"
+        try:
+            calls = [pool.unary(endpoint, "info", pb.InfoRequest(), 5) for endpoint in (first, second)]
+            assert [answer.peer_id for answer in await asyncio.gather(*calls)] == ["slow", "slow"]
+            assert len(pool.endpoints) == 2
+            third = f"127.0.0.2:{port}"
+            with pytest.raises(PeerUnavailableError):  # nobody listens there; opening it still makes room
+                await pool.unary(third, "info", pb.InfoRequest(), 1)
+            assert pool.endpoints == [third]
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(go())
+
+
+class Answers:
+    """A peer that opens every session and answers Info at once."""
+
+    async def inference(self, requests, context):
+        async for received in requests:
+            yield pb.InferenceResponse(opened=pb.SessionOpened(session_id=received.message.open.session_id))
+
+    async def info(self, request, context):
+        return pb.InfoResponse(peer_id="answers")
+
+    async def forward(self, request, context):
+        raise NotImplementedError
+
+    backward = state = forward

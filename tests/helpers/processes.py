@@ -275,13 +275,14 @@ class Swarm:
         network namespace `netns` if given (`ip netns exec` keeps the pid, so signals reach swarmlm itself)."""
         return self._spawn(ManagedProcess, name, list(args), netns)
 
-    def _spawn(self, cls: type[T], name: str, args: list[str], netns: str | None = None) -> T:
+    def _spawn(self, cls: type[T], name: str, args: list[str], netns: str | None = None,
+               command: Sequence[str] | None = None) -> T:
         assert not self._closed, "this swarm was closed"
         count = self._names.get(name, 0)
         self._names[name] = count + 1
         unique = name if count == 0 else f"{name}-{count}"
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        proc = cls(unique, prefix + swarmlm_command() + args, self.log_dir, self.env)
+        proc = cls(unique, prefix + list(command or swarmlm_command()) + args, self.log_dir, self.env)
         self.processes.append(proc)
         return proc
 
@@ -301,8 +302,12 @@ class Swarm:
         self.initial_peers = proc.maddrs
         return proc.maddrs
 
-    def start_peer(self, model_path: str | Path, *extra_args: str, netns: str | None = None) -> PeerProcess:
-        """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`."""
+    def start_peer(self, model_path: str | Path, *extra_args: str, netns: str | None = None,
+                   command: Sequence[str] | None = None) -> PeerProcess:
+        """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`.
+
+        `command` replaces `swarmlm` (a test's own launcher that takes the same arguments, e.g. tests/helpers/liar.py).
+        """
         assert self.initial_peers, "start_bootstrap() first"
         count = self._names.get("peer", 0)
         cache_dir = self.workdir / f"peer-cache-{count}"
@@ -320,7 +325,7 @@ class Swarm:
             str(cache_dir),
             *extra_args,
         ]
-        proc = self._spawn(PeerProcess, "peer", args, netns)
+        proc = self._spawn(PeerProcess, "peer", args, netns, command)
         proc.model_path, proc.cache_dir = Path(model_path), cache_dir
         return proc
 

@@ -1,0 +1,116 @@
+"""A peer that lies: the client bans it, routes its blocks to an honest peer, and its results stay exact.
+
+One swarm for the module: an honest peer and a liar (tests/helpers/liar.py: a real `swarmlm peer` behind a proxy
+that corrupts chosen answers) both serve all blocks. The liar announces a far higher throughput, so that every
+client routes to it first. For each lie and each method, the test rewrites the liar's mode file, runs a fresh
+client (greedy generation, or a forward and backward) and checks that:
+
+- the client's results equal the local model's (tokens and per-step logits, logits and input gradients);
+- the liar told its lie, and the client struck it (banned) and nobody else;
+- nothing reached the caller: no error, whatever the liar's error code said.
+
+Inference lies start a few tokens in, so that the client replays a history into the honest peer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import AutoDistributedModelForCausalLM
+from protocol.records import prefix_for_model
+from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.models import VOCAB_SIZE, make_tiny_llama
+from tests.helpers.processes import Swarm
+
+NUM_LAYERS = 4
+PROMPT = 6
+LIE_FROM = PROMPT + 2  # the third decode step and later
+LIAR = Path(__file__).resolve().parents[1] / "helpers" / "liar.py"
+LIAR_THROUGHPUT = 1e6  # the honest peer announces 1: routing prefers the liar by far
+
+TENSOR_LIES = ["bad_request", "shape", "dtype", "nan", "empty"]
+CASES = ([("inference", lie) for lie in [*TENSOR_LIES, "kind", "position", "step_id"]]
+         + [(method, lie) for method in ("forward", "backward") for lie in TENSOR_LIES])
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-liar", num_layers=NUM_LAYERS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def local(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+class LyingSwarm:
+    def __init__(self, swarm: Swarm, model_path: Path, mode_file: Path):
+        self.swarm, self.model_path, self.mode_file = swarm, model_path, mode_file
+        swarm.start_bootstrap()
+        self.honest = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", "1")
+        self.liar = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", str(LIAR_THROUGHPUT),
+                                     command=[sys.executable, str(LIAR), str(mode_file)])
+        prefix = prefix_for_model(str(model_path))
+        snapshot = swarm.wait_for(lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 2 and s,
+                                  120, "the honest peer and the liar to be ONLINE")
+        (self.liar_id,) = [pid for pid, info in snapshot.online().items() if info.throughput == LIAR_THROUGHPUT]
+        (self.honest_id,) = [pid for pid in snapshot.online() if pid != self.liar_id]
+
+    def lie(self, method: str, lie: str) -> None:
+        self.mode_file.write_text(json.dumps({"lie": lie, "on": method, "from_position": LIE_FROM}))
+
+    def lies_told(self, method: str, lie: str) -> int:
+        return self.liar.stdout().count(f"lied: {lie} on {method.capitalize()}\n")
+
+    def connect(self):
+        return AutoDistributedModelForCausalLM.from_pretrained(str(self.model_path),
+                                                              initial_peers=self.swarm.initial_peers)
+
+
+@pytest.fixture(scope="module")
+def lying(tmp_path_factory, model_path):
+    workdir = tmp_path_factory.mktemp("lying-swarm")
+    with Swarm(workdir / "swarm") as swarm:
+        yield LyingSwarm(swarm, model_path, workdir / "mode.json")
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method, lie", CASES, ids=[f"{m}-{lie}" for m, lie in CASES])
+def test_a_lying_peer_is_banned_and_the_results_stay_exact(lying, local, method, lie):
+    told_before = lying.lies_told(method, lie)
+    lying.lie(method, lie)
+    remote = lying.connect()
+    try:
+        if method == "inference":
+            ids = _ids(1, PROMPT, seed=21)
+            expected = generate_with_logits(local, ids, max_new_tokens=10, do_sample=False)
+            got = generate_with_logits(remote, ids, max_new_tokens=10, do_sample=False)
+            assert_same_generation(got, expected)
+            assert remote.sequence.recoveries >= 1
+        else:
+            ids = _ids(2, 8, seed=22)
+            embeds = local.get_input_embeddings()(ids).detach()
+            expected_in = embeds.clone().requires_grad_(True)
+            expected = local(inputs_embeds=expected_in, labels=ids)
+            expected.loss.backward()
+            got_in = embeds.clone().requires_grad_(True)
+            got = remote(inputs_embeds=got_in, labels=ids)
+            torch.testing.assert_close(got.logits, expected.logits.detach(), atol=1e-4, rtol=0)
+            got.loss.backward()
+            torch.testing.assert_close(got_in.grad, expected_in.grad, atol=1e-5, rtol=1e-4)
+        assert lying.lies_told(method, lie) > told_before, "the liar was not asked: the test proves nothing"
+        bans = remote.sequence.bans
+        assert bans.strikes(lying.liar_id) >= 1 and bans.strikes(lying.honest_id) == 0
+        assert remote.sequence.failovers == bans.strikes(lying.liar_id)
+    finally:
+        lying.lie(method, "honest")
+        remote.shutdown()

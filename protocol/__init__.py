@@ -20,6 +20,7 @@ _EXPORTS = {
     "ModelNotFoundError": ("protocol.errors", "ModelNotFoundError"),
     "ModelRecord": ("protocol.records", "ModelRecord"),
     "NoPeersError": ("protocol.errors", "NoPeersError"),
+    "OverloadedError": ("protocol.errors", "OverloadedError"),
     "PROTOCOL_VERSION": ("protocol.records", "PROTOCOL_VERSION"),
     "PeerFaultError": ("protocol.errors", "PeerFaultError"),
     "PeerUnavailableError": ("protocol.errors", "PeerUnavailableError"),

@@ -84,6 +84,7 @@ EXPORTS = {
         "ModelNotFoundError",
         "ModelRecord",
         "NoPeersError",
+        "OverloadedError",
         "PROTOCOL_VERSION",
         "PeerFaultError",
         "PeerUnavailableError",

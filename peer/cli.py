@@ -59,7 +59,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="move only for a bottleneck gain above this fraction (default: 0.15)")
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
-    p.add_argument("--cache-dir", help="where measurements are cached (default: ~/.cache/swarmlm)")
+    p.add_argument("--cache-dir", help="where measurements and the peer's key are kept (default: ~/.cache/swarmlm)")
+    p.add_argument("--identity", metavar="FILE",
+                   help="the peer's key file, created if missing (default: a free one under CACHE_DIR/identity)")
     add_limit_arguments(p)
     add_training_arguments(p)
     return p
@@ -145,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         num_threads=args.num_threads,
         throughput=args.throughput,
         cache_dir=args.cache_dir,
+        identity_path=args.identity,
         training=training_from_args(args),
     )
 

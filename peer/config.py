@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from protocol.records import check_run_id
+from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from peer.admission import WorkLimits
 from swarm.settings import OPTIMIZERS, AveragingSettings
 
@@ -109,7 +109,9 @@ class PeerConfig:
     throughput: float | None = None
     """Announced throughput in tokens/s; None measures it once and caches the result."""
     cache_dir: str | None = None
-    """Where measured throughput is cached; None uses the swarmlm cache directory."""
+    """Where measured throughput and the peer's key (identity/peer-N.key) are kept; None: the swarmlm cache dir."""
+    identity_path: str | None = None
+    """The peer's key file (its peer id, which signs its records); None takes a free one in the cache dir."""
     training: TrainingConfig | None = None
     """Train the served blocks with the other peers of the same span and run; None serves them frozen."""
 
@@ -144,6 +146,12 @@ class PeerConfig:
                      "activation_ttl_s", "session_lifetime_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.throughput is not None and not 0 <= self.throughput <= MAX_THROUGHPUT:
+            raise ValueError(f"throughput must be in [0, {MAX_THROUGHPUT:g}] tokens/s, got {self.throughput}")
+        if self.update_period_s > max_update_period_s():
+            raise ValueError(f"update_period_s must be at most {max_update_period_s():g} s, got {self.update_period_s:g}: "
+                             f"records live about twice the period, and the DHT refuses records of ours that live "
+                             f"longer than that allows")
         if self.announce_host is not None and not re.fullmatch(r"[^\s:]+(:\d{1,5})?", self.announce_host):
             raise ValueError(f"announce_host must be HOST or HOST:PORT, got {self.announce_host!r}")
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:

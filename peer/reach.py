@@ -65,9 +65,10 @@ class Reach:
                 logger.info("%s is %sreachable from the swarm: %s", endpoint, "" if reachable else "not ",
                             "; ".join(result.details))
         if not reachable:
+            identity = getattr(dht, "identity", None)  # the same key: clients know the peer by it
             await (await dht.replicate_p2p()).shutdown()  # its tasks live on this loop
             await asyncio.to_thread(stop_dht, dht)
-            dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True)
+            dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True, identity=identity)
             logger.info("rejoined the DHT as a client, %s, to serve through a relay", dht.peer_id.to_base58())
             self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers),
                                             discover=None if discover is None else lambda: discover(dht))

@@ -13,13 +13,16 @@ import grpc
 import psutil
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from protocol import swarmlm_pb2 as pb
-from protocol.records import PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model
+from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model,
+                              record_ttl_s)
 from protocol.service import make_generic_handler
 from swarm.checkpoint import load_config, resolve_model_path
 from swarm.dht import start_dht, stop_dht, visible_maddrs
-from swarm.directory import announce, fetch_snapshot
+from swarm.directory import announce, fetch_snapshot, unstored
+from swarm.identity import claim_identity, load_identity
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
 from peer.blocks import load_span, resolve_dtype
@@ -50,6 +53,8 @@ class PeerServer:
         self._rebalancer: asyncio.Task | None = None
         self.blocks: tuple[int, int] | None = None
         self.state = ServerState.JOINING
+        self.joined_at = 0.0  # DHT time when it began joining its current blocks
+        self.identity = None
         self.training = None  # peer.training.SpanTraining with --train
         self._trainer: asyncio.Task | None = None
         self._shut_down = False
@@ -71,7 +76,13 @@ class PeerServer:
         self.model_record = ModelRecord(num_blocks=self.num_layers, repository=cfg.model)
         if cfg.blocks is not None and cfg.blocks[1] > self.num_layers:
             raise ValueError(f"--blocks {cfg.blocks[0]}:{cfg.blocks[1]} is outside the model's 0:{self.num_layers}")
-        self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port)
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        self.identity = load_identity(cfg.identity_path) if cfg.identity_path else claim_identity(cache_dir / "identity")
+        try:
+            self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity)
+        except BaseException:
+            self.identity.release()
+            raise
         logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
 
     async def start(self) -> None:
@@ -119,7 +130,7 @@ class PeerServer:
     async def _serve_blocks(self, blocks: tuple[int, int]) -> None:
         """Announce JOINING for `blocks`, load them, then serve them and announce ONLINE."""
         cfg = self.config
-        self.blocks, self.state = blocks, ServerState.JOINING
+        self.blocks, self.state, self.joined_at = blocks, ServerState.JOINING, get_dht_time()
         if not self.throughput:  # until measured: nonzero, so newcomers see these blocks as taken
             self.throughput = cfg.throughput or 1.0
         await self._announce(self.state)
@@ -201,7 +212,7 @@ class PeerServer:
             state=state,
             start_block=self.blocks[0],
             end_block=self.blocks[1],
-            throughput=float(self.throughput),
+            throughput=min(float(self.throughput), MAX_THROUGHPUT),  # a tiny span on a big GPU can measure more
             cache_tokens_left=self.budget.tokens_left,
             dtype=str(self.dtype).removeprefix("torch."),
             version=PROTOCOL_VERSION,
@@ -212,15 +223,16 @@ class PeerServer:
             run_id=self.training.run_id if self.training else "",
             epoch=self.training.epoch if self.training else 0,
             samples=self.training.samples if self.training else 0,
+            joined_at=self.joined_at,
         )
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:
         info = self._server_info(state)
-        expiration = 2 * self.config.update_period_s + 5
-        stored = announce(self.dht, self.prefix, self.peer_id, info, self.model_record, expiration_s=expiration,
-                          wait=False)
+        stored = announce(self.dht, self.prefix, info, self.model_record,
+                          expiration_s=record_ttl_s(self.config.update_period_s), wait=False)
         # awaited as a future, not in a thread: a DHT that died must not keep the process from exiting
-        await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s)
+        unstored(await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s),
+                 f"announcing {state.name} for blocks {info.start_block}:{info.end_block}")
 
     async def _relays_in_directory(self, dht) -> list:
         """Peers of this model that others can connect to and that relay (`--relay`)."""
@@ -280,4 +292,6 @@ class PeerServer:
         if self.training is not None:
             await asyncio.to_thread(self.training.shutdown)
         stop_dht(self.dht)
+        if self.identity is not None:
+            self.identity.release()
         logger.info("peer stopped")

@@ -2,6 +2,9 @@
 
 Keys: `"{prefix}.{block}"` -> subkey peer id -> ServerInfo; `MODEL_INDEX_KEY` -> subkey prefix -> ModelRecord.
 Both are validated strictly when written and when read: a record that does not fit is an InvalidRecordError.
+Every number is finite and capped and every string bounded, so that a record's size and its weight in placement
+and routing are bounded whatever a peer puts in it. The block records' subkeys carry their owner's key and their
+lifetimes are capped (swarm/identity.py, swarm/validators.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,27 @@ MODEL_INDEX_KEY = "_swarmlm.models"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"  # a libp2p peer id in base58
 MAX_RELAYS = 4
+MAX_THROUGHPUT = 1e7  # tokens/s; far above any span on one machine today
+MAX_CACHE_TOKENS = 1 << 32
+MAX_COUNT = 1 << 48  # epochs, samples
+MAX_PING_S = 60.0
+MAX_NEXT_PINGS = 32
+MAX_ADAPTERS = 16
+MAX_NUM_BLOCKS = 10_000
+DTYPES = ("float32", "float16", "bfloat16")
+MAX_RECORD_TTL_S = 300.0
+"""The DHT refuses records of ours that expire further ahead than this (swarm/validators.py), so a record pinned
+far into the future cannot outlive the announcements that should replace it."""
+CLOCK_SKEW_S = 60.0
+"""How far apart the clocks of honest nodes may be: their records must live at most MAX_RECORD_TTL_S minus this."""
+MAX_JOINING_S = 600.0
+"""A JOINING record counts as coverage this long after its joined_at (loading a big span takes minutes), and not
+after: otherwise a peer that never finishes joining (or lies) would keep newcomers off its blocks forever."""
+
+
+_PeerId = pydantic.constr(pattern=PEER_ID_PATTERN)
+_AdapterName = pydantic.constr(pattern=r"^[A-Za-z0-9._/-]{1,128}$")
+_Ping = pydantic.confloat(ge=0, le=MAX_PING_S, allow_inf_nan=False)
 
 
 class ServerState(enum.IntEnum):
@@ -47,21 +71,24 @@ class ServerInfo(_Record):
     state: ServerState
     start_block: int = pydantic.Field(ge=0)
     end_block: int = pydantic.Field(gt=0)
-    throughput: float = pydantic.Field(ge=0)  # tokens/s this peer can push through its whole span
-    cache_tokens_left: int = pydantic.Field(ge=0)
-    dtype: str
-    version: str
-    endpoint: str = pydantic.Field(pattern=r"^[^\s:]+:\d{1,5}$")  # gRPC "host:port"
+    throughput: float = pydantic.Field(ge=0, le=MAX_THROUGHPUT, allow_inf_nan=False)  # tokens/s through the span
+    cache_tokens_left: int = pydantic.Field(ge=0, le=MAX_CACHE_TOKENS)
+    dtype: Literal[DTYPES]
+    version: str = pydantic.Field(pattern=r"^[A-Za-z0-9.+-]{1,32}$")
+    endpoint: str = pydantic.Field(pattern=r"^[^\s:]{1,253}:\d{1,5}$")  # gRPC "host:port"
     # how clients reach it: "direct" gRPC at `endpoint`, or "p2p": gRPC tunneled through libp2p streams of its DHT
     # node (swarm/tunnel.py), through one of `relays` (peer ids that forward streams to it) when it has any
     transport: Literal["direct", "p2p"] = "direct"
-    relays: tuple[pydantic.constr(pattern=PEER_ID_PATTERN), ...] = pydantic.Field(default=(), max_length=MAX_RELAYS)
+    relays: tuple[_PeerId, ...] = pydantic.Field(default=(), max_length=MAX_RELAYS)
     relay: bool = False  # it forwards streams to peers behind NAT (swarm/relay.py)
-    adapters: tuple[str, ...] = ()
-    next_pings: dict[str, float] = {}  # peer id -> RTT in seconds, to peers serving the next blocks
+    adapters: tuple[_AdapterName, ...] = pydantic.Field(default=(), max_length=MAX_ADAPTERS)
+    # peer id -> RTT in seconds, to peers serving the next blocks
+    next_pings: dict[_PeerId, _Ping] = pydantic.Field(default={}, max_length=MAX_NEXT_PINGS)
     run_id: str = pydantic.Field(default="", pattern=r"^[A-Za-z0-9_-]{0,64}$")  # training run; "" when frozen
-    epoch: int = pydantic.Field(default=0, ge=0)  # updates applied in that run
-    samples: int = pydantic.Field(default=0, ge=0)  # samples accumulated towards the next update
+    epoch: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)  # updates applied in that run
+    samples: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)  # samples accumulated towards the next update
+    # DHT time when the peer began joining this span: a JOINING record counts as coverage for MAX_JOINING_S after it
+    joined_at: float = pydantic.Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @pydantic.field_validator("state", mode="before")
     @classmethod
@@ -92,15 +119,25 @@ class ServerInfo(_Record):
 class ModelRecord(_Record):
     """An entry of the model index: a model the swarm knows, by its DHT prefix."""
 
-    num_blocks: int = pydantic.Field(gt=0)
-    repository: str
+    num_blocks: int = pydantic.Field(gt=0, le=MAX_NUM_BLOCKS)
+    repository: str = pydantic.Field(pattern=r"^[^\x00-\x1f\x7f]{1,512}$")  # shown to operators only
 
 
 class TrainingProgress(_Record):
     """What a member of a training group publishes, often, so that the group knows when to update."""
 
-    epoch: int = pydantic.Field(ge=0)
-    samples: int = pydantic.Field(ge=0)
+    epoch: int = pydantic.Field(ge=0, le=MAX_COUNT)
+    samples: int = pydantic.Field(ge=0, le=MAX_COUNT)
+
+
+def record_ttl_s(update_period_s: float) -> float:
+    """How long a peer's records live: two announcement periods and a little, so one lost announcement is no gap."""
+    return 2 * update_period_s + 5
+
+
+def max_update_period_s() -> float:
+    """The longest announcement period whose records the DHT still accepts from a node with a skewed clock."""
+    return (MAX_RECORD_TTL_S - CLOCK_SKEW_S - 5) / 2
 
 
 def block_key(prefix: str, block: int) -> str:

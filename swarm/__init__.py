@@ -1,6 +1,8 @@
 """Swarm mechanics shared by peers and clients.
 
 - dht: starting and stopping hivemind DHT nodes (loopback by default, no NAT probing)
+- identity: a node's key (its libp2p identity), which signs its records and names their owner
+- validators: the DHT-level check of our records (lifetime cap, schema), next to the signature check
 - tunnel: gRPC through libp2p streams, for peers that cannot be connected to
 - relay: relays that forward those streams to peers behind NAT
 - reachability: asking neighbours whether they can connect to a peer

@@ -1,4 +1,5 @@
-"""Starting hivemind DHT nodes the way every swarmlm role needs them: loopback by default, nothing contacted unasked."""
+"""Starting hivemind DHT nodes the way every swarmlm role needs them: loopback by default, nothing contacted unasked,
+records signed by the node's key and checked against our schemas (swarm/identity.py, swarm/validators.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import DHTUnavailableError
+from swarm.identity import NodeIdentity, fresh_identity, load_identity
+from swarm.validators import SwarmRecordValidator
 
 logger = logging.getLogger(__name__)
 
@@ -26,23 +29,33 @@ def start_dht(
     host: str = "127.0.0.1",
     port: int = 0,
     identity_path: str | None = None,
+    identity: NodeIdentity | None = None,
     client_mode: bool = False,
     startup_timeout_s: float = 60.0,
 ) -> hivemind.DHT:
     """Start a DHT node in its own process and wait until it is connected.
 
+    Its libp2p key also signs its records: the returned node's `identity` gives the subkey under which it
+    announces (NodeIdentity.record_subkey).
+
     Args:
         initial_peers: multiaddrs of peers already in the swarm (empty for the first node).
         host: address to listen on; 127.0.0.1 unless exposing the node is asked for.
         port: TCP port, 0 for an ephemeral one.
-        identity_path: key file for a stable peer id (created if missing).
+        identity_path: key file for a stable peer id (created if missing); hivemind checks that no node of the
+            swarm uses it already.
+        identity: a key this process holds already (swarm.identity.claim_identity); by default a fresh one.
         client_mode: a client node only makes requests and does not serve the DHT.
     """
     kwargs = {}
     if not client_mode:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
     if identity_path is not None:
-        kwargs["identity_path"] = identity_path
+        identity = load_identity(identity_path)
+    else:
+        identity = identity or fresh_identity()
+        kwargs["check_if_identity_free"] = False  # it is new, or locked by this process
+    kwargs["identity_path"] = str(identity.path)
     dht = _OwnGroupDHT(
         initial_peers=list(initial_peers),
         # no NAT probing or UPnP mapping: a node contacts only the peers it is given
@@ -51,8 +64,11 @@ def start_dht(
         client_mode=client_mode,
         start=False,
         startup_timeout=startup_timeout_s,
+        # the signature check first (higher priority), then ours on the value it leaves (swarm/validators.py)
+        record_validators=[identity.validator(), SwarmRecordValidator()],
         **kwargs,
     )
+    dht.identity = identity
     # hivemind forks the node's process. Objects the child inherits from other threads (gRPC channels
     # closed in this process, say) must not be finalized there: that crashes it. So collect here and
     # freeze what is left, which keeps the child's garbage collector away from it.
@@ -67,6 +83,11 @@ def start_dht(
     except BaseException:
         stop_dht(dht)
         raise
+    finally:
+        identity.started()
+    if dht.peer_id.to_base58() != identity.peer_id:  # records would be signed by a key that is not the node's
+        stop_dht(dht)
+        raise RuntimeError(f"the DHT node runs as {dht.peer_id} but its key gives {identity.peer_id}")
     return dht
 
 

@@ -17,7 +17,8 @@ def block_throughputs(snapshot: SwarmSnapshot, *, exclude: str | None = None) ->
     """Per block, the summed throughput of live (JOINING/ONLINE) servers covering it.
 
     JOINING servers count: they are loading those blocks already, so placing another peer there
-    because they are not ONLINE yet would pile newcomers onto the same span.
+    because they are not ONLINE yet would pile newcomers onto the same span. They count only for
+    MAX_JOINING_S after they began (SwarmSnapshot.live), so a record stuck in JOINING cannot hold blocks.
 
     Args:
         exclude: a peer id left out, so a peer can see the swarm as it would be without itself.

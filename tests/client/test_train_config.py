@@ -7,6 +7,7 @@ import pytest
 from client.config import TrainConfig
 from peer.config import PeerConfig
 from peer.config import TrainingConfig
+from protocol.records import CLOCK_SKEW_S, MAX_RECORD_TTL_S, max_update_period_s, record_ttl_s
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -41,3 +42,17 @@ def test_a_training_peer_needs_fixed_blocks():
 def test_announce_host_is_checked(value):
     with pytest.raises(ValueError, match="announce_host"):
         PeerConfig(model="m", announce_host=value)
+
+
+def test_a_peer_announces_only_within_the_record_lifetime_the_dht_accepts():
+    # records live 2 * period + 5 s; the DHT refuses ours beyond MAX_RECORD_TTL_S, with room for clock skew
+    assert record_ttl_s(max_update_period_s()) == MAX_RECORD_TTL_S - CLOCK_SKEW_S
+    PeerConfig(model="m", update_period_s=max_update_period_s())
+    with pytest.raises(ValueError, match=r"update_period_s must be at most 117.5 s, got 200"):
+        PeerConfig(model="m", update_period_s=200)
+
+
+@pytest.mark.parametrize("value", [-1.0, 2e7])
+def test_an_announced_throughput_is_capped(value):
+    with pytest.raises(ValueError, match="throughput must be in"):
+        PeerConfig(model="m", throughput=value)

@@ -9,6 +9,10 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from protocol.errors import InvalidRecordError
 from protocol.records import (
+    MAX_ADAPTERS,
+    MAX_NEXT_PINGS,
+    MAX_NUM_BLOCKS,
+    MAX_THROUGHPUT,
     MODEL_INDEX_KEY,
     ModelRecord,
     ServerInfo,
@@ -19,6 +23,9 @@ from protocol.records import (
     check_run_id,
     prefix_for_model,
 )
+
+PEER_A = "QmXbNrDWyN9MdS1KyndsD9WsBGJwEN3xJmddxZ73iC5HGo"
+PEER_B = "12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"
 
 
 def server_wire(**changes: Any) -> dict[str, Any]:
@@ -32,13 +39,14 @@ def server_wire(**changes: Any) -> dict[str, Any]:
         "version": "1",
         "endpoint": "127.0.0.1:50051",
         "adapters": ["lora-a", "lora-b"],
-        "next_pings": {"12D3KooWPeerA": 0.004, "12D3KooWPeerB": 0.25},
+        "next_pings": {PEER_A: 0.004, PEER_B: 0.25},
         "run_id": "run-1",
         "epoch": 12,
         "samples": 6,
         "transport": "p2p",
         "relays": ["12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"],
         "relay": False,
+        "joined_at": 1700000000.5,
     }
     wire.update(changes)
     return wire
@@ -69,7 +77,7 @@ def test_server_info_roundtrip_through_msgpack():
 
 def test_server_info_defaults():
     wire = server_wire()
-    del wire["adapters"], wire["next_pings"], wire["transport"], wire["relays"], wire["relay"]
+    del wire["adapters"], wire["next_pings"], wire["transport"], wire["relays"], wire["relay"], wire["joined_at"]
     info = ServerInfo.from_wire(through_dht(wire))
     assert info.adapters == () and info.next_pings == {}
     assert info.transport == "direct" and info.relays == () and info.relay is False  # records of older peers
@@ -131,6 +139,32 @@ def test_server_info_is_frozen():
         ({"relays": ["12D3KooW0OIl" + "x" * 40]}, "relays"),  # 0, O, I and l are not base58
         ({"relays": ["12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"] * 5}, "relays"),
         ({"relay": 1}, "relay"),
+        # numbers are finite and capped, strings bounded: a record's weight in placement and routing is bounded
+        ({"throughput": float("nan")}, "throughput"),
+        ({"throughput": float("inf")}, "throughput"),
+        ({"throughput": MAX_THROUGHPUT * 1.01}, "throughput"),
+        ({"throughput": 1e300}, "throughput"),
+        ({"cache_tokens_left": 1 << 60}, "cache_tokens_left"),
+        ({"epoch": 1 << 60}, "epoch"),
+        ({"samples": 1 << 60}, "samples"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"version": ""}, "version"),
+        ({"version": "1" * 33}, "version"),
+        ({"version": "1 beta"}, "version"),
+        ({"endpoint": "h" * 254 + ":1"}, "endpoint"),
+        ({"adapters": ["lora-a"] * (MAX_ADAPTERS + 1)}, "adapters"),
+        ({"adapters": ["x" * 129]}, "adapters"),
+        ({"adapters": ["a b"]}, "adapters"),
+        ({"next_pings": {PEER_A: float("nan")}}, "next_pings"),
+        ({"next_pings": {PEER_A: float("inf")}}, "next_pings"),
+        ({"next_pings": {PEER_A: -0.1}}, "next_pings"),
+        ({"next_pings": {PEER_A: 61.0}}, "next_pings"),
+        ({"next_pings": {"peer": 0.1}}, "next_pings"),
+        ({"next_pings": {f"Qm{i:044d}".replace("0", "z"): 0.1 for i in range(MAX_NEXT_PINGS + 1)}}, "next_pings"),
+        ({"joined_at": float("inf")}, "joined_at"),
+        ({"joined_at": float("nan")}, "joined_at"),
+        ({"joined_at": -1.0}, "joined_at"),
     ],
 )
 def test_server_info_rejects(changes, field):
@@ -190,6 +224,10 @@ def test_model_record_roundtrip():
         ({"num_blocks": 30, "repository": 7}, "repository"),
         ({"num_blocks": 30}, "repository"),
         ({"repository": "r"}, "num_blocks"),
+        ({"num_blocks": MAX_NUM_BLOCKS + 1, "repository": "r"}, "num_blocks"),
+        ({"num_blocks": 30, "repository": ""}, "repository"),
+        ({"num_blocks": 30, "repository": "r" * 513}, "repository"),
+        ({"num_blocks": 30, "repository": "r\nfake output"}, "repository"),
     ],
 )
 def test_model_record_rejects(wire, field):

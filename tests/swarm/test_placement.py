@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.records import ServerInfo, ServerState
+from protocol.records import CLOCK_SKEW_S, MAX_JOINING_S, ServerInfo, ServerState
 from swarm.placement import block_throughputs, choose_span, should_move, swarm_bottleneck
 from swarm.snapshot import SwarmSnapshot
 
@@ -177,3 +177,30 @@ def test_joining_peer_may_move() -> None:
 def test_negative_margin_is_rejected() -> None:
     with pytest.raises(ValueError, match="balance_margin"):
         should_move(swarm(4, a=server(0, 4, 1.0)), "a", balance_margin=-0.1)
+
+
+# JOINING counts for MAX_JOINING_S after it began
+
+
+NOW = 1_700_000_000.0
+
+
+@pytest.mark.parametrize("joined_ago_s, counts", [
+    (0.0, True),
+    (MAX_JOINING_S - 1, True),
+    (MAX_JOINING_S + 1, False),  # stuck (or lying) in JOINING: its blocks are free for newcomers
+    (-CLOCK_SKEW_S - 1, False),  # in the future: joined_at cannot be pushed ahead to last longer
+    (NOW, False),  # joined_at 0: a record that does not say when it began
+])
+def test_a_joining_record_counts_as_coverage_only_for_a_bounded_time(joined_ago_s, counts):
+    joining = server(0, 4, 100.0, ServerState.JOINING).model_copy(update={"joined_at": NOW - joined_ago_s})
+    snap = SwarmSnapshot(num_blocks=8, servers={"j": joining, "o": server(4, 8, 10.0)}, taken_at=NOW)
+    assert ("j" in snap.live()) is counts
+    assert block_throughputs(snap) == ([100.0] * 4 if counts else [0.0] * 4) + [10.0] * 4
+    assert choose_span(snap, 4) == ((4, 8) if counts else (0, 4))
+    assert (snap.uncovered_blocks(online_only=False) == []) is counts
+
+
+def test_an_online_record_is_not_bounded_by_joined_at():
+    snap = SwarmSnapshot(num_blocks=4, servers={"o": server(0, 4, 10.0)}, taken_at=NOW)
+    assert list(snap.live()) == ["o"]

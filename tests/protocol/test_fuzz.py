@@ -212,7 +212,8 @@ _JSONISH = st.recursive(
     max_leaves=10,
 )
 _VALID_INFO = ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=4, throughput=10.0, cache_tokens_left=96,
-                         dtype="float32", version="1", endpoint="127.0.0.1:5000", next_pings={"p": 0.01}).to_wire()
+                         dtype="float32", version="1", endpoint="127.0.0.1:5000",
+                         next_pings={"12D3KooWAL5dXFrcKjsW1MHJJcEmAwgr7k2cHyYqNdQ4GSFLm172": 0.01}).to_wire()
 
 
 def _typed_or_record(raw):

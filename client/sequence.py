@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -30,6 +31,7 @@ from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.directory import fetch_snapshot
+from swarm.identity import identity_challenge
 from swarm.snapshot import SwarmSnapshot
 from swarm.tunnel import TunnelPool
 from client import checks
@@ -162,9 +164,8 @@ class RemoteSequence:
             began = time.monotonic()
             snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
             if self.run_id is not None:
-                snapshot = SwarmSnapshot(
-                    num_blocks=snapshot.num_blocks, expirations=snapshot.expirations,
-                    servers={pid: info for pid, info in snapshot.servers.items() if info.run_id == self.run_id})
+                snapshot = replace(snapshot, servers={pid: info for pid, info in snapshot.servers.items()
+                                                      if info.run_id == self.run_id})
             self._snapshot = snapshot
             self._snapshot_at = time.monotonic()
             self.bans.observe(self._snapshot.expirations, read_at=began)
@@ -187,6 +188,9 @@ class RemoteSequence:
                     hops = plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations),
                                               model_name=self.prefix)
                     await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
+                    if {hop.peer_id for hop in hops} & self.bans.banned():  # an impostor among them: plan again
+                        hops = plan_forward_route(snapshot, start, end, model_name=self.prefix,
+                                                  banned=self.bans.banned(snapshot.expirations))
                 return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
             except NoPeersError:
                 if time.monotonic() + delay > deadline:
@@ -201,23 +205,42 @@ class RemoteSequence:
         turn; the first that answers is its path. One that does not answer gets `timeout_s`."""
         unknown = [(pid, info) for pid, info in snapshot.online().items()
                    if pid not in self.rtts and (only is None or pid in only)]
-        await asyncio.gather(*(self._find_path(pid, info, timeout_s) for pid, info in unknown))
+        await asyncio.gather(*(self._find_path(pid, info, timeout_s, snapshot) for pid, info in unknown))
 
-    async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float) -> str:
+    async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float,
+                         snapshot: SwarmSnapshot | None = None) -> str:
+        """The first of the peer's addresses where the answer to a ping proves the peer's key (swarm/identity.py).
+
+        A server at an announced endpoint that cannot sign the nonce with the key of the record's owner is not
+        that peer: the record points at someone else's server. Such a peer is banned (its record is a lie).
+        """
+        snapshot = snapshot or self._snapshot
         candidates = dial_candidates(peer_id, info)
+        impostors = []
         for address in candidates:
+            nonce = os.urandom(16)
             began = time.perf_counter()
             try:
-                await self.pool.unary(address, "info", pb.InfoRequest(), timeout_s)
+                answer = await self.pool.unary(address, "info", pb.InfoRequest(nonce=nonce), timeout_s)
             except SwarmError as exc:
                 logger.debug("peer %s does not answer at %s: %s", peer_id, address, exc)
                 await self.pool.drop(address)
                 continue
-            self.rtts[peer_id], self.paths[peer_id] = time.perf_counter() - began, address
+            rtt = time.perf_counter() - began
+            if snapshot is None or not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),
+                                                       answer.identity_proof):
+                impostors.append(address)
+                await self.pool.drop(address)
+                continue
+            self.rtts[peer_id], self.paths[peer_id] = rtt, address
             if address != candidates[0]:
                 logger.info("peer %s is reached at %s (not at %s)", peer_id, address, candidates[0])
             return address
         self.rtts[peer_id] = timeout_s
+        if impostors:
+            length_s = self.bans.ban(peer_id)
+            logger.warning("the server at %s does not hold the key of peer %s, whose record announces it: banned "
+                           "for %.0fs", ", ".join(impostors), peer_id, length_s)
         return candidates[0]
 
     async def address_of(self, peer_id: str, info: ServerInfo, timeout_s: float = 1.0) -> str:

@@ -26,6 +26,7 @@ from peer.admission import Admission, WorkLimits
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
+from swarm.identity import MAX_NONCE_BYTES
 from peer import validation
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class PeerServicer:
         info: Callable[[], pb.InfoResponse],
     ):
         self.prefix, self.budget, self.limits, self._info = prefix, budget, limits, info
+        self.prove: Callable[[bytes], bytes] | None = None  # signs identity nonces with the peer's key
         self.span: BlockSpan | None = None  # None while the peer loads or moves its blocks
         self.training = None  # a peer.training.SpanTraining when the peer trains its blocks
         self.hidden_size = model_config.hidden_size
@@ -229,14 +231,23 @@ class PeerServicer:
         return kept.outputs.detach()
 
     async def info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        response = self._info()
-        training = self.training
-        if training is not None:
-            response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples
-            response.train_mode, response.updating = training.config.mode, training.group.closing
-            if request.param_digest:
-                response.param_digest = await self._compute(training.digest, tokens=1 << 20)
-        return response
+        async def work():
+            response = self._info()
+            if request.nonce:  # a client checks that who answers at this address holds the announced key
+                if self.prove is None:
+                    raise WrongSpanError("this peer is starting; try again shortly")
+                if len(request.nonce) > MAX_NONCE_BYTES:
+                    raise BadRequestError(f"a nonce has at most {MAX_NONCE_BYTES} bytes, got {len(request.nonce)}")
+                response.identity_proof = self.prove(request.nonce)
+            training = self.training
+            if training is not None:
+                response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples
+                response.train_mode, response.updating = training.config.mode, training.group.closing
+                if request.param_digest:
+                    response.param_digest = await self._compute(training.digest, tokens=1 << 20)
+            return response
+
+        return await self._unary(context, work)
 
     async def state(self, request: pb.StateRequest, context) -> AsyncIterator:
         """Stream the span's current weights, each tensor cut along its first dimension into pieces."""

@@ -4,6 +4,7 @@ announce, leave cleanly."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -22,7 +23,7 @@ from protocol.service import make_generic_handler
 from swarm.checkpoint import load_config, resolve_model_path
 from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.directory import announce, fetch_snapshot, unstored
-from swarm.identity import claim_identity, load_identity
+from swarm.identity import claim_identity, load_identity, prove_identity
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
 from peer.blocks import load_span, resolve_dtype
@@ -101,6 +102,7 @@ class PeerServer:
                           write_timeout_s=cfg.write_timeout_s, work=cfg.work),
             self._info,
         )
+        self.servicer.prove = functools.partial(prove_identity, self.identity)
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

@@ -187,13 +187,15 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("param_digest",)
+    __slots__ = ("param_digest", "nonce")
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     param_digest: bool
-    def __init__(self, param_digest: _Optional[bool] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +212,7 @@ class InfoResponse(_message.Message):
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TRAIN_MODE_FIELD_NUMBER: _ClassVar[int]
     UPDATING_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_PROOF_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -226,7 +229,8 @@ class InfoResponse(_message.Message):
     param_digest: str
     train_mode: str
     updating: bool
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ...) -> None: ...
+    identity_proof: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

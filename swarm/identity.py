@@ -174,3 +174,21 @@ def verify_signature(public_key: bytes, data: bytes, signature: bytes) -> bool:
         return RSAPublicKey.from_bytes(public_key).verify(data, signature)
     except Exception:
         return False
+
+
+MAX_NONCE_BYTES = 64
+
+
+def identity_challenge(nonce: bytes, peer_id: str) -> bytes:
+    """What a peer signs to prove, on its data plane, that it holds `peer_id`'s key (an Info call's nonce).
+
+    The peer id is in it so that a proof made for one peer cannot stand for another's record.
+    """
+    return b"swarmlm-identity-v1\0" + peer_id.encode() + b"\0" + nonce
+
+
+def prove_identity(identity: NodeIdentity, nonce: bytes) -> bytes:
+    """The peer's answer to a client's nonce (see `identity_challenge`)."""
+    if len(nonce) > MAX_NONCE_BYTES:
+        raise ValueError(f"an identity nonce has at most {MAX_NONCE_BYTES} bytes, got {len(nonce)}")
+    return identity.private_key.sign(identity_challenge(nonce, identity.peer_id))

@@ -114,3 +114,35 @@ def test_a_lying_peer_is_banned_and_the_results_stay_exact(lying, local, method,
     finally:
         lying.lie(method, "honest")
         remote.shutdown()
+
+
+def test_a_record_pointing_at_another_peers_server_is_an_impostor(lying, local):
+    """A stranger announces the honest peer's endpoint under its own key, faster than anyone: the server there
+    cannot sign the client's nonce with the stranger's key, so the client bans the stranger and stays exact."""
+    from protocol.records import ModelRecord, ServerInfo
+    from swarm.dht import start_dht, stop_dht
+    from swarm.directory import announce
+
+    prefix = prefix_for_model(str(lying.model_path))
+    honest = lying.swarm.snapshot(prefix, NUM_LAYERS).servers[lying.honest_id]
+    stranger = start_dht(lying.swarm.initial_peers)
+    try:
+        fake = ServerInfo.from_wire({**honest.to_wire(), "throughput": 1e7})
+        assert not announce(stranger, prefix, fake, ModelRecord(num_blocks=NUM_LAYERS, repository="x"),
+                            expiration_s=60)
+        impostor = stranger.peer_id.to_base58()
+        lying.swarm.wait_for(lambda: impostor in lying.swarm.snapshot(prefix, NUM_LAYERS).online(), 30,
+                             "the stranger's record")
+        remote = lying.connect()
+        try:
+            ids = _ids(1, PROMPT, seed=23)
+            expected = generate_with_logits(local, ids, max_new_tokens=6, do_sample=False)
+            assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
+            bans = remote.sequence.bans
+            assert bans.strikes(impostor) == 1 and impostor in bans.banned()
+            assert bans.strikes(lying.honest_id) == 0
+            assert remote.sequence.paths.get(impostor) is None
+        finally:
+            remote.shutdown()
+    finally:
+        stop_dht(stranger)

@@ -22,6 +22,7 @@ from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.directory import announce, fetch_snapshot
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
+from swarm.rpcauth import RpcAuth, add_port, server_interceptors
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
@@ -42,7 +43,8 @@ class PeerServer:
         self.servicer: PeerServicer | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.endpoint: str | None = None
-        self.reach = Reach(config)
+        self.auth = RpcAuth(config.swarm_key) if config.swarm_key is not None else None
+        self.reach = Reach(config, self.auth)
         self.throughput = 0.0
         self.budget = CacheBudget(config.cache_tokens, config.max_cache_share)
         self.ready = asyncio.Event()
@@ -71,7 +73,7 @@ class PeerServer:
         self.model_record = ModelRecord(num_blocks=self.num_layers, repository=cfg.model)
         if cfg.blocks is not None and cfg.blocks[1] > self.num_layers:
             raise ValueError(f"--blocks {cfg.blocks[0]}:{cfg.blocks[1]} is outside the model's 0:{self.num_layers}")
-        self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port)
+        self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, swarm_key=cfg.swarm_key)
         logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
 
     async def start(self) -> None:
@@ -95,9 +97,9 @@ class PeerServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.grpc_server = grpc.aio.server(options=options)
+        self.grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(self.auth))
         self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))
-        port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(self.grpc_server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}; choose another --port")
         self.endpoint = f"{cfg.host}:{port}"

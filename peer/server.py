@@ -74,7 +74,8 @@ class PeerServer:
         if cfg.blocks is not None and cfg.blocks[1] > self.num_layers:
             raise ValueError(f"--blocks {cfg.blocks[0]}:{cfg.blocks[1]} is outside the model's 0:{self.num_layers}")
         self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, swarm_key=cfg.swarm_key)
-        logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
+        logger.info("joined the DHT as %s (%s)%s", self.peer_id, " ".join(visible_maddrs(self.dht)),
+                    f", a private swarm with {cfg.swarm_key.describe()}" if cfg.swarm_key else "")
 
     async def start(self) -> None:
         await self.join_swarm()

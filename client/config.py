@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from protocol.records import check_run_id
 from swarm.settings import OPTIMIZERS, AveragingSettings
+from swarm.swarmkey import SwarmKey
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +33,13 @@ class ClientConfig:
     """Largest gRPC message sent or accepted."""
     max_channels: int = 64
     """gRPC channels kept open to peers at most; beyond it the least recently used idle one is closed."""
+    swarm_key: SwarmKey | None = None
+    """Key of a private swarm (`SwarmKey.load(FILE)`): gates the DHT and every call to peers; None: public."""
 
     def __post_init__(self) -> None:
+        if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
+            raise ValueError(f"swarm_key must be a SwarmKey (swarm.swarmkey.SwarmKey.load(FILE)), got "
+                             f"{type(self.swarm_key).__name__}")
         if not self.initial_peers:
             raise ValueError("initial_peers is empty; pass the bootstrap node's multiaddr, e.g. /ip4/.../tcp/.../p2p/...")
         for name in ("request_timeout_s", "connect_timeout_s", "directory_refresh_s", "max_message_bytes",

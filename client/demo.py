@@ -16,6 +16,7 @@ from pathlib import Path
 from swarm.checkpoint import load_config
 from swarm.default_model import DEFAULT_MODEL, resolve_default_model
 from swarm.paths import default_cache_dir
+from swarm.swarmkey import load_optional
 from swarm.tunnel import describe_address
 from client.local_swarm import LocalSwarm, split_blocks
 
@@ -32,6 +33,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--peers", type=int, default=3, help="how many peers split the blocks (default: 3)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default: 48)")
     p.add_argument("--cache-dir", help="where the default model is converted to (default: ~/.cache/swarmlm)")
+    p.add_argument("--swarm-key", metavar="FILE",
+                   help="run the swarm private with this key file (see `swarmlm bootstrap --new-swarm-key`)")
     t = p.add_argument_group("training (--train)")
     t.add_argument("--train", action="store_true",
                    help="fine-tune the model on Shakespeare with two stages of training peers, then write a line")
@@ -51,6 +54,12 @@ def _interrupt(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if swarm_key is not None and args.train:
+        raise SystemExit("error: --swarm-key runs the chat demo only; drop it with --train")
     from transformers import AutoTokenizer, TextStreamer
 
     from client.model import AutoDistributedModelForCausalLM
@@ -67,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     num_blocks = load_config(model_path).num_hidden_layers
     spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
-    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-")))
+    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-")), swarm_key_file=args.swarm_key)
     model = None
     try:
         began = time.monotonic()
@@ -77,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
             swarm.start_peer(f"peer{i}", str(model_path), "--blocks", f"{start}:{end}", "--cache-dir", str(cache_dir))
             print(f"peer {i}: blocks {start}:{end}  (log: {swarm.log(f'peer{i}')})")
         swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs)
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs,
+                                                                swarm_key=swarm_key)
         print(f"swarm ready in {time.monotonic() - began:.1f}s\n")
 
         messages = [{"role": "user", "content": args.prompt}]

@@ -22,6 +22,8 @@ from protocol.records import check_prefix, prefix_for_model
 from protocol.service import error_from_rpc
 from swarm.checkpoint import load_config, load_tensors, resolve_model_path
 from swarm.dht import start_dht, stop_dht
+from swarm.rpcauth import call_metadata
+from swarm.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteSequence
@@ -40,7 +42,8 @@ async def fetch_peer_weights(pool: ChannelPool, endpoint: str, prefix: str, star
     request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
     pieces: dict[str, list[torch.Tensor]] = {}
     try:
-        async for part in (await pool.stub_for(endpoint)).state(request, timeout=600):
+        stub = await pool.stub_for(endpoint)
+        async for part in stub.state(request, timeout=600, metadata=call_metadata(pool.auth, "state")):
             pieces.setdefault(part.message.name, []).append(
                 decode_tensor(part.message.tensor, part.message.name, part.payload).clone())
     except grpc.RpcError as exc:
@@ -63,7 +66,7 @@ async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> 
 
 
 def export_model(model: str, initial_peers: list[str], out: str | Path, *, trainer_dir: str | Path | None = None,
-                 run_id: str | None = None, dht_prefix: str | None = None) -> Path:
+                 run_id: str | None = None, dht_prefix: str | None = None, swarm_key: SwarmKey | None = None) -> Path:
     """Write the swarm's current weights of `model` to `out` as a checkpoint transformers loads.
 
     Args:
@@ -74,10 +77,10 @@ def export_model(model: str, initial_peers: list[str], out: str | Path, *, train
     path = resolve_model_path(model)
     config = load_config(path)
     prefix = check_prefix(dht_prefix or prefix_for_model(model))
-    loop, dht = BackgroundLoop(), start_dht(initial_peers, client_mode=True)
+    loop, dht = BackgroundLoop(), start_dht(initial_peers, client_mode=True, swarm_key=swarm_key)
     try:
         sequence = RemoteSequence(dht, prefix, config.num_hidden_layers,
-                                  ClientConfig(initial_peers=tuple(initial_peers)), run_id=run_id)
+                                  ClientConfig(initial_peers=tuple(initial_peers), swarm_key=swarm_key), run_id=run_id)
         try:
             tensors = loop.run(fetch_span_weights(sequence, 0, config.num_hidden_layers))
         finally:
@@ -113,13 +116,18 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--trainer-dir", help="a `swarmlm train --save` folder with the trained embeddings and head")
     p.add_argument("--run-id", help="take blocks from peers of this training run (default: any peer)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    try:
         out = export_model(args.model, args.initial_peers, args.out, trainer_dir=args.trainer_dir,
-                           run_id=args.run_id, dht_prefix=args.dht_prefix)
+                           run_id=args.run_id, dht_prefix=args.dht_prefix, swarm_key=swarm_key)
     except (SwarmError, ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 1

@@ -17,6 +17,7 @@ from pathlib import Path
 from protocol.records import ServerState, prefix_for_model
 from swarm.dht import start_dht
 from swarm.directory import fetch_snapshot
+from swarm.swarmkey import load_optional
 
 
 def split_blocks(num_blocks: int, parts: int) -> list[tuple[int, int]]:
@@ -28,10 +29,13 @@ def split_blocks(num_blocks: int, parts: int) -> list[tuple[int, int]]:
 class LocalSwarm:
     """Start with `start_bootstrap()` and `start_peer()`; `stop()` (or leaving the `with`) stops them all."""
 
-    def __init__(self, log_dir: Path | None = None, *, python: str = sys.executable):
+    def __init__(self, log_dir: Path | None = None, *, python: str = sys.executable, swarm_key_file: str | None = None):
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="swarmlm-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.python = python
+        # a private swarm: every child gets --swarm-key, and the watching DHT node the key
+        self.swarm_key_file = swarm_key_file
+        self._key_args = ("--swarm-key", swarm_key_file) if swarm_key_file else ()
         self.children: dict[str, subprocess.Popen] = {}
         self.initial_peers: list[str] = []
         self._dht = None
@@ -62,7 +66,7 @@ class LocalSwarm:
         return {**env, **(extra or {})}
 
     def start_bootstrap(self, timeout_s: float = 60.0) -> list[str]:
-        child = self.start("bootstrap", "bootstrap")
+        child = self.start("bootstrap", "bootstrap", *self._key_args)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             maddrs = [line.strip() for line in self.log("bootstrap").read_text().splitlines() if line.startswith("/ip4/")]
@@ -75,14 +79,15 @@ class LocalSwarm:
         raise TimeoutError(f"the bootstrap node printed no address within {timeout_s:.0f}s: {self.tail('bootstrap')}")
 
     def start_peer(self, name: str, model: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return self.start(name, "peer", model, "--initial-peers", *self.initial_peers, *args, env=env)
+        return self.start(name, "peer", model, "--initial-peers", *self.initial_peers, *self._key_args, *args, env=env)
 
     def wait_online(self, model: str, num_blocks: int, spans: list[tuple[int, int]] | None = None,
                     *, dht_prefix: str | None = None, timeout_s: float = 120.0) -> None:
         """Wait until every block (or every span in `spans`) is served by an ONLINE peer."""
         prefix = dht_prefix or prefix_for_model(model)
         if self._dht is None:
-            self._dht = start_dht(self.initial_peers, client_mode=True)
+            self._dht = start_dht(self.initial_peers, client_mode=True,
+                                  swarm_key=load_optional(self.swarm_key_file))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             snapshot = fetch_snapshot(self._dht, prefix, num_blocks)

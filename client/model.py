@@ -134,7 +134,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _connect(self, options: ClientConfig, prefix: str) -> None:
         self._loop = BackgroundLoop()
-        self._dht = start_dht(options.initial_peers, client_mode=True)
+        self._dht = start_dht(options.initial_peers, client_mode=True, swarm_key=options.swarm_key)
         self.sequence = RemoteSequence(self._dht, prefix, self.config.num_hidden_layers, options,
                                        hidden_size=self.config.hidden_size,
                                        max_positions=self.config.max_position_embeddings)

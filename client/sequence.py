@@ -139,7 +139,8 @@ class RemoteSequence:
         # the model's, to check inputs as the peers will (None: not checked here)
         self.hidden_size, self.max_positions = hidden_size, max_positions
         self._p2p: hivemind.P2P | None = None
-        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels)
+        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels,
+                                swarm_key=config.swarm_key)
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0

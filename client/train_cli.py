@@ -16,6 +16,7 @@ from pathlib import Path
 
 from protocol.errors import SwarmError
 from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 from client.config import TrainConfig
 
 # torch, transformers and hivemind are imported once the flags are known good: a wrong one is answered at once
@@ -29,6 +30,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a model with the swarm's training peers.")
     p.add_argument("model", help="checkpoint folder (the one the peers were started with)")
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join through")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--local", action="store_true", help="train the whole model in this process: the reference")
     p.add_argument("--data", help="a text file or a folder of them (default: the bundled Shakespeare plays)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
     try:
         config = config_from_args(args)
+        swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl+C: through the cleanup below
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_path = resolve_model_path(args.model)
         batches = load_batches(model_path, args, resumed["data"] if resumed else None)
-        trainer, model = _make_trainer(args, config, model_path, save if resumed else None)
+        trainer, model = _make_trainer(args, config, model_path, save if resumed else None, swarm_key)
         _train(trainer, batches, args, first=resumed["step"] + 1 if resumed else 1)
     except KeyboardInterrupt:
         logger.warning("interrupted")
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | None):
+def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | None, swarm_key=None):
     import torch
 
     if args.local:
@@ -129,7 +132,8 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
     from client.training import SwarmTrainer
 
     model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=args.initial_peers,
-                                                            dht_prefix=args.dht_prefix, dtype=torch.float32)
+                                                            dht_prefix=args.dht_prefix, dtype=torch.float32,
+                                                            swarm_key=swarm_key)
     try:
         if resume is not None:
             from client.export import TRAINER_FILE

@@ -81,7 +81,8 @@ class SwarmTrainer:
             p.requires_grad_(True)
         self.optimizer = make_optimizer(config.optimizer, self.params, lr=config.lr, weight_decay=config.weight_decay)
         # a node that accepts connections (the model's own DHT is a client): trainers average through it
-        self.dht = start_dht(self.sequence.config.initial_peers, host=config.host)
+        self.dht = start_dht(self.sequence.config.initial_peers, host=config.host,
+                             swarm_key=self.sequence.config.swarm_key)
         try:
             self.group = TrainingGroup(self.dht, group_key(self.sequence.prefix, config.run_id, "trainers"),
                                        self.params, self.optimizer, settings=config.averaging,

@@ -16,6 +16,8 @@ import grpc
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
 from protocol.service import PeerStub, error_from_rpc
+from swarm.rpcauth import RpcAuth, call_metadata, open_channel
+from swarm.swarmkey import SwarmKey
 from swarm.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
@@ -26,12 +28,15 @@ class ChannelPool:
 
     At most `max_channels` stay open: opening one more closes the least recently used channel that no call or
     inference stream is using (a busy one is never closed for room: the pool then holds more until calls end).
+    With `swarm_key` (a private swarm) channels are TLS to a member of that swarm and every call carries its tag.
     """
 
-    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None, max_channels: int = 64):
+    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None, max_channels: int = 64,
+                 swarm_key: SwarmKey | None = None):
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self.tunnels, self.max_channels = tunnels, max_channels
+        self.auth = RpcAuth(swarm_key) if swarm_key is not None else None
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -57,7 +62,7 @@ class ChannelPool:
                                                f"was not given (no DHT node)")
                 target = await self.tunnels.local_endpoint(endpoint)
             if endpoint not in self._stubs:  # another request may have opened it meanwhile
-                channel = grpc.aio.insecure_channel(target, options=self._options)
+                channel = open_channel(target, self._options, self.auth)
                 self._stubs[endpoint] = (channel, PeerStub(channel))
         self._stubs.move_to_end(endpoint)
         return self._stubs[endpoint][1]
@@ -106,7 +111,7 @@ class ChannelPool:
         channel = self._stubs[endpoint][0]
         self.hold(endpoint)
         try:
-            return await getattr(stub, method)(request, timeout=timeout_s)
+            return await getattr(stub, method)(request, timeout=timeout_s, metadata=call_metadata(self.auth, method))
         except asyncio.CancelledError:
             # closing a channel cancels its calls: when another request's failure closed it, this one failed too
             if channel in self._dropped:
@@ -149,7 +154,8 @@ class InferenceStream:
         if self._call is None:
             if self._closed:
                 raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
-            self._call = (await self.pool.stub_for(self.endpoint)).inference()
+            self._call = (await self.pool.stub_for(self.endpoint)).inference(
+                metadata=call_metadata(self.pool.auth, "inference"))
             self.pool.hold(self.endpoint)  # until close(): the stream keeps its channel open
         await self._call.write(request)
         return await self._call.read()

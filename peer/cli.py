@@ -12,6 +12,7 @@ from peer.admission import WorkLimits
 from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
 from peer.config import TRAIN_MODES, TrainingConfig
 from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     which.add_argument("--blocks", type=_span, metavar="START:END", help="serve blocks [START, END)")
     which.add_argument("--num-blocks", type=int, metavar="N", help="serve N blocks where the swarm is weakest")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
@@ -149,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         cache_dir=args.cache_dir,
         identity_path=args.identity,
         training=training_from_args(args),
+        swarm_key=load_optional(args.swarm_key),
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from peer.admission import WorkLimits
 from swarm.settings import OPTIMIZERS, AveragingSettings
+from swarm.swarmkey import SwarmKey
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "direct", "p2p")
@@ -114,8 +115,12 @@ class PeerConfig:
     """The peer's key file (its peer id, which signs its records); None takes a free one in the cache dir."""
     training: TrainingConfig | None = None
     """Train the served blocks with the other peers of the same span and run; None serves them frozen."""
+    swarm_key: SwarmKey | None = None
+    """Key of a private swarm: its DHT and every call are gated by it (TLS and per-call tags); None: public."""
 
     def __post_init__(self) -> None:
+        if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
+            raise ValueError(f"swarm_key must be a SwarmKey (SwarmKey.load(FILE)), got {type(self.swarm_key).__name__}")
         if self.blocks is not None:
             start, end = self.blocks
             if not 0 <= start < end:

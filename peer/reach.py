@@ -21,6 +21,7 @@ from protocol.errors import PeerUnavailableError
 from swarm.dht import peer_ids_of, start_dht, stop_dht
 from swarm.reachability import ProbeService, probe
 from swarm.relay import RelayRegistrar, RelayService
+from swarm.rpcauth import RpcAuth
 from swarm.tunnel import TunnelServer
 from peer.config import PeerConfig
 
@@ -32,8 +33,8 @@ Discover = Callable[[hivemind.DHT], Awaitable[Sequence[PeerID]]]  # relays the d
 class Reach:
     """The transport a peer announces, and the libp2p services behind it. `dht` may be replaced by `decide`."""
 
-    def __init__(self, config: PeerConfig):
-        self.config = config
+    def __init__(self, config: PeerConfig, auth: RpcAuth | None = None):
+        self.config, self.auth = config, auth
         self.transport = "direct"
         self.registrar: RelayRegistrar | None = None
         self._services: list = []
@@ -68,7 +69,8 @@ class Reach:
             identity = getattr(dht, "identity", None)  # the same key: clients know the peer by it
             await (await dht.replicate_p2p()).shutdown()  # its tasks live on this loop
             await asyncio.to_thread(stop_dht, dht)
-            dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True, identity=identity)
+            dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True, identity=identity,
+                                          swarm_key=cfg.swarm_key)
             logger.info("rejoined the DHT as a client, %s, to serve through a relay", dht.peer_id.to_base58())
             self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers),
                                             discover=None if discover is None else lambda: discover(dht))
@@ -88,7 +90,7 @@ class Reach:
         self._p2p = p2p = await dht.replicate_p2p()
         self._services = [TunnelServer(p2p, grpc_endpoint)]
         if self.registrar is None:
-            self._services.append(ProbeService(p2p))
+            self._services.append(ProbeService(p2p, auth=self.auth))
             if self.config.relay:
                 self._services.append(RelayService(p2p))
         for service in self._services:

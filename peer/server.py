@@ -26,6 +26,7 @@ from swarm.directory import announce, fetch_snapshot, unstored
 from swarm.identity import claim_identity, load_identity, prove_identity
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
+from swarm.rpcauth import RpcAuth, add_port, server_interceptors
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
@@ -46,7 +47,8 @@ class PeerServer:
         self.servicer: PeerServicer | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self.endpoint: str | None = None
-        self.reach = Reach(config)
+        self.auth = RpcAuth(config.swarm_key) if config.swarm_key is not None else None
+        self.reach = Reach(config, self.auth)
         self.throughput = 0.0
         self.budget = CacheBudget(config.cache_tokens, config.max_cache_share)
         self.ready = asyncio.Event()
@@ -80,11 +82,13 @@ class PeerServer:
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         self.identity = load_identity(cfg.identity_path) if cfg.identity_path else claim_identity(cache_dir / "identity")
         try:
-            self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity)
+            self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity,
+                                 swarm_key=cfg.swarm_key)
         except BaseException:
             self.identity.release()
             raise
-        logger.info("joined the DHT as %s (%s)", self.peer_id, " ".join(visible_maddrs(self.dht)))
+        logger.info("joined the DHT as %s (%s)%s", self.peer_id, " ".join(visible_maddrs(self.dht)),
+                    f", a private swarm with {cfg.swarm_key.describe()}" if cfg.swarm_key else "")
 
     async def start(self) -> None:
         await self.join_swarm()
@@ -108,9 +112,9 @@ class PeerServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.grpc_server = grpc.aio.server(options=options)
+        self.grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(self.auth))
         self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))
-        port = self.grpc_server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = add_port(self.grpc_server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}; choose another --port")
         self.endpoint = f"{cfg.host}:{port}"

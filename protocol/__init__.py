@@ -30,6 +30,7 @@ _EXPORTS = {
     "StaleEpochError": ("protocol.errors", "StaleEpochError"),
     "StateDownloadError": ("protocol.errors", "StateDownloadError"),
     "SwarmError": ("protocol.errors", "SwarmError"),
+    "UnauthorizedError": ("protocol.errors", "UnauthorizedError"),
     "UnknownSessionError": ("protocol.errors", "UnknownSessionError"),
     "WrongSpanError": ("protocol.errors", "WrongSpanError"),
     "block_key": ("protocol.records", "block_key"),

@@ -16,6 +16,7 @@
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
     ├── StateDownloadError         state_download     a joining training peer found no member to copy
     ├── DHTUnavailableError        dht_unavailable    this process's DHT node did not answer in time
+    ├── UnauthorizedError          unauthorized       no valid swarm key: a private swarm refused the call
     └── InternalError              internal           a bug on the remote side (its message is passed on)
 
 Each class has a wire `code`; `error_from_code` rebuilds the same type on the client.
@@ -92,6 +93,12 @@ class StateDownloadError(SwarmError):
 
 class DHTUnavailableError(SwarmError):
     code = "dht_unavailable"
+
+
+class UnauthorizedError(SwarmError):
+    """A private swarm refused this process: it holds no swarm key, or another swarm's (`--swarm-key FILE`)."""
+
+    code = "unauthorized"
 
 
 class InternalError(SwarmError):

@@ -22,6 +22,7 @@ from protocol.errors import (
     OverloadedError,
     PeerUnavailableError,
     SwarmError,
+    UnauthorizedError,
     UnknownSessionError,
     WrongSpanError,
     error_from_code,
@@ -108,6 +109,7 @@ _STATUS_BY_ERROR: list[tuple[type[SwarmError], grpc.StatusCode]] = [
     (WrongSpanError, grpc.StatusCode.FAILED_PRECONDITION),
     (CacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnauthorizedError, grpc.StatusCode.UNAUTHENTICATED),
 ]
 
 
@@ -201,6 +203,10 @@ def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> SwarmError:
     if code is not None:
         return error_from_code(code, details)
     status = exc.code() if hasattr(exc, "code") else None
+    if status == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (details or "").lower():
+        return UnauthorizedError(
+            f"peer {endpoint} did not complete a TLS handshake with this client's swarm key ({details}): it is not "
+            f"a member of the private swarm this client's --swarm-key names, or not of a private swarm at all")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return MessageTooLargeError(
             f"peer {endpoint} refused the message: {details}; send fewer tokens or a smaller batch per request "

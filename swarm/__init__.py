@@ -11,6 +11,7 @@
 - placement: which blocks a peer should serve (pure functions)
 - averaging: training groups on hivemind's all-reduce (progress, rounds, joining)
 - optim: optimizers built the same way by peers and trainers
+- swarmkey: key files of private swarms; dhtauth and rpcauth: how the key gates the DHT and every gRPC call
 - settings: optimizer names and averaging timing, checked before anything heavy is imported
 - checkpoint: reading a checkpoint's config and selected tensors
 - default_model: the built-in default model, converted once from a shipped GGUF file
@@ -23,6 +24,7 @@ import importlib
 
 _EXPORTS = {
     "AveragingSettings": "swarm.settings",
+    "SwarmKey": "swarm.swarmkey",
     "SwarmSnapshot": "swarm.snapshot",
     "TrainingGroup": "swarm.averaging",
     "announce": "swarm.directory",

@@ -1,7 +1,9 @@
 """`swarmlm bootstrap`: a DHT-only node with a stable identity that other peers join through.
 
 It also answers reachability probes (swarm/reachability.py) and, unless `--no-relay`, relays streams to peers
-behind NAT (swarm/relay.py).
+behind NAT (swarm/relay.py). With `--swarm-key FILE` (or `--new-swarm-key FILE`, which creates that file first) it
+starts a private swarm: only holders of the key can use its DHT and call its peers (swarm/dhtauth.py,
+swarm/rpcauth.py).
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ import asyncio
 import logging
 import sys
 
-from swarm.dht import start_dht, visible_maddrs
-from swarm.reachability import ProbeService
-from swarm.relay import RelayService
 from swarm.runtime import run_until_signal, wait_for_signal
+from swarm.swarmkey import SWARM_KEY_HELP, create_key_file, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -28,26 +28,50 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-relay", action="store_true",
                         help="do not forward streams to peers behind NAT (by default the bootstrap node relays)")
+    private = parser.add_mutually_exclusive_group()
+    private.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
+    private.add_argument("--new-swarm-key", metavar="FILE",
+                         help="create a new swarm key in FILE (mode 0600; an existing file is never overwritten), "
+                              "print how members use it, and run a private swarm with it")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must be in 0..65535, got {args.port}")
+    try:
+        if args.new_swarm_key is not None:
+            swarm_key = create_key_file(args.new_swarm_key)
+            print(f"created {swarm_key.describe()}: copy it (privately) to every member of this swarm, and pass "
+                  f"--swarm-key {args.new_swarm_key} to swarmlm bootstrap, peer, status and train, or "
+                  f"ClientConfig(swarm_key=SwarmKey.load(...)) to a client", flush=True)
+        else:
+            swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+    from swarm.dht import start_dht, visible_maddrs  # hivemind: only once the flags are known good
+    from swarm.reachability import ProbeService
+    from swarm.relay import RelayService
+    from swarm.rpcauth import RpcAuth
+
+    auth = RpcAuth(swarm_key) if swarm_key is not None else None
 
     async def main() -> int:
-        dht = await asyncio.to_thread(start_dht, (), host=args.host, port=args.port, identity_path=args.identity)
+        dht = await asyncio.to_thread(start_dht, (), host=args.host, port=args.port, identity_path=args.identity,
+                                      swarm_key=swarm_key)
         services = []
         try:
             p2p = await dht.replicate_p2p()
-            services = [ProbeService(p2p)] + ([] if args.no_relay else [RelayService(p2p)])
+            services = [ProbeService(p2p, auth=auth)] + ([] if args.no_relay else [RelayService(p2p)])
             for service in services:
                 await service.start()
             maddrs = visible_maddrs(dht)
             for maddr in maddrs:
                 print(maddr)
             print(f"--initial-peers {' '.join(maddrs)}", flush=True)
-            logger.info("bootstrap node ready%s; Ctrl+C to stop", "" if args.no_relay else ", relaying for peers behind NAT")
+            logger.info("bootstrap node ready%s%s; Ctrl+C to stop", "" if args.no_relay else ", relaying for peers behind NAT",
+                        f", private swarm ({swarm_key.describe()})" if swarm_key else "")
             await wait_for_signal()
         finally:
             for service in services:

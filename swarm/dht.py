@@ -16,8 +16,9 @@ import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from protocol.errors import DHTUnavailableError
+from protocol.errors import DHTUnavailableError, UnauthorizedError
 from swarm.identity import NodeIdentity, fresh_identity, load_identity
+from swarm.swarmkey import SwarmKey, refused_message
 from swarm.validators import SwarmRecordValidator
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def start_dht(
     identity: NodeIdentity | None = None,
     client_mode: bool = False,
     startup_timeout_s: float = 60.0,
+    swarm_key: SwarmKey | None = None,
 ) -> hivemind.DHT:
     """Start a DHT node in its own process and wait until it is connected.
 
@@ -46,8 +48,13 @@ def start_dht(
             swarm uses it already.
         identity: a key this process holds already (swarm.identity.claim_identity); by default a fresh one.
         client_mode: a client node only makes requests and does not serve the DHT.
+        swarm_key: the key of a private swarm (swarm/dhtauth.py); None for a public one.
     """
     kwargs = {}
+    if swarm_key is not None:
+        from swarm.dhtauth import SwarmKeyAuthorizer
+
+        kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
     if not client_mode:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
     if identity_path is not None:
@@ -80,8 +87,10 @@ def start_dht(
         gc.unfreeze()
     try:
         dht.wait_until_ready(timeout=startup_timeout_s + 5)
-    except BaseException:
+    except BaseException as exc:
         stop_dht(dht)
+        if "none of the initial_peers responded" in str(exc):  # connected, yet no DHT answer passed the authorizer
+            raise UnauthorizedError(refused_message(swarm_key, initial_peers)) from exc
         raise
     finally:
         identity.started()

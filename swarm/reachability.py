@@ -27,6 +27,7 @@ from hivemind.p2p import PeerID
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
 from protocol.service import PeerStub
+from swarm.rpcauth import RpcAuth, call_metadata, open_channel
 from swarm.tunnel import OPEN_TIMEOUT_S, read_message, write_message
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,12 @@ async def _resolve(host: str) -> set[str]:
     return {str(ipaddress.ip_address(info[4][0])) for info in infos}
 
 
-async def check_endpoint(endpoint: str, peer_id: str, observed: str | None) -> pb.ProbeResponse:
-    """Whether the gRPC server at `endpoint` answers Info as `peer_id`, trying only if its host is `observed`."""
+async def check_endpoint(endpoint: str, peer_id: str, observed: str | None,
+                         auth: RpcAuth | None = None) -> pb.ProbeResponse:
+    """Whether the gRPC server at `endpoint` answers Info as `peer_id`, trying only if its host is `observed`.
+
+    In a private swarm (`auth`) the call is TLS with a tag, so only a member can answer, and only a member is asked.
+    """
     match = _ENDPOINT.fullmatch(endpoint)
     if match is None or not 0 < int(match.group(2)) < 65536:
         return pb.ProbeResponse(reachable=False, detail=f"{endpoint!r} is not a host:port")
@@ -76,8 +81,9 @@ async def check_endpoint(endpoint: str, peer_id: str, observed: str | None) -> p
                                                         f"request came from ({observed or 'unknown'})")
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            answer = await PeerStub(channel).info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)
+        async with open_channel(target, auth=auth) as channel:
+            answer = await PeerStub(channel).info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S,
+                                                  metadata=call_metadata(auth, "info"))
     except grpc.RpcError as exc:
         return pb.ProbeResponse(reachable=False, detail=f"{endpoint} did not answer: {exc.code().name}")
     if answer.peer_id != peer_id:
@@ -88,8 +94,8 @@ async def check_endpoint(endpoint: str, peer_id: str, observed: str | None) -> p
 class ProbeService:
     """Answers probes on `p2p` (a replica of this process's DHT daemon), a few at a time."""
 
-    def __init__(self, p2p: hivemind.P2P, *, max_concurrent: int = 4):
-        self.p2p = p2p
+    def __init__(self, p2p: hivemind.P2P, *, max_concurrent: int = 4, auth: RpcAuth | None = None):
+        self.p2p, self.auth = p2p, auth
         self._slots = asyncio.Semaphore(max_concurrent)
 
     async def start(self) -> None:
@@ -106,7 +112,8 @@ class ProbeService:
                 answer = pb.ProbeResponse(reachable=False, detail="busy probing others; ask another neighbour")
             else:
                 async with self._slots:
-                    answer = await check_endpoint(request.endpoint, info.peer_id.to_base58(), observed_ip(info.addr))
+                    answer = await check_endpoint(request.endpoint, info.peer_id.to_base58(), observed_ip(info.addr),
+                                                  self.auth)
             await write_message(writer, answer)
         except (BadRequestError, ConnectionError, OSError) as exc:
             logger.debug("a probe from %s failed: %r", info.peer_id, exc)

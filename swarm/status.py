@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from protocol.errors import SwarmError
 from protocol.records import ServerInfo, ServerState
-from swarm.dht import start_dht
-from swarm.directory import fetch_models, fetch_snapshot
 from swarm.snapshot import SwarmSnapshot
+from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Show the models of a swarm and who serves their blocks.")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--model", help="show only this DHT prefix")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     return p
 
 
@@ -52,7 +54,23 @@ def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> st
 
 
 def run(args: argparse.Namespace) -> int:
-    dht = start_dht(args.initial_peers, client_mode=True)
+    try:
+        swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    from swarm.dht import start_dht  # hivemind: only once the flags are known good
+
+    try:
+        dht = start_dht(args.initial_peers, client_mode=True, swarm_key=swarm_key)
+        return _show(dht, args)
+    except SwarmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _show(dht, args: argparse.Namespace) -> int:
+    from swarm.directory import fetch_models, fetch_snapshot
+
     try:
         models = fetch_models(dht)
         if args.model:

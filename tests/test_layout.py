@@ -94,6 +94,7 @@ EXPORTS = {
         "ServerInfo",
         "ServerState",
         "SwarmError",
+        "UnauthorizedError",
         "UnknownSessionError",
         "WrongSpanError",
         "block_key",
@@ -105,6 +106,7 @@ EXPORTS = {
     ],
     "swarm": [
         "AveragingSettings",
+        "SwarmKey",
         "SwarmSnapshot",
         "TrainingGroup",
         "announce",
@@ -168,3 +170,23 @@ def test_commands_check_their_flags_before_importing_anything_heavy(module, args
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("module, args", [
+    ("swarm.bootstrap", []),
+    ("swarm.status", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+    ("peer.cli", ["model"]),
+    ("client.train_cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+])
+def test_a_bad_swarm_key_file_is_refused_before_anything_heavy(module, args, tmp_path):
+    bad = tmp_path / "swarm.key"
+    bad.write_text("not a key\n")
+    argv = [*args, "--swarm-key", str(bad)]
+    code = (f"import sys, {module} as m\ntry:\n    m.run(m.build_parser('x').parse_args({argv!r}))\n"
+            f"except SystemExit as exc:\n    print(exc)\n"
+            f"print(sorted({{'torch', 'transformers', 'hivemind', 'grpc'}} & set(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    message, heavy = result.stdout.strip().splitlines()
+    assert f"swarm key file {bad} does not hold a swarm key" in message
+    assert heavy == "[]", result.stdout

@@ -193,8 +193,9 @@ class PeerProcess(ManagedProcess):
 class Swarm:
     """Bootstrap and peer processes on 127.0.0.1, a client-mode DHT to watch them, and guaranteed cleanup."""
 
-    def __init__(self, workdir: str | Path):
+    def __init__(self, workdir: str | Path, swarm_key=None):
         self.workdir = Path(workdir)
+        self.swarm_key = swarm_key  # a private swarm's SwarmKey, for the watching DHT node
         self.log_dir = self.workdir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = child_env(self.workdir / "swarmlm-cache")
@@ -404,7 +405,7 @@ class Swarm:
             from swarm.dht import start_dht
 
             assert self.initial_peers, "start_bootstrap() first"
-            self._dht = start_dht(self.initial_peers, client_mode=True)
+            self._dht = start_dht(self.initial_peers, client_mode=True, swarm_key=self.swarm_key)
             # hivemind runs the node in a forked process that spawns p2pd: remember them to reap them
             self._dht_members = [psutil.Process(self._dht.pid)]
             self._dht_members += self._dht_members[0].children(recursive=True)

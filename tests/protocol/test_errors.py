@@ -23,6 +23,7 @@ from protocol.errors import (
     StaleEpochError,
     StateDownloadError,
     SwarmError,
+    UnauthorizedError,
     UnknownSessionError,
     WrongSpanError,
     error_from_code,
@@ -57,6 +58,7 @@ def test_the_tree_has_the_documented_classes():
         NoPeersError,
         ModelNotFoundError,
         InvalidRecordError,
+        UnauthorizedError,
         InternalError,
     }
     assert issubclass(MessageTooLargeError, BadRequestError)
@@ -189,3 +191,7 @@ def test_generic_handler_routes_every_method_to_snake_case():
         assert rpc is not None, name
         assert (rpc.request_streaming, rpc.response_streaming) == (method.client_streaming, method.server_streaming)
     assert handler.service(Details(f"/{SERVICE_NAME}/Nope")) is None
+
+
+def test_unauthorized_is_unauthenticated_on_the_wire():
+    assert status_for(UnauthorizedError("no key")) == grpc.StatusCode.UNAUTHENTICATED

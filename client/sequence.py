@@ -152,9 +152,8 @@ class RemoteSequence:
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
-        # a training run's peers change their weights as it goes: they agree only at the same epoch
-        self.spot_checks = SpotChecker(0.0 if run_id is not None else config.verify_fraction,
-                                       self._ban_wrong_result, random.Random(config.verify_seed))
+        self.spot_checks = SpotChecker(config.verify_fraction, self._ban_wrong_result,
+                                       random.Random(config.verify_seed))
 
     async def p2p(self) -> hivemind.P2P:
         """This client's handle on its DHT node's libp2p daemon, for peers reached through libp2p."""
@@ -325,7 +324,7 @@ class RemoteSequence:
                     attempt, refresh = attempt + 1, True
                     break
                 hop_records = [HopRecord(hop, hidden, backward_id)]
-                if self.spot_checks.draw():
+                if self._draw_check():
                     output, hop_records = await self._spot_check_forward(hop_records[0], output, mask, positions)
                 records.extend(hop_records)
                 hidden, block = output, hop.end
@@ -359,7 +358,7 @@ class RemoteSequence:
         else:
             if done is not None:
                 done.append((hop, inputs, grad))
-            if training is None and self.spot_checks.draw():
+            if training is None and self._draw_check():
                 grad_inputs = await self._spot_check_backward(record, grad, grad_inputs, mask, positions)
             return grad_inputs
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
@@ -369,6 +368,10 @@ class RemoteSequence:
         return grad
 
     # --- spot checks (client/verify.py) ---
+
+    def _draw_check(self) -> bool:
+        # a training run's peers change their weights as it goes: two of them agree only at the same epoch
+        return self.run_id is None and self.spot_checks.draw()
 
     def _ban_wrong_result(self, peer_id: str, at_least_s: float) -> float:
         self.rtts.pop(peer_id, None)

@@ -15,7 +15,7 @@ import torch
 
 from client.config import ClientConfig
 from client.routing import RouteHop
-from client.sequence import BanList
+from client.sequence import BanList, RemoteSequence
 from client.verify import WRONG_RESULT_BAN_S, Computed, SpotChecker, agree, backward_on, forward_on, rtol_for
 
 SPAN = (0, 4)
@@ -163,6 +163,16 @@ def test_draws_follow_the_fraction_and_repeat_with_the_seed():
         SpotChecker(1.5, BanList(1.0).ban)
     with pytest.raises(ValueError, match="verify_fraction"):
         ClientConfig(initial_peers=("/ip4/127.0.0.1/tcp/1",), verify_fraction=-0.1)
+
+
+def test_hops_of_training_runs_are_not_checked():
+    """A stage's peers change their weights as the run goes: two of them agree only at the same epoch."""
+    config = ClientConfig(initial_peers=("/ip4/127.0.0.1/tcp/1",), verify_fraction=1.0)
+    assert ClientConfig(initial_peers=config.initial_peers).verify_fraction == 0.05
+    sequence = RemoteSequence(None, "model", 2, config)  # no DHT: nothing is sent
+    assert sequence._draw_check()
+    sequence.run_id = "run"  # as SwarmTrainer sets it
+    assert not sequence._draw_check()
 
 
 def test_a_wrong_result_ban_lasts_at_least_what_it_asks():

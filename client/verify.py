@@ -159,11 +159,11 @@ class SpotChecker:
         return first
 
     def _outvoted(self, liar: Computed, blocks: str, diffs: str) -> None:
-        if len(liar.peers) != 1:
+        if len(set(liar.peers)) != 1:
             logger.warning("spot check: %s, a route of several peers (%s) was outvoted (%s); nobody banned, since "
                            "it is not known which of them lied", blocks, _who(liar), diffs)
             return
-        (peer,) = liar.peers
+        peer = liar.peers[0]
         length_s = self.ban(peer, WRONG_RESULT_BAN_S)
         self.stats.caught.append(peer)
         logger.warning("spot check: peer %s computed a wrong %s, outvoted two to one (%s); banned for %.0fs",

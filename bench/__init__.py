@@ -11,6 +11,7 @@ Modules:
     load       how busy other processes kept the machine while a scenario ran
     report     results.json, results.md and PNG plots (matplotlib, Agg)
     scenarios/ decode, prefill, train (forward+backward), wire, concurrency, startup (and memory)
+    verify     `python -m bench.verify`: what client spot checks cost, forward+backward at fractions 0, 0.05, 1
 
 Timings are never asserted by tests; they are reported as ratios to a reference measured in the same run.
 """

@@ -6,6 +6,7 @@
 - routing: route planning (pure functions)
 - transport: gRPC channels (a bounded pool) and calls; loop: the background event loop
 - checks: the caller's input before sending, every peer's answer before use, whose fault a peer's error is
+- verify: spot checks, a share of hops recomputed on other peers; a peer outvoted two to one is banned
 - config: ClientConfig
 - training: SwarmTrainer, pipelined synchronous training with the peers of a run; local_training: its reference
 - data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched

@@ -35,6 +35,11 @@ class ClientConfig:
     """gRPC channels kept open to peers at most; beyond it the least recently used idle one is closed."""
     swarm_key: SwarmKey | None = None
     """Key of a private swarm (`SwarmKey.load(FILE)`): gates the DHT and every call to peers; None: public."""
+    verify_fraction: float = 0.05
+    """Share of forward and backward hops recomputed on another peer to catch wrong results (client/verify.py);
+    0 turns spot checks off. Inference steps and training runs are not checked."""
+    verify_seed: int | None = None
+    """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
@@ -49,6 +54,8 @@ class ClientConfig:
         for name in ("max_retries", "retry_delay_s", "wait_for_peers_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,9 @@ and the failed part of the chain is routed to other peers. A peer fails when it 
 with an error or with anything but what was asked for (client/checks.py: every answer is checked, and input
 is checked here before it is sent, so that only the caller's bad input fails immediately).
 
+A random share of forward and backward hops (`verify_fraction`) is recomputed on other peers, and a peer
+outvoted two to one is banned (client/verify.py).
+
 Peers are reached only at the addresses of their records, which `fetch_snapshot` validated.
 
 Each peer is reached by the first of its addresses that answers a ping (`routing.dial_candidates`): its gRPC
@@ -17,9 +20,10 @@ import asyncio
 import logging
 import math
 import os
+import random
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 import hivemind
@@ -34,10 +38,11 @@ from swarm.directory import fetch_snapshot
 from swarm.identity import identity_challenge
 from swarm.snapshot import SwarmSnapshot
 from swarm.tunnel import TunnelPool
-from client import checks
+from client import checks, verify
 from client.config import ClientConfig
 from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
 from client.transport import ChannelPool
+from client.verify import Computed, SpotChecker
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +108,12 @@ class BanList:
         halvings = int((self.clock() - at) // self.half_life_s)
         return count >> min(max(halvings, 0), 63)
 
-    def ban(self, peer_id: str) -> float:
-        """Ban `peer_id` for longer than last time; returns the ban's length in seconds."""
+    def ban(self, peer_id: str, at_least_s: float = 0.0) -> float:
+        """Ban `peer_id` for longer than last time, and `at_least_s`; returns the ban's length in seconds."""
         strikes = self.strikes(peer_id) + 1
         now = self.clock()
         self._strikes[peer_id] = (strikes, now)
-        length_s = min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S)
+        length_s = max(min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S), at_least_s)
         self._until[peer_id] = now + length_s
         self._failed_at[peer_id] = now
         self._last_record.pop(peer_id, None)
@@ -150,6 +155,8 @@ class RemoteSequence:
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
+        self.spot_checks = SpotChecker(config.verify_fraction, self._ban_wrong_result,
+                                       random.Random(config.verify_seed))
 
     async def p2p(self) -> hivemind.P2P:
         """This client's handle on its DHT node's libp2p daemon, for peers reached through libp2p."""
@@ -340,7 +347,10 @@ class RemoteSequence:
                     await self.backoff(attempt)
                     attempt, refresh = attempt + 1, True
                     break
-                records.append(HopRecord(hop, hidden, backward_id))
+                hop_records = [HopRecord(hop, hidden, backward_id)]
+                if self._draw_check():
+                    output, hop_records = await self._spot_check_forward(hop_records[0], output, mask, positions)
+                records.extend(hop_records)
                 hidden, block = output, hop.end
         self.last_route = [record.hop for record in records]
         return hidden, records
@@ -363,20 +373,98 @@ class RemoteSequence:
         hop, inputs = record.hop, record.inputs
         try:
             grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
-            if done is not None:
-                done.append((hop, inputs, grad))
-            return grad_inputs
         except Exception as exc:
             error = checks.blame(exc, describe(hop), training=training is not None)
             if not is_retriable(error) or attempt >= self.config.max_retries:
                 raise error
             await self.report_failure(hop, error)
             await self.backoff(attempt)
+        else:
+            if done is not None:
+                done.append((hop, inputs, grad))
+            if training is None and self._draw_check():
+                grad_inputs = await self._spot_check_backward(record, grad, grad_inputs, mask, positions)
+            return grad_inputs
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
         for record in reversed(records):
             grad = await self._backward_hop(record, grad, mask, positions, attempt + 1, training, done)
         return grad
+
+    # --- spot checks (client/verify.py) ---
+
+    def _draw_check(self) -> bool:
+        # a training run's peers change their weights as it goes: two of them agree only at the same epoch
+        return self.run_id is None and self.spot_checks.draw()
+
+    def _ban_wrong_result(self, peer_id: str, at_least_s: float) -> float:
+        self.rtts.pop(peer_id, None)
+        self.paths.pop(peer_id, None)
+        return self.bans.ban(peer_id, at_least_s)
+
+    async def _route_for_check(self, start: int, end: int, excluded: frozenset[str]) -> list[RouteHop] | None:
+        """A route over blocks [start, end) avoiding `excluded`, now (no waiting); None if there is none."""
+        try:
+            snapshot = await self.snapshot()
+            hops = plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations) | excluded,
+                                      rng=self.spot_checks.rng, model_name=self.prefix)
+        except SwarmError as exc:  # NoPeersError, or the directory could not be read: the caller's work goes on
+            logger.debug("no route to check blocks %d:%d on: %s", start, end, exc)
+            return None
+        await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
+        return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
+
+    async def _checker_call(self, hop: RouteHop, call: Awaitable[torch.Tensor]) -> torch.Tensor | None:
+        """A check's own call: a peer that fails it is banned as usual, and the check is given up (None)."""
+        try:
+            return await call
+        except Exception as exc:
+            error = checks.blame(exc, describe(hop))
+            if not isinstance(error, SwarmError):
+                raise
+            await self.report_failure(hop, error)
+            return None
+
+    def _computed(self, value: torch.Tensor, route: list[RouteHop], records: list | None = None) -> Computed:
+        return Computed(value, tuple(hop.peer_id for hop in route), tuple(self.hop_dtype(hop) for hop in route),
+                        records or [])
+
+    async def _spot_check_forward(self, record: HopRecord, output: torch.Tensor, mask,
+                                  positions) -> tuple[torch.Tensor, list[HopRecord]]:
+        """`record`'s hop computed again elsewhere; the output to use and the records of the route it came from."""
+        hop = record.hop
+
+        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
+            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
+
+        async def recompute(excluded: frozenset[str]) -> Computed | None:
+            route = await self._route_for_check(hop.start, hop.end, excluded)
+            done = None if route is None else await verify.forward_on(route, record.inputs, forward)
+            return None if done is None else self._computed(done[0], route, [HopRecord(*sent) for sent in done[1]])
+
+        chosen = await self.spot_checks.check("forward", (hop.start, hop.end),
+                                              self._computed(output, [hop], [record]), recompute)
+        return chosen.value, chosen.records
+
+    async def _spot_check_backward(self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask,
+                                   positions) -> torch.Tensor:
+        """`record`'s backward computed again elsewhere; the gradient to use."""
+        hop = record.hop
+
+        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
+            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
+
+        async def backward(other: RouteHop, hidden: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+            return await self._checker_call(other, self._call_backward(other, hidden, grad_out, mask, positions, ""))
+
+        async def recompute(excluded: frozenset[str]) -> Computed | None:
+            route = await self._route_for_check(hop.start, hop.end, excluded)
+            done = None if route is None else await verify.backward_on(route, record.inputs, grad, forward, backward)
+            return None if done is None else self._computed(done, route)
+
+        chosen = await self.spot_checks.check("backward", (hop.start, hop.end), self._computed(grad_inputs, [hop]),
+                                              recompute)
+        return chosen.value
 
     async def close(self) -> None:
         await self.pool.close()

@@ -219,6 +219,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if 'lora_' not in k}  # MUTATION",
         "a LoRA peer exports its base weights without the trained adapters",
         (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",)),
+    Mutation(
+        "spot-check-uses-outvoted-answer", "client/verify.py",
+        "            self._outvoted(first, blocks, diffs)\n            return second\n",
+        "            self._outvoted(first, blocks, diffs)\n            return first  # MUTATION\n",
+        "a spot check bans the peer outvoted two to one but keeps its wrong answer",
+        ("tests/client/test_verify.py", "tests/integration/test_spot_checks.py")),
 )
 
 

@@ -14,11 +14,13 @@ proxy passes every call through, and corrupts the answers that MODE_FILE (JSON, 
     dtype        float16 instead of the dtype computed in;
     nan          a NaN in every row;
     empty        an answer without its tensor (inference: an error-less empty message);
+    perturb      noise of `scale` (default 1e-2) times the tensor's std added: still finite, of the shape and
+                 dtype asked for, so only a spot check on another peer (client/verify.py) can tell;
   and for inference only:
     kind         `opened` where a step result is due;
     position     a cache position one past the truth;
     step_id      another step's id.
-- on: forward, backward or inference.
+- on: forward, backward or inference, or a list of them.
 - from_position: inference steps that build on fewer cached tokens are answered honestly, so that the client
   has a history to replay elsewhere (default 0).
 
@@ -46,13 +48,13 @@ from protocol.codec import decode_tensor  # noqa: E402
 from protocol.packing import Packer, unpack  # noqa: E402
 from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME  # noqa: E402
 
-LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "kind", "position", "step_id")
+LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id")
 TENSOR_FIELD = {"Forward": "hidden_states", "Backward": "grad_inputs"}
 _MAX_BYTES = 128 * 1024 * 1024
 _REFUSAL = "hidden_states contains NaN or inf"  # what an honest peer says of really bad input
 
 
-def corrupt(tensor: torch.Tensor, lie: str) -> torch.Tensor:
+def corrupt(tensor: torch.Tensor, lie: str, scale: float = 1e-2) -> torch.Tensor:
     if lie == "shape":
         return torch.cat([tensor, tensor[:, -1:]], dim=1)
     if lie == "dtype":
@@ -61,6 +63,8 @@ def corrupt(tensor: torch.Tensor, lie: str) -> torch.Tensor:
         tensor = tensor.clone()
         tensor[..., 0] = float("nan")
         return tensor
+    if lie == "perturb":
+        return tensor + scale * tensor.float().std().to(tensor.dtype) * torch.randn_like(tensor)
     return tensor
 
 
@@ -78,7 +82,8 @@ class Liar:
             mode = json.loads(self.mode_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {"lie": "honest"}
-        if mode.get("on") != method.lower() or mode.get("lie", "honest") not in LIES:
+        on = mode.get("on")
+        if method.lower() not in (on if isinstance(on, list) else [on]) or mode.get("lie", "honest") not in LIES:
             return {"lie": "honest"}
         return mode
 
@@ -97,7 +102,8 @@ class Liar:
         call = self.channel.unary_unary(METHODS[name].path)
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
-            lie = self.mode(name)["lie"]
+            mode = self.mode(name)
+            lie = mode["lie"]
             if lie == "bad_request":
                 told(lie, name)
                 context.set_trailing_metadata(((ERROR_CODE_KEY, "bad_request"),))
@@ -110,18 +116,18 @@ class Liar:
             if lie == "honest" or name not in TENSOR_FIELD:
                 return answer
             told(lie, name)
-            return self._corrupt_unary(name, answer, lie)
+            return self._corrupt_unary(name, answer, lie, mode.get("scale", 1e-2))
 
         return handle
 
-    def _corrupt_unary(self, name: str, answer: bytes, lie: str) -> bytes:
+    def _corrupt_unary(self, name: str, answer: bytes, lie: str, scale: float) -> bytes:
         response_type, field = METHODS[name].response, TENSOR_FIELD[name]
         if lie == "empty":
             return response_type().SerializeToString()
         received = unpack(response_type, answer)
         tensor = decode_tensor(getattr(received.message, field), field, received.payload)
         packer = Packer()
-        return packer.pack(response_type(**{field: packer.tensor(corrupt(tensor, lie))})).SerializeToString()
+        return packer.pack(response_type(**{field: packer.tensor(corrupt(tensor, lie, scale))})).SerializeToString()
 
     def _state(self, request: bytes, context):
         yield from self.channel.unary_stream(METHODS["State"].path)(request, timeout=context.time_remaining())

@@ -1,0 +1,126 @@
+"""What spot checks cost: forward+backward tokens/s with `verify_fraction` at 0, the default and 1, same swarm.
+
+Four peers on loopback serve the model's blocks in two halves, each half twice, so that every hop can be
+recomputed on another peer. One client runs `model(ids, labels=ids).loss.backward()` with its blocks frozen as
+in the train scenario. It takes turns between the fractions within each repeat, so that the machine's load
+drifts alike for all of them. The figures are throughput ratios to fraction 0, each throughput being all the
+tokens over all the time (not a median: at a small fraction most steps check nothing, and the median would
+miss the ones that do). The expected ratio at fraction f is 1 / (1 + f x (1 / ratio(1) - 1)). The hops actually
+checked are counted.
+
+    python -m bench.verify [--model DIR] [--repeats 20] [--batch 2] [--seq 128] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.scenarios.decode import prompt_ids
+from bench.scenarios.train import frozen_blocks, step
+from client.config import ClientConfig
+from client.local_swarm import LocalSwarm
+from client.model import AutoDistributedModelForCausalLM
+from swarm.checkpoint import load_config
+from swarm.default_model import resolve_default_model
+from swarm.paths import default_cache_dir
+
+PEER_ARGS = ("--num-threads", "1", "--throughput", "1000")
+
+
+def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[float, ...]) -> dict:
+    config = load_config(Path(model))
+    num_blocks, half = config.num_hidden_layers, config.num_hidden_layers // 2
+    ids = prompt_ids(config.vocab_size, seq, seed=1, batch=batch)
+    seconds: dict[float, list[float]] = {f: [] for f in fractions}
+    checked: dict[float, int] = {}
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        for i, (a, b) in enumerate([(0, half), (0, half), (half, num_blocks), (half, num_blocks)]):
+            swarm.start_peer(f"p{i}", model, "--blocks", f"{a}:{b}", *PEER_ARGS)
+        swarm.wait_online(model, num_blocks, [(0, half), (half, num_blocks)])
+        client = AutoDistributedModelForCausalLM.from_pretrained(model, initial_peers=swarm.initial_peers,
+                                                                verify_seed=0)
+        checker = client.sequence.spot_checks
+        try:
+            _wait_for_peers(client, 4)
+            with frozen_blocks(client):
+                for fraction in fractions:  # warm-up: channels, kept activations, every peer's path
+                    checker.fraction = fraction
+                    step(client, ids)
+                for _ in range(repeats):
+                    for fraction in fractions:
+                        checker.fraction = fraction
+                        before = checker.stats.verified + checker.stats.unverifiable
+                        began = time.perf_counter()
+                        step(client, ids)
+                        seconds[fraction].append(time.perf_counter() - began)
+                        checked[fraction] = (checked.get(fraction, 0) + checker.stats.verified
+                                             + checker.stats.unverifiable - before)
+            stats = checker.stats
+        finally:
+            client.shutdown()
+    tokens = batch * seq
+    mean_s = {f: statistics.fmean(s) for f, s in seconds.items()}
+    base = mean_s[0.0]
+    full = base / mean_s[1.0] if 1.0 in mean_s else None
+    return {
+        "model": model, "blocks": num_blocks, "batch": batch, "seq": seq, "repeats": repeats,
+        "hops_per_step": 4,  # two forward hops, two backward hops
+        "tokens_per_s": {str(f): tokens / s for f, s in mean_s.items()},
+        "ratio_to_unchecked": {str(f): base / s for f, s in mean_s.items()},
+        "expected_ratio": {str(f): 1 / (1 + f * (1 / full - 1)) for f in fractions} if full else {},
+        "hops_checked": {str(f): n for f, n in checked.items()},
+        "mismatches": stats.mismatches, "unverifiable": stats.unverifiable, "caught": stats.caught,
+        "seconds": {str(f): s for f, s in seconds.items()},
+    }
+
+
+def _wait_for_peers(client, count: int, timeout_s: float = 120.0) -> None:
+    """Until the client's directory shows `count` ONLINE peers: a check needs a second peer on each half."""
+    deadline = time.monotonic() + timeout_s
+    while len(client._run(client.sequence.snapshot(refresh=True)).online()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} peers ONLINE within {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+def markdown(result: dict) -> str:
+    rows = ["| verify_fraction | tokens/s | ratio to 0 | expected from fraction 1 | hops checked |",
+            "|---|---|---|---|---|"]
+    hops = result["repeats"] * result["hops_per_step"]
+    for f, tps in result["tokens_per_s"].items():
+        expected = result["expected_ratio"].get(f)
+        rows.append(f"| {f} | {tps:.0f} | {result['ratio_to_unchecked'][f]:.3f} | "
+                    f"{'' if expected is None else f'{expected:.3f}'} | {result['hops_checked'][f]} of {hops} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.verify", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint folder (default: the built-in model)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if min(args.repeats, args.batch, args.seq) < 1:
+        p.error("--repeats, --batch and --seq must be >= 1")
+    model = args.model or str(resolve_default_model(default_cache_dir()))
+    default = ClientConfig.__dataclass_fields__["verify_fraction"].default
+    torch.manual_seed(0)
+    result = measure(model, args.repeats, args.batch, args.seq, (0.0, default, 1.0))
+    print(markdown(result))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "verify.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

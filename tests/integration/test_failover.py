@@ -168,7 +168,10 @@ def test_hung_peer_times_out_and_is_replaced(swarm, model_path, local):
 def test_overloaded_peer_is_replaced(swarm, model_path, local):
     """The cache of the peer the client routes to is taken by another session after the client saw it free:
     CacheFullError, and the client goes to the other peer of those blocks."""
-    _start(swarm, model_path, [(0, 4), (0, 4)], extra={i: ("--cache-tokens", "64") for i in range(2)})
+    # the blocker comes from the client's address (all is 127.0.0.1 here): no per-address quota, so that it can
+    # take the whole cache as another client would
+    _start(swarm, model_path, [(0, 4), (0, 4)],
+           extra={i: ("--cache-tokens", "64", "--max-cache-share", "1") for i in range(2)})
     prefix = prefix_for_model(str(model_path))
     ids = _ids(1, 5, seed=10)
     expected = generate_with_logits(local, ids, max_new_tokens=20, do_sample=False)

@@ -135,11 +135,13 @@ def make_references(model_path: Path, config: SoakConfig) -> tuple[list, list]:
 
 
 def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
+    phases = {"start": time.monotonic()}
     # one thread: the tiny reference model runs faster so on a shared machine, and then the peers need the cores
     torch.set_num_threads(1)
     model_path = resolve_model(config.model, workdir)
     model_config = load_config(model_path)
     greedy, sampled = make_references(model_path, config)
+    phases["references"] = time.monotonic()
     spans = overlapping_spans(model_config.num_hidden_layers, config.peers)
     peer_args = ["--transport", "direct", "--throughput", "100", "--num-threads", "1", "--cache-tokens",
                  str(config.cache_tokens), "--cache-dir", str(workdir / "cache"), "--update-period", "10"]
@@ -155,6 +157,7 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
             fleet = Fleet(swarm, str(model_path), model_config.num_hidden_layers, spans, peer_args, env)
             fleet.start_all()
             fleet.wait_all_online(START_TIMEOUT_S)
+            phases["starting peers"] = time.monotonic()
             threads.append(threading.Thread(target=fleet.watch, args=(stop, config.rss_every_s), daemon=True))
             threads[-1].start()
             for i in range(config.clients):
@@ -163,7 +166,7 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
                                       max_new_tokens=config.max_new_tokens, stop=stop, options=CLIENT_OPTIONS))
             traffic = BadTraffic(fleet, prefix_for_model(str(model_path)), model_config.hidden_size,
                                  model_config.max_position_embeddings, config.seed)
-            began = time.monotonic()
+            began = phases["starting clients"] = time.monotonic()
             deadline = began + config.seconds
             for client in clients:
                 client.deadline = deadline
@@ -177,12 +180,14 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
                 client.join(max(1.0, deadline + CLIENT_GRACE_S - time.monotonic()))
                 client.tally.hung = client.is_alive()
             elapsed = time.monotonic() - began
+            phases["soak"] = time.monotonic()
             if len(threads) > 1:
                 threads[1].join(30.0)
             leaks = _check_leaks(fleet, config.cache_tokens)
             stop.set()
             threads[0].join(10.0)
-            return _summary(config, model_path, spans, fleet, clients, traffic, leaks, elapsed)
+            phases["checks"] = time.monotonic()
+            result = _summary(config, model_path, spans, fleet, clients, traffic, leaks, elapsed)
         finally:
             stop.set()
             for client in clients:  # each ends its generation under way and closes itself; a hung one is left
@@ -190,23 +195,39 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
                     client.join(CLIENT_GRACE_S / 4)
                 if not client.is_alive():
                     client.close()  # what a client that never started holds
+    phases["stopping"] = time.monotonic()
+    names = list(phases)  # each phase's end
+    result["phase_s"] = {names[i + 1]: round(phases[names[i + 1]] - phases[names[i]], 1) for i in range(len(names) - 1)}
+    return result
 
 
 def _churn(fleet: Fleet, rng: random.Random, every_s: tuple[float, float], deadline: float,
            stop: threading.Event) -> None:
-    """Stop a peer at random intervals until `deadline`, SIGKILL and SIGTERM in turn (SIGKILL first)."""
+    """Stop a peer at random intervals until `deadline`, SIGKILL and SIGTERM in turn (SIGKILL first).
+
+    Two stops in four (a SIGKILL and a SIGTERM) take a peer with open sessions when one can go, so that sessions
+    are repaired mid-way, not only opened elsewhere (clients route through the fewest hops, which random stops
+    often spare).
+    """
     signals = [signal.SIGKILL, signal.SIGTERM]
     wait_s = rng.uniform(*every_s)
     while not stop.wait(min(wait_s, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
             return
-        sig = signals[sum(fleet.kills.values()) % 2]
-        victim = fleet.kill_one(rng, sig)
+        stops = sum(fleet.kills.values())
+        sig = signals[stops % 2]
+        busy = _busy(fleet.online()) if stops % 4 < 2 else set()
+        victim = fleet.kill_one(rng, sig, prefer=busy)
         if victim is None:  # replacements are still starting: every remaining peer is needed for now
             wait_s = 1.0
             continue
         logger.info("%s %s (blocks %d:%d)", sig.name, victim.name, *victim.span)
         wait_s = rng.uniform(*every_s)
+
+
+def _busy(online: list[Incarnation]) -> set[str]:
+    """Names of the peers whose Info shows open sessions now."""
+    return {p["peer"] for p in asyncio.run(_infos(online, cache_tokens=0, wait_s=0.0)) if p.get("open_sessions")}
 
 
 def _check_leaks(fleet: Fleet, cache_tokens: int) -> dict:
@@ -234,15 +255,16 @@ def _check_leaks(fleet: Fleet, cache_tokens: int) -> dict:
     return {"peers": peers, "tcp_connections": len(connections), "open_to": open_to, "starting": starting}
 
 
-async def _infos(online: list[Incarnation], cache_tokens: int) -> list[dict]:
+async def _infos(online: list[Incarnation], cache_tokens: int, wait_s: float = LEAK_WAIT_S) -> list[dict]:
+    """Each peer's Info, asked again every second for up to `wait_s` until none shows a session or used cache."""
     pool = ChannelPool(1 << 24)
     try:
         found = {}
-        deadline = time.monotonic() + LEAK_WAIT_S
+        deadline = time.monotonic() + wait_s
         while True:
             for incarnation in online:
                 try:
-                    info = await pool.unary(incarnation.endpoint, "info", pb.InfoRequest(), 10.0)
+                    info = await pool.unary(incarnation.endpoint, "info", pb.InfoRequest(), 5.0)
                     found[incarnation.name] = dict(peer=incarnation.name, open_sessions=info.open_sessions,
                                                    cache_tokens_left=info.cache_tokens_left, cache_tokens=cache_tokens)
                 except SwarmError as exc:
@@ -368,6 +390,7 @@ def report(result: dict) -> str:
     lines += [f"  connection still open: {c}" for c in leaks["connections_open_to"]]
     for name, log in c["crash_logs"].items():
         lines.append(f"  crashed {name}:\n{log}")
+    lines.append("seconds spent: " + ", ".join(f"{name} {s:.0f}" for name, s in result.get("phase_s", {}).items()))
     lines.append("all targets met" if not result["missed"] else f"MISSED: {', '.join(result['missed'])}")
     return "\n".join(lines)
 

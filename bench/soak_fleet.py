@@ -176,16 +176,17 @@ class Fleet:
 
     # --- churn ---
 
-    def kill_one(self, rng, sig: int) -> Incarnation | None:
+    def kill_one(self, rng, sig: int, prefer: set[str] = frozenset()) -> Incarnation | None:
         """Stop a random slot's incarnation whose blocks other ONLINE peers serve, and start its replacement.
 
-        Returns the stopped incarnation, or None when no slot can go without leaving a block unserved.
+        Among those, one named in `prefer` is taken when there is one. Returns the stopped incarnation, or None
+        when no slot can go without leaving a block unserved.
         """
         with self._lock:
             spare = [s for s in self._online() if self._covered(without=s)]
             if not spare:
                 return None
-            slot = rng.choice(spare)
+            slot = rng.choice([s for s in spare if s.current.name in prefer] or spare)
             victim = slot.current
             victim.ended = signal.Signals(sig).name  # from here on poll() does not take its exit for a crash
             self.kills[victim.ended] += 1

@@ -226,8 +226,10 @@ def _churn(fleet: Fleet, rng: random.Random, every_s: tuple[float, float], deadl
 
 
 def _busy(online: list[Incarnation]) -> set[str]:
-    """Names of the peers whose Info shows open sessions now."""
-    return {p["peer"] for p in asyncio.run(_infos(online, cache_tokens=0, wait_s=0.0)) if p.get("open_sessions")}
+    """Names of the peers whose Info shows the most open sessions now (none if no peer has one)."""
+    sessions = {p["peer"]: p.get("open_sessions", 0) for p in asyncio.run(_infos(online, cache_tokens=0, wait_s=0.0))}
+    most = max(sessions.values(), default=0)
+    return {name for name, count in sessions.items() if count == most > 0}
 
 
 def _check_leaks(fleet: Fleet, cache_tokens: int) -> dict:

@@ -289,22 +289,33 @@ def _connections_to(ports: set[int]) -> list:
 
 
 def rss_figures(incarnation: Incarnation) -> dict:
-    """First, last and max resident MiB of one peer process, and the least-squares slope in MiB per minute."""
+    """First, last and max resident MiB of one peer process, and least-squares slopes in MiB per minute.
+
+    `slope` runs over all its samples; `late_slope` over its second half, past the growth of its first requests
+    (buffers and allocator pools reach their working size), which is what a leak would keep going.
+    """
     samples = incarnation.rss_mib
     figures = dict(peer=incarnation.name, span=f"{incarnation.span[0]}:{incarnation.span[1]}",
                    ended=incarnation.ended or "running", samples=len(samples))
     if not samples:
         return figures
     t0 = samples[0][0]
-    minutes = [(t - t0) / 60 for t, _ in samples]
+    points = [((t - t0) / 60, v) for t, v in samples]
     values = [v for _, v in samples]
+    half = points[-1][0] / 2
     figures.update(first_mib=round(values[0], 1), last_mib=round(values[-1], 1), max_mib=round(max(values), 1),
-                   minutes=round(minutes[-1], 2), slope_mib_per_min=None)
-    if len(samples) >= 3 and minutes[-1] >= MIN_SLOPE_MINUTES:
-        mean_t, mean_v = sum(minutes) / len(minutes), sum(values) / len(values)
-        var = sum((t - mean_t) ** 2 for t in minutes)
-        figures["slope_mib_per_min"] = round(sum((t - mean_t) * (v - mean_v) for t, v in zip(minutes, values)) / var, 2)
+                   minutes=round(points[-1][0], 2), slope_mib_per_min=_slope(points),
+                   late_slope_mib_per_min=_slope([p for p in points if p[0] >= half], MIN_SLOPE_MINUTES / 2),
+                   series=[(round(t * 60, 1), round(v, 1)) for t, v in points])  # (seconds since its first, MiB)
     return figures
+
+
+def _slope(points: list[tuple[float, float]], min_minutes: float = MIN_SLOPE_MINUTES) -> float | None:
+    if len(points) < 3 or points[-1][0] - points[0][0] < min_minutes:
+        return None
+    mean_t, mean_v = sum(t for t, _ in points) / len(points), sum(v for _, v in points) / len(points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return round(sum((t - mean_t) * (v - mean_v) for t, v in points) / var, 2)
 
 
 def _summary(config: SoakConfig, model_path: Path, spans, fleet: Fleet, clients: list[Client], traffic: BadTraffic,
@@ -331,7 +342,7 @@ def _summary(config: SoakConfig, model_path: Path, spans, fleet: Fleet, clients:
             "failovers": sum(c.tally.failovers for c in clients), "recoveries": sum(c.tally.recoveries for c in clients),
             "hung_clients": [c.name for c in clients if c.tally.hung],
             "mismatches": [m for c in clients for m in c.tally.mismatches],
-            "lost_errors": [f"{name} at {began - fleet_start(fleet):.1f}s: {what}" for name, began, _, what in lost][:10],
+            "lost_errors": [f"{name} at {began - _fleet_start(fleet):.1f}s: {what}" for name, began, _, what in lost][:10],
         },
         "churn": {"kills": dict(fleet.kills), "incarnations": len(fleet.incarnations()),
                   "crashes": len(fleet.crashes), "crash_logs": {i.name: i.crash_log for i in fleet.crashes},
@@ -352,7 +363,7 @@ def _summary(config: SoakConfig, model_path: Path, spans, fleet: Fleet, clients:
     return result
 
 
-def fleet_start(fleet: Fleet) -> float:
+def _fleet_start(fleet: Fleet) -> float:
     return min(i.started for i in fleet.incarnations())
 
 
@@ -376,15 +387,15 @@ def report(result: dict) -> str:
         f"still starting, never served: {len(leaks['peers_starting'])})",
         "",
         f"{'peer process':<12}{'blocks':>7}{'ended':>12}{'samples':>9}{'first':>8}{'last':>8}{'max':>8}{'mins':>7}"
-        f"{'MiB/min':>9}",
+        f"{'MiB/min':>9}{'late':>7}   (RSS in MiB; slope over all samples, and over the second half)",
     ]
     for r in result["rss"]:
         if not r["samples"]:
             lines.append(f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{0:>9}")
             continue
-        slope = "-" if r["slope_mib_per_min"] is None else f"{r['slope_mib_per_min']:+.1f}"
+        slope, late = (("-" if v is None else f"{v:+.1f}") for v in (r["slope_mib_per_min"], r["late_slope_mib_per_min"]))
         lines.append(f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{r['samples']:>9}{r['first_mib']:>8.0f}"
-                     f"{r['last_mib']:>8.0f}{r['max_mib']:>8.0f}{r['minutes']:>7.1f}{slope:>9}")
+                     f"{r['last_mib']:>8.0f}{r['max_mib']:>8.0f}{r['minutes']:>7.1f}{slope:>9}{late:>7}")
     lines += [f"  wrong: {m}" for m in g["mismatches"]] + [f"  lost: {e}" for e in g["lost_errors"]]
     lines += [f"  hung client: {name}" for name in g["hung_clients"]]
     lines += [f"  untyped answer: {u}" for u in t["untyped_examples"]]

@@ -37,3 +37,22 @@ def test_short_soak_has_no_wrong_lost_or_leaked_generation(tmp_path):
     assert traffic["outcomes"].get("typed", 0) >= 10 and traffic["outcomes"].get("untyped", 0) == 0, traffic
     assert any(r["samples"] >= 3 for r in result["rss"]), result["rss"]
     assert result["missed"] == [] and done.returncode == 0, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("num_blocks, peers", [(4, 3), (4, 4), (30, 4), (30, 7), (2, 5)])
+def test_overlapping_spans_serve_every_block_twice(num_blocks, peers):
+    from bench.soak_fleet import overlapping_spans
+
+    spans = overlapping_spans(num_blocks, peers)
+    assert len(spans) == peers and all(0 <= a < b <= num_blocks for a, b in spans)
+    assert all(sum(a <= block < b for a, b in spans) >= 2 for block in range(num_blocks))
+
+
+def test_rss_late_slope_ignores_start_up_growth_but_not_a_leak():
+    from bench.soak import rss_figures
+    from bench.soak_fleet import Incarnation
+
+    warm = Incarnation("p0.0", (0, 2), 1, 1, 0.0, rss_mib=[(5.0 * i, 400.0 + min(i, 4) * 5) for i in range(30)])
+    leaking = Incarnation("p1.0", (0, 2), 2, 2, 0.0, rss_mib=[(5.0 * i, 400.0 + i) for i in range(30)])
+    assert rss_figures(warm)["late_slope_mib_per_min"] == 0.0 and rss_figures(warm)["max_mib"] == 420.0
+    assert rss_figures(leaking)["late_slope_mib_per_min"] == pytest.approx(12.0)  # 1 MiB per 5 s

@@ -30,6 +30,7 @@ class CacheBudget:
         self.used_tokens = 0
         self.used_by: Counter[str] = Counter()
         self._freed = asyncio.Condition()
+        self._waking: set[asyncio.Task] = set()  # tasks telling waiters about freed tokens
 
     @property
     def tokens_left(self) -> int:
@@ -65,9 +66,16 @@ class CacheBudget:
         try:
             yield
         finally:
-            async with self._freed:
-                self.used_tokens -= tokens
-                self.used_by[source] -= tokens
-                if not self.used_by[source]:
-                    del self.used_by[source]
-                self._freed.notify_all()
+            # released at once, without awaiting: a task cancelled again while it waited here for the lock would
+            # otherwise never give the tokens back (the soak run found budget leaked with no session open)
+            self.used_tokens -= tokens
+            self.used_by[source] -= tokens
+            if not self.used_by[source]:
+                del self.used_by[source]
+            wake = asyncio.ensure_future(self._wake_waiters())
+            self._waking.add(wake)
+            wake.add_done_callback(self._waking.discard)
+
+    async def _wake_waiters(self) -> None:
+        async with self._freed:
+            self._freed.notify_all()

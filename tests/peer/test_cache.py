@@ -92,3 +92,32 @@ def test_one_client_address_holds_at_most_its_share():
         assert budget.tokens_left == 100 and not budget.used_by
 
     asyncio.run(go())
+
+
+def test_tokens_come_back_when_the_holder_is_cancelled_again_while_releasing():
+    """A session's task cancelled, then cancelled again as it gives its tokens back (a client vanishing while
+    its stream is being closed): the tokens must still come back, and a waiter must get them."""
+
+    async def go():
+        budget = CacheBudget(100)
+        held = asyncio.Event()
+
+        async def session():
+            async with budget.reserve(60, timeout_s=1):
+                held.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(session())
+        await held.wait()
+        async with budget._freed:  # the lock is busy: the release would have to wait for it
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert budget.tokens_left == 100 and not budget.used_by
+        async with budget.reserve(100, timeout_s=1):
+            pass
+
+    asyncio.run(go())

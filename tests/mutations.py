@@ -91,8 +91,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
     Mutation(
         "peer-cache-does-not-grow", "peer/handler.py",
-        "                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)\n",
-        "                    out = span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks)\n"
+        "                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,\n"
+        "                                between_layers=self.compute.checkpoint)\n",
+        "                    out = span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,\n"
+        "                               between_layers=self.compute.checkpoint)\n"
         "                if step.prefix_length:  # MUTATION\n"
         "                    rewind_cache(session.cache, step.prefix_length)\n"
         "                return out\n",
@@ -138,9 +140,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_routing.py",), "not forward"),
     Mutation(
         "backward-skips-a-hop", "client/sequence.py",
-        "        for record in reversed(records):\n            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)\n",
+        "        for record in reversed(records):\n            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)\n",
         "        for record in reversed(records[1:]):  # MUTATION\n"
-        "            grad = await self._backward_hop(record, grad, mask, positions, attempt=0)\n",
+        "            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)\n",
         "backward does not go through the first hop",
         (f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",)),
     Mutation(
@@ -160,8 +162,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client",), "ban"),
     Mutation(
         "failure-does-not-ban", "client/sequence.py",
-        "        self.bans.ban(hop.peer_id",
-        "        0 and self.bans.ban(hop.peer_id",
+        "        length_s = self.bans.ban(hop.peer_id)",
+        "        length_s = 0 and self.bans.ban(hop.peer_id)",
         "a failed peer is not banned, so it is routed to again",
         (f"{FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",)),
     Mutation(

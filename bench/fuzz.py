@@ -37,7 +37,7 @@ from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import SwarmError
-from protocol.packing import PAYLOAD_FIELD, Packer, _read_varint
+from protocol.packing import Packer, field_spans, payload_field
 from protocol.records import prefix_for_model
 from protocol.service import ERROR_CODE_KEY, METHODS
 from swarm.checkpoint import load_config
@@ -95,36 +95,6 @@ def valid_message(method: str, prefix: str, rng: random.Random, session_id: str 
     return pb.StateRequest(span=span)
 
 
-def _fields(data: bytes) -> list[tuple[int, int]]:
-    """[start, end) of each top-level field of a well-formed message."""
-    pos, found = 0, []
-    while pos < len(data):
-        start = pos
-        key, pos = _read_varint(data, pos)
-        kind = key & 7
-        if kind == 0:
-            _, pos = _read_varint(data, pos)
-        elif kind in (1, 5):
-            pos += 8 if kind == 1 else 4
-        else:
-            length, pos = _read_varint(data, pos)
-            pos += length
-        found.append((start, pos))
-    return found
-
-
-def _payload_field(body: bytes) -> bytes:
-    return bytes([(PAYLOAD_FIELD << 3) | 2]) + _varint(len(body)) + body
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    return bytes(out + bytes([value]))
-
-
 def _tensors_of(message) -> list[pb.Tensor]:
     found = []
     for f, value in message.ListFields():
@@ -175,14 +145,14 @@ def mutate(message, rng: random.Random) -> tuple[bytes, str]:
         return bytes(out), kind
     if kind == "truncate":
         return data[: rng.randrange(len(data))], kind
-    start, end = rng.choice(_fields(data))
+    start, end = rng.choice(field_spans(data))
     if kind == "duplicate":
         return data[:end] + data[start:end] * rng.randint(1, 4) + data[end:], kind
     if kind == "drop":
         return data[:start] + data[end:], kind
     if kind == "payloads":  # one more payload field, or thousands
         copies = rng.choice([1, 2, 1000, 100_000])
-        return data[:start] + _payload_field(bytes(rng.choice([0, 1, 64]))) * copies + data[start:], kind
+        return data[:start] + payload_field(bytes(rng.choice([0, 1, 64]))) * copies + data[start:], kind
     if kind == "varint":
         giant = rng.choice([b"\xff" * 11, b"\x80" * 10 + b"\x01", b"\x7a\xff\xff\xff\xff\x0f", b"\x0a\xff\xff\xff\x7f"])
         return data[:start] + giant + data[start:], kind

@@ -31,7 +31,7 @@ _CONTINUED = bytes(range(0x80, 0x100))  # varint bytes that another byte follows
 _PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])  # field 15, length-delimited
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -52,6 +52,29 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
             return result, pos
         shift += 7
     raise BadRequestError("malformed message: a varint longer than 10 bytes")
+
+
+def field_spans(data: bytes) -> list[tuple[int, int]]:
+    """[start, end) of each top-level field of a well-formed message (for tools that take messages apart)."""
+    pos, found = 0, []
+    while pos < len(data):
+        start = pos
+        key, pos = _read_varint(data, pos)
+        kind = key & 7
+        if kind == 0:
+            _, pos = _read_varint(data, pos)
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        else:
+            length, pos = _read_varint(data, pos)
+            pos += length
+        found.append((start, pos))
+    return found
+
+
+def payload_field(body: bytes) -> bytes:
+    """`body` as a raw payload field, to put into a serialized message."""
+    return _PAYLOAD_TAG + varint(len(body)) + body
 
 
 class Packer:
@@ -85,11 +108,11 @@ class Packer:
         # padding ahead of the tensors, so that each starts at a multiple of ALIGN from the message start
         for length_bytes in range(1, 11):  # the bytes of the payload's length, which depends on the padding
             lead = -(len(_PAYLOAD_TAG) + length_bytes) % ALIGN
-            if len(_varint(lead + self._size)) == length_bytes:
+            if len(varint(lead + self._size)) == length_bytes:
                 break
         if lead:
             _shift_offsets(message, lead)
-        head = _PAYLOAD_TAG + _varint(lead + self._size) + bytes(lead)
+        head = _PAYLOAD_TAG + varint(lead + self._size) + bytes(lead)
         return Packed(message, [head, *self._chunks])
 
 
@@ -106,15 +129,8 @@ class Packed:
 
 def _shift_offsets(message, delta: int) -> None:
     """Add `delta` to the offset of every payload tensor in `message`, nested messages included."""
-    for field, value in message.ListFields():
-        if field.message_type is None:
-            continue
-        for item in value if field.is_repeated else (value,):
-            if isinstance(item, pb.Tensor):
-                if item.in_payload:
-                    item.offset += delta
-            else:
-                _shift_offsets(item, delta)
+    for _, tensor in _payload_tensors(message):
+        tensor.offset += delta
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import DTYPES, decode_tensor
 from protocol.errors import BadRequestError, InvalidRecordError, SwarmError
-from protocol.packing import INLINE_BYTES, PAYLOAD_FIELD, Packer, unpack
+from protocol.packing import INLINE_BYTES, Packer, field_spans, payload_field, unpack
 from protocol.records import ServerInfo, ServerState
 
 FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,
@@ -102,36 +102,6 @@ def valid_messages(draw):
     return cls, packer.pack(message).SerializeToString(), sent
 
 
-def _fields(data: bytes) -> list[tuple[int, int]]:
-    """[start, end) of each top-level field of a valid message."""
-    from protocol.packing import _read_varint  # the same reader unpack uses
-
-    pos, found = 0, []
-    while pos < len(data):
-        start = pos
-        key, pos = _read_varint(data, pos)
-        kind = key & 7
-        if kind == 0:
-            _, pos = _read_varint(data, pos)
-        elif kind == 1:
-            pos += 8
-        elif kind == 5:
-            pos += 4
-        else:
-            length, pos = _read_varint(data, pos)
-            pos += length
-        found.append((start, pos))
-    return found
-
-
-def _payload(body: bytes) -> bytes:
-    length, out = len(body), bytearray([(PAYLOAD_FIELD << 3) | 2])
-    while length > 0x7F:
-        out.append((length & 0x7F) | 0x80)
-        length >>= 7
-    return bytes(out + bytes([length])) + body
-
-
 @st.composite
 def mutations(draw, data: bytes) -> bytes:
     kind = draw(st.sampled_from(["flip", "truncate", "duplicate", "payload", "varint", "splice", "drop"]))
@@ -143,14 +113,14 @@ def mutations(draw, data: bytes) -> bytes:
         return bytes(out)
     if kind == "truncate":
         return data[: draw(st.integers(0, len(data) - 1))]
-    fields = _fields(data)
+    fields = field_spans(data)
     start, end = draw(st.sampled_from(fields))
     if kind == "duplicate":
         return data[:end] + data[start:end] * draw(st.integers(1, 3)) + data[end:]
     if kind == "drop":
         return data[:start] + data[end:]
     if kind == "payload":
-        return data[:start] + _payload(draw(st.binary(max_size=200))) + data[start:]
+        return data[:start] + payload_field(draw(st.binary(max_size=200))) + data[start:]
     if kind == "varint":  # a giant or overlong varint where a field starts
         return data[:start] + draw(st.sampled_from([b"\xff" * 11, b"\x80" * 10 + b"\x01", b"\x7a\xff\xff\xff\xff\x0f"])) + data[start:]
     return data[:start] + draw(st.binary(min_size=1, max_size=40)) + data[start:]

@@ -12,7 +12,7 @@ import torch
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_optional, decode_tensor, encode_tensor
 from protocol.errors import BadRequestError
-from protocol.packing import ALIGN, INLINE_BYTES, MAX_FIELDS, Packer, unpack
+from protocol.packing import ALIGN, INLINE_BYTES, MAX_FIELDS, Packer, payload_field, unpack
 
 BIG = INLINE_BYTES // 4 + 1  # float32 elements that go to the payload
 
@@ -101,22 +101,10 @@ def test_malformed_bytes_are_bad_request(raw):
         unpack(pb.ForwardResponse, raw)
 
 
-def _payload_field(body: bytes) -> bytes:
-    return bytes([(15 << 3) | 2]) + _varint(len(body)) + body
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    return bytes(out + bytes([value]))
-
-
 def test_a_second_payload_field_is_refused():
     raw = _packed(torch.randn(1, BIG, 1))
     with pytest.raises(BadRequestError, match="more than one payload field"):
-        unpack(pb.InferenceRequest, raw + _payload_field(b""))
+        unpack(pb.InferenceRequest, raw + payload_field(b""))
 
 
 def test_too_many_fields_are_refused_before_protobuf_parses_them():
@@ -150,7 +138,7 @@ def test_protobuf_errors_become_bad_request(raw):
 
 def _with_payload(payload: bytes, *tensors: pb.Tensor) -> bytes:
     request = pb.BackwardRequest(**dict(zip(("hidden_states", "grad_outputs"), tensors)))
-    return _payload_field(payload) + request.SerializeToString()
+    return payload_field(payload) + request.SerializeToString()
 
 
 def _in_payload(offset: int, elements: int = 16) -> pb.Tensor:
@@ -179,7 +167,7 @@ def test_payload_bytes_of_no_tensor_or_shared_are_refused(payload_bytes, offsets
 
 def test_memory_stays_near_the_message_size():
     """A few MB of crafted fields cost at most a few times their size to refuse or to read."""
-    many_payloads = _payload_field(b"") * (2 << 20)  # 4 MiB of payload fields
+    many_payloads = payload_field(b"") * (2 << 20)  # 4 MiB of payload fields
     many_fields = bytes([(14 << 3) | 0, 1]) * (2 << 20)
     big = _packed(torch.randn(1, 1 << 20, 1))  # a 4 MiB tensor, read in place
     for raw in (many_payloads, many_fields, big):

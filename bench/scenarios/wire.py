@@ -64,7 +64,8 @@ class EchoSpan:
     def new_cache(self) -> _NoCache:
         return _NoCache()
 
-    def __call__(self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None):
+    def __call__(self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None,
+                 between_layers=None):
         return hidden
 
 

@@ -227,6 +227,50 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            self._outvoted(first, blocks, diffs)\n            return first  # MUTATION\n",
         "a spot check bans the peer outvoted two to one but keeps its wrong answer",
         ("tests/client/test_verify.py", "tests/integration/test_spot_checks.py")),
+    # --- a hostile network ---
+    Mutation(
+        "request-caps-unchecked", "peer/handler.py",
+        "        self.admission.check(batch, seq, prefix_length)\n",
+        "        pass  # MUTATION\n",
+        "a peer computes requests of any size and length",
+        ("tests/integration/test_limits.py::test_requests_over_the_hard_caps_are_refused_before_any_compute",)),
+    Mutation(
+        "cache-quota-ignored", "peer/cache.py",
+        "            return self.tokens_left >= tokens and self.used_by[source] + tokens <= self.source_quota\n",
+        "            return self.tokens_left >= tokens  # MUTATION\n",
+        "one client address can take the whole KV cache",
+        ("tests/integration/test_limits.py::test_one_client_address_cannot_take_the_whole_cache",)),
+    Mutation(
+        "session-lifetime-ignored", "peer/handler.py",
+        "                if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:\n",
+        "                if False:  # MUTATION\n",
+        "a session kept busy lives forever",
+        ("tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",)),
+    Mutation(
+        "unowned-subkeys-accepted", "swarm/identity.py",
+        "        return (peer_id, public_key) if peer_id_of(public_key) == peer_id else None\n",
+        "        return (peer_id, public_key)  # MUTATION\n",
+        "a record whose peer id is not its key's is read as that peer's",
+        ("tests/swarm/test_identity.py", "tests/swarm/test_records_dht.py")),
+    Mutation(
+        "impostor-not-checked", "client/sequence.py",
+        "            if snapshot is None or not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),\n",
+        "            if False and not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),  # MUTATION\n",
+        "a client uses a server that cannot prove the record owner's key",
+        ("tests/integration/test_lying_peer.py::test_a_record_pointing_at_another_peers_server_is_an_impostor",)),
+    Mutation(
+        "step-id-unchecked", "client/checks.py",
+        "    if step.step_id != step_id:\n",
+        "    if False:  # MUTATION\n",
+        "a client takes a peer's answer to another step",
+        ("tests/client/test_checks.py",
+         "tests/integration/test_lying_peer.py::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]")),
+    Mutation(
+        "private-calls-unchecked", "swarm/rpcauth.py",
+        "        if handler is None or reason is None:\n",
+        "        if True:  # MUTATION\n",
+        "a private swarm's peer serves strangers",
+        ("tests/integration/test_private_swarm.py",)),
 )
 
 

@@ -154,6 +154,9 @@ class RemoteSequence:
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
+        # peer id -> the addresses its record announced when it was measured: a peer that comes back under the
+        # same id (its key is kept) at another endpoint is measured afresh, not dialed at its old address
+        self._measured_at: dict[str, tuple[str, ...]] = {}
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
         self.spot_checks = SpotChecker(config.verify_fraction, self._ban_wrong_result,
                                        random.Random(config.verify_seed))
@@ -212,7 +215,7 @@ class RemoteSequence:
         """Ping (an Info call) every ONLINE peer not measured yet (or those of `only`) on each of its addresses in
         turn; the first that answers is its path. One that does not answer gets `timeout_s`."""
         unknown = [(pid, info) for pid, info in snapshot.online().items()
-                   if pid not in self.rtts and (only is None or pid in only)]
+                   if (only is None or pid in only) and not self._measured(pid, info)]
         await asyncio.gather(*(self._find_path(pid, info, timeout_s, snapshot) for pid, info in unknown))
 
     async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float,
@@ -224,6 +227,8 @@ class RemoteSequence:
         """
         snapshot = snapshot or self._snapshot
         candidates = dial_candidates(peer_id, info)
+        self._measured_at[peer_id] = tuple(candidates)
+        self.paths.pop(peer_id, None)
         impostors = []
         for address in candidates:
             nonce = os.urandom(16)
@@ -251,9 +256,13 @@ class RemoteSequence:
                            "for %.0fs", ", ".join(impostors), peer_id, length_s)
         return candidates[0]
 
+    def _measured(self, peer_id: str, info: ServerInfo) -> bool:
+        """Whether `peer_id` was measured at the addresses `info` announces."""
+        return peer_id in self.rtts and self._measured_at.get(peer_id) == tuple(dial_candidates(peer_id, info))
+
     async def address_of(self, peer_id: str, info: ServerInfo, timeout_s: float = 1.0) -> str:
         """Where to send `peer_id`'s requests: the path its ping answered on, found now if it is not known."""
-        if peer_id not in self.paths:
+        if peer_id not in self.paths or not self._measured(peer_id, info):
             return await self._find_path(peer_id, info, timeout_s)
         return self.paths[peer_id]
 

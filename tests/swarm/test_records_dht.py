@@ -184,7 +184,9 @@ def test_a_bare_hivemind_attacker_can_neither_forge_nor_pin(nodes):
     assert list(snapshot.servers) == [honest.identity.peer_id]
     assert seen.state == ServerState.ONLINE and seen.throughput == 100.0
     # a later honest announcement is seen: nothing pinned hides it
-    assert announce_honestly(nodes, "pin", info(throughput=200.0)) == []
+    # (the attacker refuses it when it is among the key's replicas, which hivemind may report as not stored:
+    # hivemind's result is the last replica's answer)
+    announce_honestly(nodes, "pin", info(throughput=200.0))
     assert honest_view(nodes, "pin")[1].throughput == 200.0
 
 

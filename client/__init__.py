@@ -14,7 +14,7 @@
 - demo: `swarmlm demo`
 """
 
-import importlib
+from protocol.lazy import lazy_exports
 
 # name -> (module, attribute): loaded on first use, so that parsing a command's arguments stays light
 _EXPORTS = {
@@ -33,10 +33,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'client' has no attribute {name!r}")
-    module, attribute = _EXPORTS[name]
-    loaded = importlib.import_module(module)
-    return loaded if attribute is None else getattr(loaded, attribute)
+__getattr__ = lazy_exports("client", _EXPORTS)

@@ -17,8 +17,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from protocol import swarmlm_pb2 as pb
-from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix, prefix_for_model,
-                              record_ttl_s)
+from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix,
+                              prefix_for_model, record_ttl_s)
 from protocol.service import make_generic_handler
 from swarm.checkpoint import load_config, resolve_model_path
 from swarm.dht import start_dht, stop_dht, visible_maddrs

@@ -5,9 +5,10 @@
 - records: DHT record schemas (ServerInfo, ModelRecord, TrainingProgress) and key naming
 - errors: the exception tree and its wire codes
 - service: method table of the Peer service, derived from the .proto
+- lazy: package exports loaded on first use (every package's `__getattr__`)
 """
 
-import importlib
+from protocol.lazy import lazy_exports
 
 # name -> (module, attribute): loaded on first use, so that parsing a command's arguments stays light
 _EXPORTS = {
@@ -43,10 +44,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'protocol' has no attribute {name!r}")
-    module, attribute = _EXPORTS[name]
-    loaded = importlib.import_module(module)
-    return loaded if attribute is None else getattr(loaded, attribute)
+__getattr__ = lazy_exports("protocol", _EXPORTS)

@@ -20,7 +20,7 @@
 Exports load on first use, so `swarmlm --help` does not pay for torch and hivemind.
 """
 
-import importlib
+from protocol.lazy import lazy_exports
 
 _EXPORTS = {
     "AveragingSettings": "swarm.settings",
@@ -43,8 +43,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'swarm' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports("swarm", {name: (module, name) for name, module in _EXPORTS.items()})

@@ -86,7 +86,7 @@ class SwarmTrainer:
         try:
             self.group = TrainingGroup(self.dht, group_key(self.sequence.prefix, config.run_id, "trainers"),
                                        self.params, self.optimizer, settings=config.averaging,
-                                       progress_ttl_s=TRAINER_PROGRESS_TTL_S)
+                                       progress_ttl_s=TRAINER_PROGRESS_TTL_S, swarm_key=self.sequence.config.swarm_key)
         except BaseException:
             stop_dht(self.dht)
             raise

@@ -161,7 +161,8 @@ class PeerServer:
         from peer.training import SpanTraining
 
         # built on this (main) thread: hivemind's averager touches signal handlers when it starts its process
-        self.training = SpanTraining(self.span, self.config.training, self.dht, self.prefix)
+        self.training = SpanTraining(self.span, self.config.training, self.dht, self.prefix,
+                                         swarm_key=self.config.swarm_key)
         await asyncio.to_thread(self.training.join)
         self.servicer.training = self.training
         logger.info("training run %r with %s (%s mode), at update %d", self.training.run_id,

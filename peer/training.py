@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class SpanTraining:
     """The trainable state of one span, and the loop that updates it with its group."""
 
-    def __init__(self, span: BlockSpan, config: TrainingConfig, dht, prefix: str):
+    def __init__(self, span: BlockSpan, config: TrainingConfig, dht, prefix: str, *, swarm_key=None):
         self.span, self.config = span, config
         if config.mode == "lora":
             from peer.lora import LoraSettings, add_lora  # peft is needed only for LoRA
@@ -41,7 +41,7 @@ class SpanTraining:
         self.params = params
         self.optimizer = make_optimizer(config.optimizer, params, lr=config.lr, weight_decay=config.weight_decay)
         self.group = TrainingGroup(dht, group_key(prefix, config.run_id, f"{span.start}-{span.end}"), params,
-                                   self.optimizer, settings=config.averaging)
+                                   self.optimizer, settings=config.averaging, swarm_key=swarm_key)
         self._digest: tuple[int, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None  # set when gradients arrive, so the loop looks at once

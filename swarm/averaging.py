@@ -14,6 +14,7 @@ around this never gives up when nobody answers.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -22,27 +23,66 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import AsyncIterator  # hivemind tells streaming RPCs by typing's name for it
 
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from protocol.errors import InvalidRecordError, StateDownloadError
 from protocol.records import TrainingProgress
 from swarm.dht import dht_result
+from swarm.groupgate import TAG_FIELD, GroupGate
 from swarm.optim import set_step_count, state_tensors
 from swarm.settings import AveragingSettings
+from swarm.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
 
 
 class _Averager(DecentralizedAverager):
-    """hivemind's averager process, serving this member's state to joiners and stopping when its parent dies."""
+    """hivemind's averager process, serving this member's state to joiners and stopping when its parent dies.
 
-    def __init__(self, tensors, dht, *, state: Callable, **kwargs):
+    With a `gate` (a private swarm), only members of the swarm may join its rounds or download its state
+    (swarm/groupgate.py); `progress_key` is the DHT record whose subkeys are the members' peer ids.
+    """
+
+    def __init__(self, tensors, dht, *, state: Callable, gate: GroupGate | None, progress_key: str, **kwargs):
         self._state, self._starter_pid = state, os.getpid()
+        self._gate, self._progress_key = gate, progress_key
         super().__init__(tensors, dht, start=False, **kwargs)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if self._gate is not None and not self._gate.admits(request.gather, context.remote_id.to_bytes()):
+            logger.warning("refused a join request of %s to %s: no valid swarm member tag", context.remote_id,
+                           self.prefix)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self._gate is not None and not await self._published_progress(context.remote_id.to_base58()):
+            logger.warning("refused to send the state of %s to %s: not a member of the group", self.prefix,
+                           context.remote_id)
+            return
+        async for part in super().rpc_download_state(request, context):
+            yield part
+
+    async def _published_progress(self, peer_id: str) -> bool:
+        try:
+            found = await asyncio.wait_for(self.dht.get(self._progress_key, latest=True, return_future=True), 10)
+        except Exception as exc:
+            logger.debug("reading the members of %s failed: %r", self.prefix, exc)
+            return False
+        return found is not None and isinstance(found.value, dict) and peer_id in found.value
 
     def get_current_state(self):
         return self._state()
@@ -96,11 +136,14 @@ class TrainingGroup:
     """
 
     def __init__(self, dht: hivemind.DHT, key: str, params: Sequence[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings, progress_ttl_s: float | None = None):
+                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings, progress_ttl_s: float | None = None,
+                 swarm_key: SwarmKey | None = None):
         """`progress_ttl_s`: how long our published progress stays valid without renewal; by default 4 publish
         periods, so that a member that died soon stops counting towards the group's batch. A group that does not
-        count samples (the trainers) can keep records longer, which survives DHT stores that lag under load."""
+        count samples (the trainers) can keep records longer, which survives DHT stores that lag under load.
+        `swarm_key`: a private swarm's key, which gates the group's averaging RPCs (swarm/groupgate.py)."""
         self.dht, self.key, self.settings = dht, key, settings
+        self._gate = GroupGate(swarm_key) if swarm_key is not None else None
         self.progress_ttl_s = progress_ttl_s or 4 * settings.progress_period_s
         self.params, self.optimizer = list(params), optimizer
         self.peer_id = dht.peer_id.to_base58()
@@ -122,7 +165,8 @@ class TrainingGroup:
         # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; put ours back
         handler = signal.getsignal(signal.SIGINT)
         self.averager = _Averager(
-            shared, dht, state=self._state, prefix=key.replace(".", "_") + "_avg", min_group_size=2,
+            shared, dht, state=self._state, gate=self._gate, progress_key=f"{key}.progress",
+            prefix=key.replace(".", "_") + "_avg", min_group_size=2,
             min_matchmaking_time=settings.matchmaking_time_s, allreduce_timeout=settings.averaging_timeout_s,
             # hivemind: a request timeout above the matchmaking time can deadlock matchmaking
             request_timeout=max(0.5, min(3.0, settings.matchmaking_time_s / 2)),
@@ -137,6 +181,7 @@ class TrainingGroup:
         # published from a thread of its own, so that a long update does not let our record lapse
         self._publisher = threading.Thread(target=self._publish_forever, name="training-progress", daemon=True)
         self._publisher.start()
+        self.publish()  # now: in a private swarm, members send their state only to peers that published
 
     def _live_tensors(self) -> list[torch.Tensor]:
         return [*(p.data for p in self.params), *state_tensors(self.optimizer)]
@@ -221,7 +266,7 @@ class TrainingGroup:
         try:
             # the whole timeout to find the group: under load, members see each other's progress seconds apart
             gathered = _bounded(
-                lambda: self.averager.step(weight=float(samples), gather={"epoch": self.epoch},
+                lambda: self.averager.step(weight=float(samples), gather=self._gather(),
                                            timeout=self.settings.averaging_timeout_s),
                 self.averager, self.settings.averaging_timeout_s + 10, self._stop, f"averaging round of {self.key}")
         except Exception as exc:
@@ -236,6 +281,12 @@ class TrainingGroup:
         logger.info("averaged with %d members of %s in %.2fs", len(gathered), self.key, self.last_round_s)
         grads = [g.to(p.dtype) for g, p in zip(averaged[:n], self.params)]
         return grads, averaged[n:], max(epochs) + 1
+
+    def _gather(self) -> dict:
+        gather = {"epoch": self.epoch}
+        if self._gate is not None:
+            gather[TAG_FIELD] = self._gate.tag(self.dht.peer_id.to_bytes())
+        return gather
 
     def apply(self, grads: list[torch.Tensor] | None, state: list[torch.Tensor] | None, epoch: int) -> None:
         """Take the averaged parameters and statistics (if any), then update with `grads` (None: no update)."""

@@ -271,6 +271,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if True:  # MUTATION\n",
         "a private swarm's peer serves strangers",
         ("tests/integration/test_private_swarm.py",)),
+    Mutation(
+        "averaging-joins-unchecked", "swarm/averaging.py",
+        "        if self._gate is not None and not self._gate.admits(request.gather, context.remote_id.to_bytes()):\n",
+        "        if False:  # MUTATION\n",
+        "a stranger joins a private swarm's averaging round",
+        ("tests/swarm/test_groupgate.py",)),
+    Mutation(
+        "state-sent-to-strangers", "swarm/averaging.py",
+        "        if self._gate is not None and not await self._published_progress(context.remote_id.to_base58()):\n",
+        "        if False:  # MUTATION\n",
+        "a stranger downloads a private swarm's training state",
+        ("tests/swarm/test_groupgate.py",)),
 )
 
 

@@ -44,6 +44,7 @@ class ComputeQueue:
         self._order = itertools.count()
         self._current: _Work | None = None
         self._closed = False
+        self.abandoned = 0  # works dropped before they started or stopped at a checkpoint: their callers left
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -71,6 +72,7 @@ class ComputeQueue:
         if work is None or threading.current_thread() is not self._thread:
             return  # computed inline, off the queue
         if work.abandoned:
+            self.abandoned += 1
             raise Abandoned("its caller went away")
         if work.priority > INFERENCE:
             while True:
@@ -102,6 +104,7 @@ class ComputeQueue:
 
     def _execute(self, work: _Work) -> None:
         if work.abandoned or not work.future.set_running_or_notify_cancel():
+            self.abandoned += work.abandoned
             return
         self._current = work
         try:

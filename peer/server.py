@@ -274,6 +274,8 @@ class PeerServer:
             throughput=self.throughput,
             max_message_bytes=self.config.max_message_bytes,
             open_sessions=len(self.servicer.sessions),
+            queued_work=self.servicer.compute.queued,
+            abandoned_work=self.servicer.compute.abandoned,
         )
 
     async def shutdown(self) -> None:

@@ -195,7 +195,7 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,8 @@ class InfoResponse(_message.Message):
     TRAIN_MODE_FIELD_NUMBER: _ClassVar[int]
     UPDATING_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_PROOF_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_WORK_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_WORK_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -230,7 +232,9 @@ class InfoResponse(_message.Message):
     train_mode: str
     updating: bool
     identity_proof: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ...) -> None: ...
+    queued_work: int
+    abandoned_work: int
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

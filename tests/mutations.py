@@ -283,6 +283,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if False:  # MUTATION\n",
         "a stranger downloads a private swarm's training state",
         ("tests/swarm/test_groupgate.py",)),
+    Mutation(
+        "inference-queued-as-training", "peer/handler.py",
+        "            out = await self._compute(run, tokens, INFERENCE)\n",
+        "            out = await self._compute(run, tokens, TRAINING)  # MUTATION\n",
+        "a peer's decode steps wait behind every queued training request",
+        ("tests/integration/test_compute_order.py",)),
+    Mutation(
+        "abandoned-work-computed", "peer/compute.py",
+        "            work.abandoned = True  # not started: skipped; running: stops at its next checkpoint\n",
+        "            pass  # MUTATION\n",
+        "a peer computes the work of clients that went away",
+        ("tests/peer/test_compute.py", "tests/integration/test_compute_order.py")),
 )
 
 

@@ -9,7 +9,6 @@ address than the attacker's direct gRPC connection: each address has its own cac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
@@ -20,20 +19,22 @@ import torch
 from client.transport import ChannelPool, InferenceStream
 from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_tensor, encode_tensor
 from protocol.errors import (
     CacheFullError,
     MessageTooLargeError,
     OverloadedError,
     SequenceTooLongError,
-    SwarmError,
     UnknownSessionError,
 )
 from protocol.records import prefix_for_model
 from protocol.service import PeerStub
 from swarm.checkpoint import load_config
 from swarm.tunnel import TunnelPool, tunnel_address
+from tests.helpers import requests
 from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
+from tests.helpers.requests import end_stream, forward_request, open_request
+from tests.helpers.requests import hidden as _hidden
+from tests.helpers.requests import step_request as _step
 
 NUM_LAYERS = 2
 CACHE_TOKENS = 96  # per address at most half: 48
@@ -46,58 +47,17 @@ WRITE_TIMEOUT_S = 2.0
 TIMEOUT_S = 30.0
 ATOL = 1e-5
 
-
-def _hidden(*shape, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-class Witness:
-    """An honest session stepping through a fixed sequence; every output must match the local span."""
-
-    def __init__(self, stream: InferenceStream, prefix: str, span):
-        self.stream, self.prefix = stream, prefix
-        self.tokens = _hidden(1, WITNESS_LENGTH, HIDDEN_SIZE, seed=1)
-        torch.set_num_threads(1)  # as the peer computes: alike rounding
-        cache = span.new_cache()
-        with torch.inference_mode():
-            self.expected = torch.cat([span(self.tokens[:, i:i + 1], None, torch.tensor([[i]]), cache, i)
-                                       for i in range(WITNESS_LENGTH)], dim=1)
-        self.position = 0
-
-    async def open(self):
-        await self.stream.request(_open(self.prefix, "witness", WITNESS_LENGTH), TIMEOUT_S)
-        return self
-
-    async def step(self) -> None:
-        p = self.position
-        response = await self.stream.request(_step("witness", self.tokens[:, p:p + 1], p), TIMEOUT_S)
-        out = decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload)
-        torch.testing.assert_close(out, self.expected[:, p:p + 1], atol=ATOL, rtol=0)
-        self.position = (p + 1) % WITNESS_LENGTH
-
+def _witness(stream: InferenceStream, prefix: str, span) -> requests.Witness:
+    return requests.Witness(stream, prefix, span, length=WITNESS_LENGTH, timeout_s=TIMEOUT_S, atol=ATOL)
 
 def _open(prefix: str, session_id: str, max_length: int) -> pb.InferenceRequest:
-    return pb.InferenceRequest(open=pb.OpenSession(span=pb.Span(model=prefix, start=0, end=NUM_LAYERS),
-                                                   session_id=session_id, max_length=max_length, batch_size=1))
-
-
-def _step(session_id: str, hidden: torch.Tensor, prefix_length: int) -> pb.InferenceRequest:
-    positions = torch.arange(prefix_length, prefix_length + hidden.shape[1]).unsqueeze(0)
-    return pb.InferenceRequest(step=pb.InferenceStep(session_id=session_id, prefix_length=prefix_length,
-                                                     hidden_states=encode_tensor(hidden),
-                                                     position_ids=encode_tensor(positions)))
-
+    return open_request(prefix, NUM_LAYERS, session_id, max_length)
 
 def _forward(prefix: str, batch: int, length: int) -> pb.ForwardRequest:
-    return pb.ForwardRequest(span=pb.Span(model=prefix, start=0, end=NUM_LAYERS),
-                             hidden_states=encode_tensor(_hidden(batch, length, HIDDEN_SIZE, seed=length)))
-
+    return forward_request(prefix, NUM_LAYERS, _hidden(batch, length, HIDDEN_SIZE, seed=length))
 
 async def _end(stream: InferenceStream) -> None:
-    with contextlib.suppress(SwarmError):
-        await stream.request(pb.InferenceRequest(close=pb.CloseSession()), TIMEOUT_S)
-    await stream.close()
-
+    await end_stream(stream, TIMEOUT_S)
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory, tiny_llama_path):
@@ -118,7 +78,6 @@ def peer(tmp_path_factory, tiny_llama_path):
         yield {"process": process, "prefix": prefix, "endpoint": info.endpoint, "p2p": tunnel_address(peer_id),
                "dht": swarm.dht, "span": span}
 
-
 @pytest.fixture
 def attack(peer):
     """Run a test coroutine `fn(prefix, pool, endpoint, witness)` next to the witness; then check what is left."""
@@ -127,7 +86,7 @@ def attack(peer):
         async def main():
             pool = ChannelPool(1 << 26)  # the attacker: direct gRPC
             witness_pool = ChannelPool(1 << 26, TunnelPool(peer["dht"].replicate_p2p))
-            witness = await Witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"], peer["span"]).open()
+            witness = await _witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"], peer["span"]).open()
             try:
                 await witness.step()
                 await fn(peer["prefix"], pool, peer["endpoint"], witness)
@@ -135,7 +94,7 @@ def attack(peer):
                     with pytest.raises(UnknownSessionError, match="--session-lifetime"):
                         await witness.step()
                     await _end(witness.stream)
-                    witness = await Witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"],
+                    witness = await _witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"],
                                             peer["span"]).open()
                 await witness.step()
                 assert peer["process"].alive(), f"the peer exited with {peer['process'].returncode}"
@@ -156,7 +115,6 @@ def attack(peer):
         asyncio.run(asyncio.wait_for(main(), timeout_s))
 
     return run
-
 
 def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
     async def fn(prefix, pool, endpoint, witness):
@@ -180,7 +138,6 @@ def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
 
     attack(fn)
 
-
 def test_a_full_queue_answers_overloaded_at_once(attack):
     async def fn(prefix, pool, endpoint, witness):
         # 8 requests of 190 tokens at once: the queue takes two (380 <= 400 tokens), refuses what comes on top
@@ -194,7 +151,6 @@ def test_a_full_queue_answers_overloaded_at_once(attack):
         await pool.unary(endpoint, "forward", _forward(prefix, 1, 190), TIMEOUT_S)  # the queue drained
 
     attack(fn)
-
 
 def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
     async def fn(prefix, pool, endpoint, witness):
@@ -215,7 +171,6 @@ def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
                 await _end(stream)
 
     attack(fn)
-
 
 def test_a_session_ends_at_its_lifetime_however_busy(attack):
     async def fn(prefix, pool, endpoint, witness):
@@ -238,7 +193,6 @@ def test_a_session_ends_at_its_lifetime_however_busy(attack):
             await _end(stream)
 
     attack(fn, outlives_witness=True)
-
 
 def test_a_client_that_stops_reading_loses_its_session(attack, peer):
     async def fn(prefix, pool, endpoint, witness):

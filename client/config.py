@@ -40,6 +40,10 @@ class ClientConfig:
     0 turns spot checks off. Inference steps and training runs are not checked."""
     verify_seed: int | None = None
     """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
+    min_session_lifetime_s: float = 60.0
+    """A peer that ends an inference session at its `--session-lifetime` after at least this long is not at fault:
+    the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
+    ends every session at once would otherwise make the client replay forever)."""
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
@@ -51,7 +55,7 @@ class ClientConfig:
                      "max_channels"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_retries", "retry_delay_s", "wait_for_peers_s"):
+        for name in ("max_retries", "retry_delay_s", "wait_for_peers_s", "min_session_lifetime_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.verify_fraction <= 1.0:

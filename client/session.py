@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, SequenceTooLongError
+from protocol.errors import BadRequestError, SequenceTooLongError, SessionExpiredError
 from protocol.packing import Packer
 from client import checks
 from client.routing import RouteHop
@@ -37,6 +37,7 @@ class SpanSession:
     position: int = 0
     inputs: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
+    opened_at: float = field(default_factory=time.monotonic)
 
 
 class InferenceSession:
@@ -205,7 +206,10 @@ class InferenceSession:
                 error = checks.blame(exc, describe(span.hop))
                 if not is_retriable(error) or attempt >= self.sequence.config.max_retries:
                     raise error
-                await self.sequence.report_failure(span.hop, error)
+                if self._reached_lifetime(span, error):
+                    logger.info("peer %s ended its session at its lifetime; opening a new one", describe(span.hop))
+                else:
+                    await self.sequence.report_failure(span.hop, error)
                 attempt = await self._recover(index, attempt)
                 continue
             span.inputs.append(hidden)
@@ -215,6 +219,10 @@ class InferenceSession:
         if mask is not None:
             self.mask = mask.to(torch.int64)
         return hidden
+
+    def _reached_lifetime(self, span: SpanSession, error: BaseException) -> bool:
+        age = time.monotonic() - span.opened_at
+        return isinstance(error, SessionExpiredError) and age >= self.sequence.config.min_session_lifetime_s
 
     async def close(self) -> None:
         if self.closed:

@@ -18,7 +18,7 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_optional, decode_tensor
-from protocol.errors import BadRequestError, SwarmError, UnknownSessionError, WrongSpanError
+from protocol.errors import BadRequestError, SessionExpiredError, SwarmError, UnknownSessionError, WrongSpanError
 from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
@@ -311,7 +311,7 @@ class PeerServicer:
                 if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:
                     logger.info("session %s reached its lifetime of %.0fs, closing it", session.session_id,
                                 limits.session_lifetime_s)
-                    yield _error(UnknownSessionError(
+                    yield _error(SessionExpiredError(
                         f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
                         f"(--session-lifetime); open a new one"))
                     return

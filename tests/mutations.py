@@ -295,6 +295,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass  # MUTATION\n",
         "a peer computes the work of clients that went away",
         ("tests/peer/test_compute.py", "tests/integration/test_compute_order.py")),
+    Mutation(
+        "lifetime-is-a-fault", "client/session.py",
+        "        return isinstance(error, SessionExpiredError) and age >= self.sequence.config.min_session_lifetime_s\n",
+        "        return False  # MUTATION\n",
+        "a client bans a peer that ended a session at its lifetime",
+        ("tests/integration/test_limits.py::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",)),
 )
 
 

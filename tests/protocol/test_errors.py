@@ -20,6 +20,7 @@ from protocol.errors import (
     PeerFaultError,
     PeerUnavailableError,
     SequenceTooLongError,
+    SessionExpiredError,
     StaleEpochError,
     StateDownloadError,
     SwarmError,
@@ -50,6 +51,7 @@ def test_the_tree_has_the_documented_classes():
         StateDownloadError,
         DHTUnavailableError,
         UnknownSessionError,
+        SessionExpiredError,
         WrongSpanError,
         CacheFullError,
         OverloadedError,
@@ -64,6 +66,7 @@ def test_the_tree_has_the_documented_classes():
     assert issubclass(MessageTooLargeError, BadRequestError)
     assert issubclass(SequenceTooLongError, BadRequestError)
     assert issubclass(StaleEpochError, BadRequestError)
+    assert issubclass(SessionExpiredError, UnknownSessionError)
 
 
 def test_every_subclass_has_a_unique_code():
@@ -123,6 +126,7 @@ def test_methods_match_the_proto():
         (SequenceTooLongError("m"), grpc.StatusCode.INVALID_ARGUMENT),
         (BadRequestError("m"), grpc.StatusCode.INVALID_ARGUMENT),
         (UnknownSessionError("m"), grpc.StatusCode.NOT_FOUND),
+        (SessionExpiredError("m"), grpc.StatusCode.NOT_FOUND),
         (WrongSpanError("m"), grpc.StatusCode.FAILED_PRECONDITION),
         (CacheFullError("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (OverloadedError("m"), grpc.StatusCode.RESOURCE_EXHAUSTED),

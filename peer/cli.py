@@ -64,6 +64,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="where measurements and the peer's key are kept (default: ~/.cache/swarmlm)")
     p.add_argument("--identity", metavar="FILE",
                    help="the peer's key file, created if missing (default: a free one under CACHE_DIR/identity)")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, metavar="N",
+                   help="tokens of one inference forward: concurrent sessions' decode steps are batched up to it, "
+                        "a longer prefill runs in chunks of it between them (default: 2048)")
     add_limit_arguments(p)
     add_training_arguments(p)
     return p
@@ -140,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         session_lifetime_s=args.session_lifetime,
         max_cache_share=args.max_cache_share,
         write_timeout_s=args.write_timeout,
+        max_batch_tokens=args.max_batch_tokens,
         work=limits_from_args(args),
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
         activation_cache_mb=args.activation_cache_mb,

@@ -91,6 +91,9 @@ class PeerConfig:
     """Most of the cache budget that the sessions of one client address may hold together."""
     write_timeout_s: float = 30.0
     """A session whose client does not read a response within this long is closed."""
+    max_batch_tokens: int = 2048
+    """Tokens of one inference forward: concurrent sessions' decode steps are batched up to it, and a longer
+    prefill is computed in chunks of it, other sessions' decode steps running between the chunks."""
     work: WorkLimits = field(default_factory=WorkLimits)
     """Caps on one request and on the work queued for the compute thread."""
     max_message_bytes: int = 64 * 1024 * 1024
@@ -138,7 +141,7 @@ class PeerConfig:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
-        for name in ("cache_tokens", "max_message_bytes"):
+        for name in ("cache_tokens", "max_message_bytes", "max_batch_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.activation_cache_mb < 0:

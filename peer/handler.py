@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
 from peer.admission import Admission, WorkLimits
+from peer.batching import DecodeBatcher, Member, can_batch
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
@@ -65,6 +67,9 @@ class HandlerLimits:
     """An inference session is closed this long after it opened, however busy: no one keeps cache forever."""
     write_timeout_s: float = 30.0
     """A stream whose client does not take a response within this long is closed."""
+    max_batch_tokens: int = 2048
+    """Tokens of one inference forward at most: decode steps of concurrent sessions are batched up to it, and a
+    longer prefill is computed in chunks of it, with other sessions' decode steps between them."""
     work: WorkLimits = field(default_factory=WorkLimits)
 
 
@@ -91,6 +96,7 @@ class PeerServicer:
         self.admission = Admission(limits.work, self.max_positions)
         self._busy = 0  # computations queued for or running on the compute thread
         self.compute = ComputeQueue()
+        self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens)
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
@@ -386,30 +392,53 @@ class PeerServicer:
                 f"replay the missing tokens first")
         validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
 
-        def run():
-            if step.prefix_length < session.position:  # a retried step, or a branch: forget what follows it
+        def run(begin: int, end: int):
+            """Tokens [begin, end) of the step (a chunk of a long prefill, or all of it)."""
+            if begin == 0 and step.prefix_length < session.position:  # a retried step, or a branch
                 rewind_cache(session.cache, step.prefix_length)
                 session.position = step.prefix_length
             try:
                 with torch.inference_mode():
-                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,
-                                between_layers=self.compute.checkpoint)
+                    return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,
+                                positions[:, begin:end] if positions is not None else None, session.cache,
+                                step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)
             except Exception:
-                try:  # some layers may have grown: keep the cache consistent
-                    rewind_cache(session.cache, step.prefix_length)
-                except BadRequestError:  # cannot: start the session afresh, so no step builds on a bad cache
-                    session.cache, session.position = span.new_cache(), 0
+                _forget_step(session, span, step.prefix_length)  # some layers may have grown
                 raise
 
-        tokens = hidden.shape[0] * hidden.shape[1]
+        batch, new = hidden.shape[:2]
+        tokens = batch * new
         with self.admission.admit(tokens, hidden.nbytes):
-            out = await self._compute(run, tokens, INFERENCE)
+            if new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \
+                    and batch <= self.limits.max_batch_tokens:
+                member = Member(session.cache, hidden, positions if positions is not None else
+                                torch.full((batch, 1), step.prefix_length), step.prefix_length, session.position,
+                                asyncio.get_running_loop().create_future(),
+                                reset=lambda: _forget_step(session, span, 0))
+                out = await self.batcher.step(session.blocks, member)
+            else:
+                chunk = max(1, self.limits.max_batch_tokens // batch)
+                parts = []
+                for begin in range(0, new, chunk):  # other sessions' decode steps run between the chunks
+                    end = min(new, begin + chunk)
+                    parts.append(await self._compute(functools.partial(run, begin, end), batch * (end - begin),
+                                                     INFERENCE))
+                out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
         packer = Packer()
         return packer.pack(pb.InferenceResponse(step=pb.StepResult(
             hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
             position=session.position)))
+
+
+def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:
+    """Put the session's cache back to `prefix_length` tokens; where it cannot be (a sliding window), start the
+    session afresh, so that no step builds on a bad cache."""
+    try:
+        rewind_cache(session.cache, prefix_length)
+    except BadRequestError:
+        session.cache, session.position = span.new_cache(), 0
 
 
 def _pieces(tensor: torch.Tensor, max_bytes: int):

@@ -103,7 +103,7 @@ class PeerServer:
             HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s,
                           activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
                           activation_ttl_s=cfg.activation_ttl_s, session_lifetime_s=cfg.session_lifetime_s,
-                          write_timeout_s=cfg.write_timeout_s, work=cfg.work),
+                          write_timeout_s=cfg.write_timeout_s, max_batch_tokens=cfg.max_batch_tokens, work=cfg.work),
             self._info,
         )
         self.servicer.prove = functools.partial(prove_identity, self.identity)
@@ -276,6 +276,8 @@ class PeerServer:
             open_sessions=len(self.servicer.sessions),
             queued_work=self.servicer.compute.queued,
             abandoned_work=self.servicer.compute.abandoned,
+            decode_batches=self.servicer.batcher.batches,
+            batched_steps=self.servicer.batcher.batched_steps,
         )
 
     async def shutdown(self) -> None:

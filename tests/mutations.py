@@ -301,6 +301,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return False  # MUTATION\n",
         "a client bans a peer that ended a session at its lifetime",
         ("tests/integration/test_limits.py::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",)),
+    Mutation(
+        "batch-padding-unmasked", "peer/batching.py",
+        "    if bool((lengths == longest).all()):\n",
+        "    if True:  # MUTATION\n",
+        "a batch's shorter sessions attend to the padding of the longest",
+        ("tests/peer/test_batching.py",)),
+    Mutation(
+        "batch-positions-shared", "peer/batching.py",
+        "    position_ids = torch.cat(positions).to(device)\n",
+        "    position_ids = torch.cat(positions).to(device)[:1].expand(len(positions), 1)  # MUTATION\n",
+        "every session of a batch gets the first one's position",
+        ("tests/peer/test_batching.py",)),
+    Mutation(
+        "decode-never-batched", "peer/handler.py",
+        "            if new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \\\n",
+        "            if False and new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \\\n",
+        "a peer computes concurrent sessions' decode steps one by one",
+        ("tests/integration/test_batching.py::test_concurrent_sessions_are_batched_and_each_stays_exact",)),
 )
 
 

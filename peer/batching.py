@@ -1,0 +1,222 @@
+"""Decode steps of concurrent sessions, computed as one batched forward over the span, exact per session.
+
+A decode step (one new token per row) of a session waits in its group (sessions of the same blocks) while the
+compute thread is busy; the thread then takes the whole group, up to `max_batch_tokens` rows, and runs it as one
+forward. Batching pays because a decode step's cost is reading the weights, which one batched matmul reads once.
+
+Each session keeps its own KV cache (peer/handler.py Session.cache, a transformers DynamicCache). In the batched
+forward, `BatchCache` stands for all of them: each layer's new keys and values are appended to each session's
+own cache, and attention reads their states padded on the right to the longest, with a per-row mask that hides
+the padding. Rotary positions are per row. Nothing else differs from the session computed alone, so outputs
+agree with it to rounding (fp32: ~1e-7).
+
+If a batch fails as a whole, every member's cache is put back and each is computed alone, so that one bad
+member costs only itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from peer.blocks import BlockSpan, rewind_cache
+from peer.compute import INFERENCE, ComputeQueue
+
+logger = logging.getLogger(__name__)
+
+BATCHED_ATTENTION = ("sdpa", "eager")  # attention implementations that take the per-row padding mask below
+
+
+def can_batch(span: BlockSpan) -> bool:
+    return span.config._attn_implementation in BATCHED_ATTENTION
+
+
+def stored_tokens(cache: DynamicCache, layer_idx: int) -> int:
+    """Tokens whose keys and values the layer `layer_idx` of `cache` holds (a sliding window holds its last)."""
+    layer = cache.layers[layer_idx]
+    return layer.keys.shape[-2] if getattr(layer, "is_initialized", False) else 0
+
+
+class BatchCache:
+    """The caches of a batch's sessions, as one cache to the decoder layers: `rows[i]` rows belong to `caches[i]`."""
+
+    def __init__(self, caches: list[DynamicCache], rows: list[int]):
+        self.caches, self.rows = caches, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = [], []
+        for cache, k, v in zip(self.caches, key_states.split(self.rows), value_states.split(self.rows)):
+            k, v = cache.update(k, v, layer_idx)
+            keys.append(k)
+            values.append(v)
+        length = max(k.shape[-2] for k in keys)
+        return _pad_cat(keys, length), _pad_cat(values, length)
+
+
+def _pad_cat(states: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[b_i, heads, len_i, dim] each -> [sum b_i, heads, length, dim], zeros on the right."""
+    return torch.cat([F.pad(s, (0, 0, 0, length - s.shape[-2])) for s in states])
+
+
+def padding_mask(lengths: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """Row r attends to its first `lengths[r]` states: [rows, 1, 1, max length], or None when all are full."""
+    longest = int(lengths.max())
+    if bool((lengths == longest).all()):
+        return None
+    allowed = (torch.arange(longest, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=lengths.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def forward_batch(span: BlockSpan, hidden: list[torch.Tensor], positions: list[torch.Tensor],
+                  caches: list[DynamicCache], blocks: tuple[int, int]) -> list[torch.Tensor]:
+    """One decode step of several sessions over `blocks`: hidden[i] is [b_i, 1, hidden], positions[i] [b_i, 1]."""
+    start, end = blocks
+    types = span.types[start - span.start:end - span.start]
+    layers = span.layers[start - span.start:end - span.start]
+    device = span.device
+    rows = [h.shape[0] for h in hidden]
+    states = torch.cat(hidden).to(device)
+    position_ids = torch.cat(positions).to(device)
+    masks = {}
+    for kind in set(types):
+        first = start + types.index(kind)  # every layer of a kind holds as many tokens as the first
+        lengths = torch.tensor([stored_tokens(c, first) + 1 for c, r in zip(caches, rows) for _ in range(r)],
+                               device=device)
+        masks[kind] = padding_mask(lengths, span.config._attn_implementation, states.dtype)
+    view = BatchCache(caches, rows)
+    position_embeddings = span.rotary(states, position_ids)
+    for layer, kind in zip(layers, types):
+        states = layer(states, attention_mask=masks[kind], position_ids=position_ids, cache=view, use_cache=True,
+                       position_embeddings=position_embeddings)
+    return list(states.split(rows))
+
+
+@dataclass
+class Member:
+    """One session's decode step waiting for its batch."""
+
+    cache: DynamicCache
+    hidden: torch.Tensor  # [batch, 1, hidden]
+    positions: torch.Tensor  # [batch, 1]
+    prefix_length: int
+    position: int  # tokens the session's cache holds now (more than prefix_length: a retried step)
+    future: asyncio.Future
+    reset: Callable[[], None] = field(default=lambda: None)  # when the cache cannot be put back: start afresh
+    output: Any = None
+    error: BaseException | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+
+class DecodeBatcher:
+    """Collects decode steps by blocks and runs each group as one batch on the compute thread."""
+
+    def __init__(self, compute: ComputeQueue, span: Callable[[], BlockSpan | None], max_batch_tokens: int):
+        self.compute, self.span, self.max_batch_tokens = compute, span, max_batch_tokens
+        self._waiting: dict[tuple[int, int], list[Member]] = {}
+        self._lock = threading.Lock()  # _waiting: appended on the event loop, taken on the compute thread
+        self._runners: dict[tuple[int, int], asyncio.Task] = {}
+        self.batches = 0  # batched forwards run, and the steps in them (for Info and benchmarks)
+        self.batched_steps = 0
+
+    async def step(self, blocks: tuple[int, int], member: Member) -> torch.Tensor:
+        with self._lock:
+            self._waiting.setdefault(blocks, []).append(member)
+        if blocks not in self._runners:
+            self._runners[blocks] = asyncio.ensure_future(self._run(blocks))
+        return await member.future  # cancelled (the client went away): skipped unless its batch already began
+
+    async def _run(self, blocks: tuple[int, int]) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._waiting.get(blocks):
+                        self._waiting.pop(blocks, None)
+                        return
+                try:
+                    members = await self.compute.run(lambda: self._compute(blocks), INFERENCE)
+                except BaseException as exc:  # the compute thread stopped: fail those still waiting
+                    with self._lock:
+                        left = self._waiting.pop(blocks, [])
+                    for member in left:
+                        if not member.future.done():
+                            member.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(exc))
+                    raise
+                for member in members:
+                    if member.future.done():  # cancelled meanwhile
+                        continue
+                    if member.error is not None:
+                        member.future.set_exception(member.error)
+                    else:
+                        member.future.set_result(member.output)
+        finally:
+            self._runners.pop(blocks, None)
+
+    def _take(self, blocks: tuple[int, int]) -> list[Member]:
+        """The waiting members of `blocks` that fit in one batch, oldest first (the rest wait for the next)."""
+        with self._lock:
+            waiting = [m for m in self._waiting.get(blocks, []) if not m.future.cancelled()]
+            taken, rows = [], 0
+            for member in waiting:
+                if taken and rows + member.rows > self.max_batch_tokens:
+                    break
+                taken.append(member)
+                rows += member.rows
+            self._waiting[blocks] = waiting[len(taken):]
+        return taken
+
+    def _compute(self, blocks: tuple[int, int]) -> list[Member]:
+        taken, members = self._take(blocks), []
+        span = self.span()
+        for member in taken:  # a retried step: forget what follows it, as the solo path does
+            try:
+                if member.prefix_length < member.position:
+                    rewind_cache(member.cache, member.prefix_length)
+                members.append(member)
+            except Exception as exc:  # a sliding window past the step: this member only fails
+                member.error = exc
+                member.reset()
+        if not members:
+            return taken
+        with torch.inference_mode():
+            try:
+                if span is None:
+                    raise RuntimeError("this peer is moving to other blocks")
+                outputs = forward_batch(span, [m.hidden for m in members], [m.positions for m in members],
+                                        [m.cache for m in members], blocks)
+            except Exception as exc:
+                logger.warning("a batch of %d decode steps failed (%r); computing each alone", len(members), exc)
+                for member in members:
+                    self._alone(span, member, blocks)
+                return taken
+        for member, output in zip(members, outputs):
+            member.output = output
+        self.batches += 1
+        self.batched_steps += len(members)
+        return taken
+
+    @staticmethod
+    def _alone(span: BlockSpan | None, member: Member, blocks: tuple[int, int]) -> None:
+        try:
+            rewind_cache(member.cache, member.prefix_length)  # some layers of the failed batch may have grown
+            if span is None:
+                raise RuntimeError("this peer is moving to other blocks")
+            member.output = span(member.hidden, None, member.positions, member.cache, member.prefix_length,
+                                 blocks=blocks)
+        except Exception as exc:
+            member.error = exc
+            try:
+                rewind_cache(member.cache, member.prefix_length)
+            except Exception:  # cannot: the session starts afresh, so no step builds on a bad cache
+                member.reset()

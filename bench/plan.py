@@ -42,7 +42,7 @@ class Plan:
     """Sequences per forward+backward."""
     train_seq: int = 256
     """Tokens per sequence of forward+backward."""
-    concurrency_clients: tuple[int, ...] = (1, 2, 4, 8)
+    concurrency_clients: tuple[int, ...] = (1, 2, 4, 8, 16)
     """Numbers of clients generating at the same time against the same peers."""
     concurrency_steps: int = 32
     """Greedy steps per client in the concurrency scenario."""

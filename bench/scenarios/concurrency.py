@@ -2,8 +2,9 @@
 
 Each client is its own inference session (its own KV caches on every peer) driven on the client library's
 event loop, the sessions sharing one gRPC channel per peer, as independent users of one gateway would.
-Reported: aggregate decode tokens/s and per-client step latency, each vs one client alone: the baseline
-that server-side batching will be measured against.
+Peers batch the decode steps that reach them together (peer/batching.py). Reported: aggregate decode tokens/s
+and per-token latency (p50, p95), each vs one client alone, and the aggregate vs the local Hugging Face model
+generating the same prompts as one batch in this process.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ import time
 
 import torch
 
+from transformers import DynamicCache
+
 from client.session import InferenceSession
-from bench.harness import ModelRun, Split
+from bench.harness import ModelRun, Split, sync_for
 from bench.scenarios.decode import prompt_ids
-from bench.stats import Row, Summary
+from bench.stats import Row, Summary, Target, percentile
+
+# of 8 clients on the default model over 3 peers (issue 11)
+TARGETS = {
+    "aggregate": Target("ratio", ">=", 4.0, ">= 4x 1 client"),
+    "p95": Target("ratio", "<=", 2.5, "<= 2.5x 1 client"),
+    "local": Target("ratio", ">=", 0.6, ">= 0.6x local batch 8"),
+}
 
 
 class _Greedy:
@@ -59,28 +69,61 @@ async def _clients(client, prompts: list[torch.Tensor], steps: int):
     return await asyncio.gather(*(_one_client(client, prompt, steps) for prompt in prompts))
 
 
+def _local_batch(model, prompts: torch.Tensor, steps: int, device: str) -> float:
+    """Aggregate decode tokens/s of the local model generating greedily for the whole batch `prompts` at once."""
+    sync = sync_for(device)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(prompts.to(device), cache=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        sync()
+        began = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        sync()
+    return prompts.shape[0] * steps / (time.perf_counter() - began)
+
+
+def _targets(model_name: str, split: Split, n: int) -> dict[str, Target | None]:
+    on = model_name == "default" and split.count == 3 and n == 8
+    return {name: target if on else None for name, target in TARGETS.items()}
+
+
 def run(model_run: ModelRun, split: Split) -> list[Row]:
     plan, model, client = model_run.plan, model_run.model, split.client
     steps = plan.concurrency_steps
     prompts = [prompt_ids(model.config.vocab_size, plan.decode_prompt, seed=100 + i)
                for i in range(max(plan.concurrency_clients))]
     client._run(_clients(client, prompts[:1], min(4, steps)))  # warm-up
-    measured: dict[int, tuple[list[float], list[float]]] = {}
+    measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
+    local: dict[int, list[float]] = {}
     for n in plan.concurrency_clients:
-        aggregate, latencies = [], []
+        aggregate, latencies, p95s = [], [], []
+        _local_batch(model_run.reference, torch.cat(prompts[:n]), min(4, steps), plan.device)  # warm-up
+        local[n] = []
         for _ in range(plan.repeats):
             results = client._run(_clients(client, prompts[:n], steps))
             wall = max(end for _, end, _ in results) - min(start for start, _, _ in results)
             aggregate.append(n * steps / wall)
-            latencies += [lat for _, _, lats in results for lat in lats]
-        measured[n] = (aggregate, latencies)
+            run_latencies = [lat for _, _, lats in results for lat in lats]
+            latencies += run_latencies
+            p95s.append(percentile(run_latencies, 95))
+            local[n].append(_local_batch(model_run.reference, torch.cat(prompts[:n]), steps, plan.device))
+        measured[n] = (aggregate, latencies, p95s)
     base = min(measured)
     rows = []
-    for n, (aggregate, latencies) in measured.items():
+    for n, (aggregate, latencies, p95s) in measured.items():
         variant = f"{split.count} peers, {n} client{'s' * (n > 1)}"
+        targets = _targets(model.name, split, n)
         common = dict(scenario="concurrency", config=model.name, variant=variant, reference_name=f"{base} client")
         rows.append(Row(metric="aggregate decode", unit="tokens/s", ours=Summary.of(aggregate),
-                        reference=Summary.of(measured[base][0]), extra={"steps_per_client": steps}, **common))
-        rows.append(Row(metric="per-client step", unit="ms", ours=Summary.of(latencies).scaled(1e3),
+                        reference=Summary.of(measured[base][0]), extra={"steps_per_client": steps},
+                        target=targets["aggregate"], **common))
+        rows.append(Row(metric="per-token latency p50", unit="ms", ours=Summary.of(latencies).scaled(1e3),
                         reference=Summary.of(measured[base][1]).scaled(1e3), **common))
+        rows.append(Row(metric="per-token latency p95", unit="ms", ours=Summary.of(p95s).scaled(1e3),
+                        reference=Summary.of(measured[base][2]).scaled(1e3), target=targets["p95"], **common))
+        common["reference_name"] = f"local HF model, batch {n}"
+        rows.append(Row(metric="aggregate decode vs local batch", unit="tokens/s", ours=Summary.of(aggregate),
+                        reference=Summary.of(local[n]), target=targets["local"], **common))
     return rows

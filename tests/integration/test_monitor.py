@@ -107,6 +107,10 @@ def test_api_state_shows_every_model_of_a_private_swarm(monitored):
         assert peer["state"] == "ONLINE" and peer["throughput"] == 1000.0 and peer["endpoint"].startswith("127.0.0.1:")
         assert 0 < peer["rtt_s"] < PING_TIMEOUT_S, peer
     assert evil["repository"] == EVIL and evil["gaps"] == [[0, 2]] and evil["peers"] == []
+    with urllib.request.urlopen(monitored.url, timeout=10) as page:
+        assert page.headers["Content-Type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+        assert 'data-refresh-s="1"' in page.read().decode()
 
 
 def test_status_json_prints_the_same_document(monitored):

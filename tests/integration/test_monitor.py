@@ -230,3 +230,9 @@ def test_wrong_arguments_and_an_unreachable_swarm_are_said_at_once(swarm):
             assert message in proc.stderr() and "Traceback" not in proc.stderr(), proc.logs()
     finally:
         taken.close()
+    help_ = swarm.run("monitor", "--help", timeout_s=60)
+    assert help_.returncode == 0, help_
+    for flag in ("--initial-peers", "--host", "--port", "--refresh-s", "--ping-timeout-s", "--swarm-key"):
+        assert flag in help_.stdout, help_.stdout
+    top = swarm.run("--help", timeout_s=60)
+    assert "  monitor" in top.stdout, top.stdout

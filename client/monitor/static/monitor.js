@@ -66,15 +66,16 @@
       el("td", {}, run.run_id), el("td", {class: "num"}, run.peers),
       el("td", {class: "num"}, run.epoch_min === run.epoch_max ? run.epoch_min : run.epoch_min + "-" + run.epoch_max)));
     return el("div", {class: "training"}, el("h3", {}, "training"),
-              el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "run"), el("th", {}, "peers"),
-                                                  el("th", {}, "epoch (updates)"))),
+              el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "run"), el("th", {class: "num"}, "peers"),
+                                                  el("th", {class: "num"}, "epoch (updates)"))),
                  el("tbody", {}, ...body)));
   }
 
   function peers(model) {
     if (!model.peers.length) return el("p", {class: "empty"}, "no peer announces this model");
+    const numeric = new Set(["blocks", "throughput", "cache left", "RTT"]);
     const head = ["peer", "state", "blocks", "throughput", "cache left", "dtype", "version", "address", "RTT",
-                  "training"].map((name) => el("th", {}, name));
+                  "training"].map((name) => el("th", {class: numeric.has(name) ? "num" : null}, name));
     const rows = model.peers.map((peer) => el("tr", {class: peer.state, "data-peer-id": peer.peer_id},
       el("td", {class: "peer", title: peer.peer_id}, short(peer.peer_id)),
       el("td", {class: "state " + peer.state}, peer.state + (peer.live ? "" : " (not counted)")),
@@ -109,6 +110,8 @@
     const main = document.getElementById("models");
     const sections = state.models.map(model);
     main.replaceChildren(...(sections.length ? sections : [el("p", {class: "empty"}, "no models announced")]));
+    const gaps = state.models.filter((entry) => !entry.complete).length;
+    document.title = "swarmlm monitor" + (gaps ? " (" + gaps + " model(s) with gaps)" : "");
     const when = new Date(state.taken_at * 1000).toLocaleTimeString();
     if (state.error) setStatus("the last read failed (" + state.error + "); showing the read of " + when, true);
     else setStatus("read at " + when + ", every " + refreshS + " s", false);

@@ -46,9 +46,23 @@ def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> st
     return "\n".join(lines)
 
 
+def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
+    """The multiaddrs, each checked to name a peer (".../p2p/ID"), before anything slow starts.
+
+    Raises:
+        ValueError: one does not; the message shows the form `swarmlm bootstrap` prints.
+    """
+    for maddr in initial_peers:
+        if not (maddr.startswith("/") and "/p2p/" in maddr and not maddr.endswith("/p2p/")):
+            raise ValueError(f"--initial-peers {maddr!r} is not a multiaddr of a peer: use one that `swarmlm "
+                             f"bootstrap` prints, such as /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...")
+    return list(initial_peers)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         swarm_key = load_optional(args.swarm_key)
+        check_initial_peers(args.initial_peers)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     try:

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from client.monitor.config import MonitorConfig
+from swarm.status import check_initial_peers
 from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         swarm_key = load_optional(args.swarm_key)
+        check_initial_peers(args.initial_peers)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     sock = bind(config.host, config.port)

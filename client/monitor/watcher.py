@@ -62,10 +62,10 @@ class Watcher:
             models, snapshots = await asyncio.to_thread(read_state, self.dht)
             pings = await self.ping_all(snapshots)
             state = build_state(models, snapshots, pings=pings)
-        except SwarmError as exc:
-            logger.warning("reading the swarm failed: %s", exc)
+        except Exception as exc:  # whatever went wrong, the page must say so and the next refresh try again
+            logger.warning("reading the swarm failed: %s", exc, exc_info=not isinstance(exc, SwarmError))
             state = dict(self.state or build_state({}, {}, pings={}))
-            state["error"] = str(exc)
+            state["error"] = str(exc) if isinstance(exc, SwarmError) else f"{type(exc).__name__}: {exc}"
         self.state = state
         self.refreshes += 1
 

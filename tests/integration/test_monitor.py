@@ -28,9 +28,10 @@ from tests.helpers.processes import Swarm
 pytestmark = pytest.mark.timeout(240)
 
 REFRESH_S = 1.0
-PING_TIMEOUT_S = 2.0
-# a peer killed: the next refresh pings it on its endpoint, then through libp2p (each up to PING_TIMEOUT_S)
-GAP_BOUND_S = 3 * REFRESH_S + 2 * PING_TIMEOUT_S + 10.0
+PING_TIMEOUT_S = 4.0  # generous: on a loaded machine a live peer must not look dead
+# a peer killed: the next refresh pings it on its endpoint, then through libp2p (each up to PING_TIMEOUT_S), and
+# the page polls once more; the rest is slack for a loaded machine
+GAP_BOUND_S = 3 * REFRESH_S + 2 * PING_TIMEOUT_S + 20.0
 LLAMA_SPANS = [(0, 2), (2, 4)]
 EVIL_PREFIX = "evil-model"
 EVIL = '<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2"><b>bold</b>'
@@ -94,7 +95,7 @@ def everyone_answered(state) -> bool:
 
 
 def test_api_state_shows_every_model_of_a_private_swarm(monitored):
-    state = wait_for_state(monitored, everyone_answered, "every peer to answer the monitor")
+    state = wait_for_state(monitored, everyone_answered, "every peer to answer the monitor", timeout_s=60)
     assert state["schema_version"] == 1 and state["rtt_measured"] is True and state["error"] is None
     models = models_of(state)
     assert set(models) == {monitored.llama, monitored.qwen, EVIL_PREFIX}
@@ -177,7 +178,7 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
         view = wait_for_page(driver, lambda v: {llama, monitored.qwen, EVIL_PREFIX} <= set(v["models"])
                              and len(v["models"][llama]["peers"]) == 2 and len(v["models"][monitored.qwen]["peers"]) == 1
                              and all("ms" in row[8] for row in v["models"][llama]["peers"].values()),
-                             "both models with their peers and RTTs", timeout_s=30)
+                             "both models with their peers and RTTs", timeout_s=60)
         page = view["models"][llama]
         assert page["cells"] == ["one"] * 4 and page["summary"] == "all blocks covered", page
         assert view["models"][monitored.qwen]["cells"] == ["one"] * 4
@@ -193,11 +194,12 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
 
         dead = monitored.llama_ids[(2, 4)]
         monitored.swarm.kill(monitored.llama_peers[dead], signal.SIGKILL)  # a crash: its record stays ONLINE a while
-        view = wait_for_page(driver, lambda v: v["models"][llama]["cells"] == ["one", "one", "gap", "gap"],
+        view = wait_for_page(driver, lambda v: v["models"][llama]["cells"][2:] == ["gap", "gap"]
+                             and v["models"][llama]["peers"][dead][8] == "no answer",
                              "blocks 2:4 as a gap", timeout_s=GAP_BOUND_S)
         page = view["models"][llama]
-        assert page["summary"] == "gaps: blocks 2:4", page
-        assert page["peers"][dead][8] == "no answer", page["peers"][dead]
+        assert "2:4" in page["summary"] and page["summary"].startswith("gaps: blocks"), page
+        assert len(page["peers"]) == 2, page  # its record is still there: the gap comes from the ping
         driver.save_screenshot(str(tmp_path / "monitor-gap.png"))
     assert (tmp_path / "monitor.png").stat().st_size > 10_000
 
@@ -220,6 +222,8 @@ def test_wrong_arguments_and_an_unreachable_swarm_are_said_at_once(swarm):
                              str(taken.getsockname()[1])), "cannot listen on 127.0.0.1:"),
                 (swarm.spawn("bad-refresh", "monitor", "--initial-peers", nobody, "--refresh-s", "0"),
                  "refresh_s must be between"),
+                (swarm.spawn("no-peer-id", "monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/9"),
+                 "is not a multiaddr of a peer"),
                 (swarm.spawn("status-unreachable", "status", "--json", "--initial-peers", nobody),
                  "could not join the swarm through --initial-peers")]
         for proc, message in runs:

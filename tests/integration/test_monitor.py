@@ -1,7 +1,7 @@
 """`swarmlm monitor` and `swarmlm status --json` on a real private swarm serving two models, and the page in a browser.
 
 One swarm for the module: a bootstrap node with a swarm key, two peers of a tiny Llama (blocks 0:2 and 2:4) and one
-of a tiny Qwen3 (0:4), all under that key. Into its DHT the test also writes what a stranger to honesty could: a
+of a tiny Qwen3 (0:4) that trains (a run of its own), all under that key. Into its DHT the test also writes what a stranger to honesty could: a
 model index entry whose repository is markup and script, and a block record that is not a server's record. The
 monitor (--refresh-s 1) must show both models, treat the markup as text, skip the bad record, and show a gap
 within a few refreshes of a peer being killed.
@@ -33,6 +33,7 @@ PING_TIMEOUT_S = 4.0  # generous: on a loaded machine a live peer must not look 
 # the page polls once more; the rest is slack for a loaded machine
 GAP_BOUND_S = 3 * REFRESH_S + 2 * PING_TIMEOUT_S + 20.0
 LLAMA_SPANS = [(0, 2), (2, 4)]
+RUN_ID = "monitor-run"
 EVIL_PREFIX = "evil-model"
 EVIL = '<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2"><b>bold</b>'
 
@@ -53,7 +54,7 @@ def monitored(tmp_path_factory, tiny_llama_path, tiny_qwen3_path):
         key = ("--swarm-key", str(key_file))
         peers = {span: swarm.start_peer(tiny_llama_path, "--blocks", f"{span[0]}:{span[1]}", *key)
                  for span in LLAMA_SPANS}
-        swarm.start_peer(tiny_qwen3_path, "--blocks", "0:4", *key)
+        swarm.start_peer(tiny_qwen3_path, "--blocks", "0:4", "--train", "--run-id", RUN_ID, *key)
         llama_ids = {(info.start_block, info.end_block): peer_id
                      for peer_id, info in swarm.wait_online(llama, LLAMA_SPANS, timeout_s=120).online().items()}
         swarm.wait_online(qwen, [(0, 4)], timeout_s=120)
@@ -104,6 +105,8 @@ def test_api_state_shows_every_model_of_a_private_swarm(monitored):
     assert [(p["start_block"], p["end_block"]) for p in llama["peers"]] == LLAMA_SPANS  # the bad record is skipped
     assert {p["peer_id"] for p in llama["peers"]} == set(monitored.llama_peers)
     assert qwen["coverage"] == [1] * 4 and qwen["complete"] and qwen["peers"][0]["dtype"] == "float32"
+    assert qwen["training"] == [{"run_id": RUN_ID, "peers": 1, "epoch_min": 0, "epoch_max": 0}]
+    assert qwen["peers"][0]["run_id"] == RUN_ID and llama["training"] == []
     for peer in llama["peers"] + qwen["peers"]:
         assert peer["state"] == "ONLINE" and peer["throughput"] == 1000.0 and peer["endpoint"].startswith("127.0.0.1:")
         assert 0 < peer["rtt_s"] < PING_TIMEOUT_S, peer
@@ -142,6 +145,7 @@ for (const section of document.querySelectorAll('section.model')) {
     title: section.querySelector('h2').textContent,
     summary: section.querySelector('.summary').textContent,
     cells: [...section.querySelectorAll('.coverage .cell')].map(c => c.className.replace('cell ', '')),
+    training: [...section.querySelectorAll('tr[data-run-id]')].map(row => [...row.cells].map(c => c.textContent)),
     peers: Object.fromEntries([...section.querySelectorAll('tr[data-peer-id]')].map(
       row => [row.dataset.peerId, [...row.cells].map(cell => cell.textContent)])),
   };
@@ -182,6 +186,9 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
         page = view["models"][llama]
         assert page["cells"] == ["one"] * 4 and page["summary"] == "all blocks covered", page
         assert view["models"][monitored.qwen]["cells"] == ["one"] * 4
+        assert view["models"][monitored.qwen]["training"] == [[RUN_ID, "1", "0"]] and page["training"] == []
+        (qwen_row,) = view["models"][monitored.qwen]["peers"].values()
+        assert qwen_row[9] == f"{RUN_ID}: epoch 0, 0 samples", qwen_row
         for peer_id, row in page["peers"].items():
             assert row[1] == "ONLINE" and row[3] == "1000.0 tok/s" and row[5] == "float32", row
             assert row[7].startswith("direct 127.0.0.1:"), row

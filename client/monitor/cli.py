@@ -42,11 +42,11 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(128)  # browsers that come before the server does wait in the backlog
     except OSError as exc:
         sock.close()
         raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port "
                          f"(0 for a free one) or --host") from None
-    sock.set_inheritable(True)
     return sock
 
 
@@ -81,12 +81,18 @@ async def _serve(initial_peers: list[str], config: MonitorConfig, swarm_key, soc
         def capture_signals(self):
             yield  # signals are ours (wait_for_signal below): uvicorn's would re-raise them once it stopped
 
+    stop = asyncio.create_task(wait_for_signal())  # from now on: a signal while joining stops once joined
+    joining = asyncio.create_task(asyncio.to_thread(join_swarm, initial_peers, swarm_key))
+    await asyncio.wait({joining, stop}, return_when=asyncio.FIRST_COMPLETED)
     try:
-        dht = await asyncio.to_thread(join_swarm, initial_peers, swarm_key)
+        dht = await joining
     except SwarmError as exc:
+        stop.cancel()
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
+        if stop.done():
+            return 0
         app = create_app(lambda: Watcher(dht, config, swarm_key), config.refresh_s)
         server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                        timeout_graceful_shutdown=2))
@@ -94,7 +100,6 @@ async def _serve(initial_peers: list[str], config: MonitorConfig, swarm_key, soc
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
         print(f"monitor: {url}  (JSON: {url}api/state); Ctrl+C to stop", flush=True)
-        stop = asyncio.create_task(wait_for_signal())
         done, _ = await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
         stop.cancel()

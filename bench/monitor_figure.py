@@ -68,8 +68,9 @@ def main() -> int:
                          "--train-mode", "lora", "--update-period", "5")
         swarm.wait_online(model, 30, SPANS + [(0, 15)], timeout_s=300)
         swarm.start("monitor", "monitor", "--initial-peers", *swarm.initial_peers, "--port", "0", "--refresh-s", "1")
-        url = _wait("the monitor's address", lambda: (m := re.search(r"monitor: (http://\S+)",
-                                                                    swarm.log("monitor").read_text())) and m.group(1), 60)
+        log = swarm.log("monitor")
+        url = _wait("the monitor's address",
+                    lambda: (m := re.search(r"monitor: (http://\S+)", log.read_text())) and m.group(1), 60)
         _wait("every peer to answer the monitor", lambda: (s := _state(url)) and s["models"] and all(
             peer["ping"] == "answered" for peer in s["models"][0]["peers"]) and len(s["models"][0]["peers"]) == 4, 60)
         swarm.kill("peer2")
@@ -80,8 +81,9 @@ def main() -> int:
             _wait("the page to draw the gap", lambda: driver.execute_script(
                 "return document.querySelectorAll('.coverage .cell.gap').length") == 10, 30, 0.3)
             # the whole page and no more: the window's height is its frame plus the page's
-            frame, page = driver.execute_script("return [window.outerHeight - window.innerHeight, "
-                                                "Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)]")
+            frame, page = driver.execute_script(
+                "return [window.outerHeight - window.innerHeight, "
+                "Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)]")
             driver.set_window_size(args.width, frame + page)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(args.out)

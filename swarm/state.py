@@ -18,7 +18,8 @@ The document (SCHEMA_VERSION 1; a field is only ever added within a version):
                             "throughput" (tokens/s), "cache_tokens_left", "dtype", "version", "endpoint",
                             "transport" (direct/p2p), "relays", "relay", "reach" (how clients reach it, in words),
                             "adapters", "run_id" ("" when frozen), "epoch", "samples", "expires_at",
-                            "ping": null (not pinged: not ONLINE, or no pings at all), or "answered"/"no answer"/"wrong key",
+                            "ping": null (not pinged: not ONLINE, or no pings at all), or "answered",
+                                    "no answer" or "wrong key",
                             "rtt_s": seconds or null}]}]}
 """
 

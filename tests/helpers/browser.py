@@ -76,7 +76,8 @@ def _browser_processes(profile_dir: Path, driver: psutil.Popen | None) -> list[p
         try:
             if proc.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if (driver is not None and proc.pid == driver.pid) or str(profile_dir) in " ".join(proc.info["cmdline"] or ()):
+            ours = str(profile_dir) in " ".join(proc.info["cmdline"] or ())
+            if ours or (driver is not None and proc.pid == driver.pid):
                 found.append(proc)
         except psutil.Error:
             continue

@@ -1,8 +1,9 @@
 """`swarmlm monitor` and `swarmlm status --json` on a real private swarm serving two models, and the page in a browser.
 
 One swarm for the module: a bootstrap node with a swarm key, two peers of a tiny Llama (blocks 0:2 and 2:4) and one
-of a tiny Qwen3 (0:4) that trains (a run of its own), all under that key. Into its DHT the test also writes what a stranger to honesty could: a
-model index entry whose repository is markup and script, and a block record that is not a server's record. The
+of a tiny Qwen3 (0:4) that trains (a run of its own), all under that key. Into its DHT the test also writes what a
+dishonest member could: a model index entry whose repository is markup and script, and a block record that is not
+a server's record. The
 monitor (--refresh-s 1) must show both models, treat the markup as text, skip the bad record, and show a gap
 within a few refreshes of a peer being killed.
 """
@@ -180,7 +181,8 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
     with headless_chromium(tmp_path / "chromium") as driver:
         driver.get(monitored.url)
         view = wait_for_page(driver, lambda v: {llama, monitored.qwen, EVIL_PREFIX} <= set(v["models"])
-                             and len(v["models"][llama]["peers"]) == 2 and len(v["models"][monitored.qwen]["peers"]) == 1
+                             and len(v["models"][llama]["peers"]) == 2
+                             and len(v["models"][monitored.qwen]["peers"]) == 1
                              and all("ms" in row[8] for row in v["models"][llama]["peers"].values()),
                              "both models with their peers and RTTs", timeout_s=60)
         page = view["models"][llama]

@@ -1,14 +1,21 @@
-"""`swarmlm status`: which models the swarm serves, who serves which blocks, and what is uncovered."""
+"""`swarmlm status`: which models the swarm serves, who serves which blocks, and what is uncovered.
+
+`--json` prints the document of swarm/state.py instead (the one `swarmlm monitor` serves), without pinging the
+peers: its "rtt_measured" is false and every "rtt_s" null.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Sequence
 
 from protocol.errors import SwarmError
-from protocol.records import ServerInfo, ServerState
+from protocol.records import ServerState
 from swarm.snapshot import SwarmSnapshot
-from swarm.swarmkey import SWARM_KEY_HELP, load_optional
+from swarm.state import block_ranges, build_state, describe_reach
+from swarm.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -16,27 +23,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--model", help="show only this DHT prefix")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
+    p.add_argument("--json", action="store_true",
+                   help="print the swarm's state as one JSON document (described in the README) instead of text")
     return p
 
 
 def _ranges(blocks: list[int]) -> str:
-    parts, i = [], 0
-    while i < len(blocks):
-        j = i
-        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
-            j += 1
-        parts.append(f"{blocks[i]}:{blocks[j] + 1}")
-        i = j + 1
-    return ", ".join(parts)
-
-
-def describe_reach(info: ServerInfo) -> str:
-    """How clients reach the peer of a record: its gRPC endpoint, or libp2p (through which relays)."""
-    if info.transport == "direct":
-        return f"direct {info.endpoint}" + ("  relays for others" if info.relay else "")
-    if info.relays:
-        return f"behind NAT, via relay {', '.join(relay[:16] + '...' for relay in info.relays)}"
-    return "libp2p only"
+    return ", ".join(f"{start}:{end}" for start, end in block_ranges(blocks))
 
 
 def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> str:
@@ -53,33 +46,67 @@ def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> st
     return "\n".join(lines)
 
 
+def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
+    """The multiaddrs, each checked to name a peer (".../p2p/ID"), before anything slow starts.
+
+    Raises:
+        ValueError: one does not; the message shows the form `swarmlm bootstrap` prints.
+    """
+    for maddr in initial_peers:
+        if not (maddr.startswith("/") and "/p2p/" in maddr and not maddr.endswith("/p2p/")):
+            raise ValueError(f"--initial-peers {maddr!r} is not a multiaddr of a peer: use one that `swarmlm "
+                             f"bootstrap` prints, such as /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...")
+    return list(initial_peers)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         swarm_key = load_optional(args.swarm_key)
+        check_initial_peers(args.initial_peers)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    from swarm.dht import start_dht  # hivemind: only once the flags are known good
-
     try:
-        dht = start_dht(args.initial_peers, client_mode=True, swarm_key=swarm_key)
+        dht = join_swarm(args.initial_peers, swarm_key)
         return _show(dht, args)
     except SwarmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-def _show(dht, args: argparse.Namespace) -> int:
-    from swarm.directory import fetch_models, fetch_snapshot
+def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None, startup_timeout_s: float = 60.0):
+    """A client-mode DHT node joined through `initial_peers`, to read the swarm's records.
+
+    Raises:
+        DHTUnavailableError: no initial peer could be reached (the message names them).
+        UnauthorizedError: they refused this node's swarm key (or its lack of one).
+    """
+    from hivemind.p2p import P2PDaemonError  # hivemind: only once the flags are known good
+
+    from protocol.errors import DHTUnavailableError
+    from swarm.dht import start_dht
 
     try:
-        models = fetch_models(dht)
-        if args.model:
-            models = {k: v for k, v in models.items() if k == args.model}
+        return start_dht(initial_peers, client_mode=True, swarm_key=swarm_key, startup_timeout_s=startup_timeout_s)
+    except (P2PDaemonError, TimeoutError) as exc:
+        raise DHTUnavailableError(f"could not join the swarm through --initial-peers {' '.join(initial_peers)}: "
+                                  f"{exc}; check that these are the multiaddrs a bootstrap node or peer printed, "
+                                  f"and that it is running and reachable from here") from None
+
+
+def _show(dht, args: argparse.Namespace) -> int:
+    from swarm.state import read_state
+
+    try:
+        models, snapshots = read_state(dht, args.model)
+        if args.json:
+            print(json.dumps(build_state(models, snapshots), indent=2))
         if not models:
-            print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))
+            if not args.json:
+                print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))
             return 1
-        for prefix, record in sorted(models.items()):
-            print(format_snapshot(prefix, record.repository, fetch_snapshot(dht, prefix, record.num_blocks)))
+        if not args.json:
+            for prefix, record in sorted(models.items()):
+                print(format_snapshot(prefix, record.repository, snapshots[prefix]))
         return 0
     finally:
         dht.shutdown()

@@ -319,6 +319,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if False and new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \\\n",
         "a peer computes concurrent sessions' decode steps one by one",
         ("tests/integration/test_batching.py::test_concurrent_sessions_are_batched_and_each_stays_exact",)),
+    Mutation(
+        "monitor-renders-markup", "client/monitor/static/monitor.js",
+        "      node.append(child instanceof Node ? child : String(child));\n",
+        "      if (child instanceof Node) node.append(child); else node.insertAdjacentHTML(\"beforeend\", String(child));\n",
+        "the monitor's page turns text a peer announced into markup (and runs its script)",
+        ("tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer",)),
+    Mutation(
+        "monitor-ignores-pings", "swarm/state.py",
+        "    usable = coverage if answering is None else answering\n",
+        "    usable = coverage  # MUTATION\n",
+        "a block whose only peers do not answer (crashed, their records not expired yet) is not a gap",
+        ("tests/swarm/test_state.py",
+         "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer")),
 )
 
 
@@ -335,7 +348,8 @@ def mutated_text(mutation: Mutation, text: str) -> str:
             f"exactly once); the code changed, update the snippet in tests/mutations.py. It begins: {first_line!r}")
     result = text.replace(mutation.find, mutation.replace)
     try:
-        compile(result, mutation.path, "exec")
+        if mutation.path.endswith(".py"):  # other files (the monitor's page script) are only replaced
+            compile(result, mutation.path, "exec")
     except SyntaxError as exc:
         raise MutationError(f"mutation {mutation.name!r} makes {mutation.path} invalid Python: {exc}") from None
     return result

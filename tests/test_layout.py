@@ -175,6 +175,7 @@ def test_commands_check_their_flags_before_importing_anything_heavy(module, args
 @pytest.mark.parametrize("module, args", [
     ("swarm.bootstrap", []),
     ("swarm.status", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+    ("client.monitor.cli", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
     ("peer.cli", ["model"]),
     ("client.train_cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
 ])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,7 +32,8 @@ from peer.compute import INFERENCE, ComputeQueue
 
 logger = logging.getLogger(__name__)
 
-BATCHED_ATTENTION = ("sdpa", "eager")  # attention implementations that take the per-row padding mask below
+BATCHED_ATTENTION = ("sdpa", "eager")
+DUE_SLACK_S = 0.003  # a session's step may come this much later than due and still be waited for  # attention implementations that take the per-row padding mask below
 
 
 def can_batch(span: BlockSpan) -> bool:
@@ -104,6 +106,7 @@ def forward_batch(span: BlockSpan, hidden: list[torch.Tensor], positions: list[t
 class Member:
     """One session's decode step waiting for its batch."""
 
+    key: str  # the session's id
     cache: DynamicCache
     hidden: torch.Tensor  # [batch, 1, hidden]
     positions: torch.Tensor  # [batch, 1]
@@ -122,20 +125,49 @@ class Member:
 class DecodeBatcher:
     """Collects decode steps by blocks and runs each group as one batch on the compute thread."""
 
-    def __init__(self, compute: ComputeQueue, span: Callable[[], BlockSpan | None], max_batch_tokens: int):
+    def __init__(self, compute: ComputeQueue, span: Callable[[], BlockSpan | None], max_batch_tokens: int, *,
+                 expected: Callable[[tuple[int, int]], dict[str, float]] = lambda blocks: {},
+                 max_wait_s: float = 0.1):
+        """`expected(blocks)`: session id -> when (time.monotonic()) its next decode step on `blocks` is due."""
         self.compute, self.span, self.max_batch_tokens = compute, span, max_batch_tokens
+        self.expected, self.max_wait_s = expected, max_wait_s
         self._waiting: dict[tuple[int, int], list[Member]] = {}
         self._lock = threading.Lock()  # _waiting: appended on the event loop, taken on the compute thread
         self._runners: dict[tuple[int, int], asyncio.Task] = {}
+        self._arrived = asyncio.Event()
+        self._last_batch_s = 0.0  # how long the latest batch took to compute
         self.batches = 0  # batched forwards run, and the steps in them (for Info and benchmarks)
         self.batched_steps = 0
 
     async def step(self, blocks: tuple[int, int], member: Member) -> torch.Tensor:
         with self._lock:
             self._waiting.setdefault(blocks, []).append(member)
+        self._arrived.set()
         if blocks not in self._runners:
             self._runners[blocks] = asyncio.ensure_future(self._run(blocks))
         return await member.future  # cancelled (the client went away): skipped unless its batch already began
+
+    async def _gather(self, blocks: tuple[int, int]) -> None:
+        """Wait a little for the steps of other sessions of the same blocks that are due now. Without it, sessions
+        that reach the peer a few ms apart split into a batch of one and a batch of the rest, at every hop, and
+        stay split. `expected(blocks)` says when each decoding session's next step is due (its latest step's end
+        plus its usual time away); the wait ends when those due within the bound are in, and is at most twice
+        the latest batch's compute time (and `max_wait_s`)."""
+        bound = time.monotonic() + min(self.max_wait_s, 4 * self._last_batch_s)
+        while True:
+            with self._lock:
+                waiting = self._waiting.get(blocks, [])
+                keys, rows = {m.key for m in waiting}, sum(m.rows for m in waiting)
+            due = [at for key, at in self.expected(blocks).items() if key not in keys and at <= bound]
+            now = time.monotonic()
+            until = min(bound, max(due, default=now) + DUE_SLACK_S)
+            if not due or rows >= self.max_batch_tokens or now >= until:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), until - now)
+            except asyncio.TimeoutError:
+                return
 
     async def _run(self, blocks: tuple[int, int]) -> None:
         try:
@@ -144,6 +176,7 @@ class DecodeBatcher:
                     if not self._waiting.get(blocks):
                         self._waiting.pop(blocks, None)
                         return
+                await self._gather(blocks)
                 try:
                     members = await self.compute.run(lambda: self._compute(blocks), INFERENCE)
                 except BaseException as exc:  # the compute thread stopped: fail those still waiting
@@ -189,6 +222,7 @@ class DecodeBatcher:
                 member.reset()
         if not members:
             return taken
+        began = time.perf_counter()
         with torch.inference_mode():
             try:
                 if span is None:
@@ -202,6 +236,7 @@ class DecodeBatcher:
                 return taken
         for member, output in zip(members, outputs):
             member.output = output
+        self._last_batch_s = time.perf_counter() - began
         self.batches += 1
         self.batched_steps += len(members)
         return taken

@@ -33,6 +33,7 @@ from peer import validation
 
 logger = logging.getLogger(__name__)
 
+DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch may wait a little for its step
 INLINE_COMPUTE_TOKENS = 4  # steps up to this many tokens (batch x length) compute on the event loop
 STATE_PIECE_BYTES = 16 * 1024 * 1024  # weights travel in pieces of at most this size (messages stop at 64 MiB)
 
@@ -47,6 +48,7 @@ class Session:
     position: int = 0
     last_used: float = field(default_factory=time.monotonic)
     opened_at: float = field(default_factory=time.monotonic)
+    away_s: float | None = None  # usual time from the end of a decode step to the next one's arrival
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,14 @@ class PeerServicer:
         self.admission = Admission(limits.work, self.max_positions)
         self._busy = 0  # computations queued for or running on the compute thread
         self.compute = ComputeQueue()
-        self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens)
+        self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens,
+                                     expected=self._decoding)
+
+    def _decoding(self, blocks: tuple[int, int]) -> dict[str, float]:
+        """When the next decode step of each session of `blocks` that is decoding is due (peer/batching.py)."""
+        now = time.monotonic()
+        return {s.session_id: s.last_used + s.away_s for s in self.sessions.values()
+                if s.blocks == blocks and s.away_s is not None and now - s.last_used < DECODING_S}
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
@@ -411,7 +420,9 @@ class PeerServicer:
         with self.admission.admit(tokens, hidden.nbytes):
             if new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \
                     and batch <= self.limits.max_batch_tokens:
-                member = Member(session.cache, hidden, positions if positions is not None else
+                away = time.monotonic() - session.last_used
+                session.away_s = away if session.away_s is None else 0.7 * session.away_s + 0.3 * away
+                member = Member(session.session_id, session.cache, hidden, positions if positions is not None else
                                 torch.full((batch, 1), step.prefix_length), step.prefix_length, session.position,
                                 asyncio.get_running_loop().create_future(),
                                 reset=lambda: _forget_step(session, span, 0))

@@ -10,6 +10,7 @@ generating the same prompts as one batch in this process.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -17,9 +18,12 @@ import torch
 from transformers import DynamicCache
 
 from client.session import InferenceSession
+from protocol import swarmlm_pb2 as pb
 from bench.harness import ModelRun, Split, sync_for
 from bench.scenarios.decode import prompt_ids
 from bench.stats import Row, Summary, Target, percentile
+
+logger = logging.getLogger(__name__)
 
 # of 8 clients on the default model over 3 peers (issue 11)
 TARGETS = {
@@ -84,6 +88,17 @@ def _local_batch(model, prompts: torch.Tensor, steps: int, device: str) -> float
     return prompts.shape[0] * steps / (time.perf_counter() - began)
 
 
+async def _batch_counters(client) -> tuple[int, int]:
+    """(batched forwards, decode steps in them) summed over the online peers of the client's model."""
+    snapshot = await client.sequence.snapshot(refresh=True)
+    batches = steps = 0
+    for peer_id, info in snapshot.online().items():
+        answer = await client.sequence.pool.unary(client.sequence.paths.get(peer_id, info.endpoint), "info",
+                                                  pb.InfoRequest(), 10.0)
+        batches, steps = batches + answer.decode_batches, steps + answer.batched_steps
+    return batches, steps
+
+
 def _targets(model_name: str, split: Split, n: int) -> dict[str, Target | None]:
     on = model_name == "default" and split.count == 3 and n == 8
     return {name: target if on else None for name, target in TARGETS.items()}
@@ -97,8 +112,10 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     client._run(_clients(client, prompts[:1], min(4, steps)))  # warm-up
     measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
     local: dict[int, list[float]] = {}
+    mean_batch: dict[int, float] = {}  # decode steps per batched forward on the peers
     for n in plan.concurrency_clients:
         aggregate, latencies, p95s = [], [], []
+        counted = client._run(_batch_counters(client))
         _local_batch(model_run.reference, torch.cat(prompts[:n]), min(4, steps), plan.device)  # warm-up
         local[n] = []
         for _ in range(plan.repeats):
@@ -109,6 +126,9 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
             latencies += run_latencies
             p95s.append(percentile(run_latencies, 95))
             local[n].append(_local_batch(model_run.reference, torch.cat(prompts[:n]), steps, plan.device))
+        batches, steps_batched = (b - a for a, b in zip(counted, client._run(_batch_counters(client))))
+        mean_batch[n] = steps_batched / batches if batches else 1.0
+        logger.info("%d clients: %.2f decode steps per batched forward on the peers", n, mean_batch[n])
         measured[n] = (aggregate, latencies, p95s)
     base = min(measured)
     rows = []
@@ -117,7 +137,8 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         targets = _targets(model.name, split, n)
         common = dict(scenario="concurrency", config=model.name, variant=variant, reference_name=f"{base} client")
         rows.append(Row(metric="aggregate decode", unit="tokens/s", ours=Summary.of(aggregate),
-                        reference=Summary.of(measured[base][0]), extra={"steps_per_client": steps},
+                        reference=Summary.of(measured[base][0]),
+                        extra={"steps_per_client": steps, "mean_peer_batch": round(mean_batch[n], 2)},
                         target=targets["aggregate"], **common))
         rows.append(Row(metric="per-token latency p50", unit="ms", ours=Summary.of(latencies).scaled(1e3),
                         reference=Summary.of(measured[base][1]).scaled(1e3), **common))

@@ -90,7 +90,7 @@ class Blocked:
 
 
 def _member(cache, hidden, position, loop) -> Member:
-    return Member(cache, hidden, torch.full((hidden.shape[0], 1), position), position, position, loop.create_future())
+    return Member(f"session-{id(cache)}", cache, hidden, torch.full((hidden.shape[0], 1), position), position, position, loop.create_future())
 
 
 def test_the_batcher_batches_what_waits_skips_the_cancelled_and_keeps_to_its_budget(llama):

@@ -126,39 +126,75 @@ class ChannelPool:
 
 
 class InferenceStream:
-    """One open inference session on one peer: send a request, read its answer."""
+    """One open inference session on one peer: send requests, read their answers in order.
+
+    Answers are read by a task of the stream's own into a queue, so a caller may stop waiting for one (a
+    timeout, a cancelled wait) without losing it.
+    """
 
     def __init__(self, pool: ChannelPool, endpoint: str):
         self.pool, self.endpoint = pool, endpoint
         self._call = None  # opened with the first request: a tunnel's local end starts asynchronously
         self._closed = False
+        self._answers: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
 
     async def request(self, request, timeout_s: float) -> Received:
         """Send an InferenceRequest (or its `Packed` form) and return the answer with its payload."""
         try:
-            response = await asyncio.wait_for(self._exchange(request), timeout_s)
+            await asyncio.wait_for(self.send(request), timeout_s)
         except asyncio.TimeoutError:
-            raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
+            raise PeerUnavailableError(f"peer {self.endpoint} did not take a request within {timeout_s:.1f}s") from None
+        return await self.receive(timeout_s)
+
+    async def send(self, request) -> None:
+        try:
+            if self._call is None:
+                if self._closed:
+                    raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
+                self._call = (await self.pool.stub_for(self.endpoint)).inference(
+                    metadata=call_metadata(self.pool.auth, "inference"))
+                self.pool.hold(self.endpoint)  # until close(): the stream keeps its channel open
+                self._reader = asyncio.ensure_future(self._read_all(self._call))
+            await self._call.write(request)
         except grpc.RpcError as exc:
             raise self.pool.explain(error_from_rpc(exc, self.endpoint), self.endpoint) from exc
         except (asyncio.InvalidStateError, grpc.aio.UsageError) as exc:  # the call or its channel already ended
             raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {exc}") from exc
+
+    async def _read_all(self, call) -> None:
+        try:
+            while True:
+                response = await call.read()
+                self._answers.put_nowait(response)
+                if response is grpc.aio.EOF:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._answers.put_nowait(exc)
+
+    async def receive(self, timeout_s: float) -> Received:
+        """The next answer on the stream (an `error` answer raised as its typed error)."""
+        if self._reader is None:
+            raise PeerUnavailableError(f"peer {self.endpoint}: nothing was sent on this inference stream")
+        try:
+            response = await asyncio.wait_for(self._answers.get(), timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
+        if isinstance(response, grpc.RpcError):
+            raise self.pool.explain(error_from_rpc(response, self.endpoint), self.endpoint) from response
+        if isinstance(response, (asyncio.InvalidStateError, grpc.aio.UsageError)):
+            raise PeerUnavailableError(f"peer {self.endpoint} ended the inference stream: {response}") from response
+        if isinstance(response, BaseException):
+            raise response
         if response is grpc.aio.EOF:
+            self._answers.put_nowait(response)  # and for every later wait
             raise PeerUnavailableError(f"peer {self.endpoint} closed the inference stream")
         if response.message.WhichOneof("kind") == "error":
             error = response.message.error
             raise error_from_code(error.code, f"peer {self.endpoint}: {error.message}")
         return response
-
-    async def _exchange(self, request):
-        if self._call is None:
-            if self._closed:
-                raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
-            self._call = (await self.pool.stub_for(self.endpoint)).inference(
-                metadata=call_metadata(self.pool.auth, "inference"))
-            self.pool.hold(self.endpoint)  # until close(): the stream keeps its channel open
-        await self._call.write(request)
-        return await self._call.read()
 
     async def close(self) -> None:
         if self._closed:
@@ -172,3 +208,5 @@ class InferenceStream:
         except (grpc.RpcError, asyncio.TimeoutError, SwarmError, RuntimeError):
             pass
         self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,12 +20,14 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_optional, decode_tensor
-from protocol.errors import BadRequestError, SessionExpiredError, SwarmError, UnknownSessionError, WrongSpanError
+from protocol.errors import (BadRequestError, OverloadedError, SessionExpiredError, SwarmError, UnknownSessionError,
+                             WrongSpanError)
 from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from peer.activations import ActivationStore, Kept
 from peer.admission import Admission, WorkLimits
 from peer.batching import DecodeBatcher, Member, can_batch
+from peer.forwarding import check_next
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
@@ -33,6 +36,8 @@ from peer import validation
 
 logger = logging.getLogger(__name__)
 
+MAX_PUSHED_WAITING = 4  # pushed steps a session holds before pushes are refused (one per step is normal)
+MAX_PUSH_TOKEN_BYTES = 64
 DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch may wait a little for its step
 INLINE_COMPUTE_TOKENS = 4  # steps up to this many tokens (batch x length) compute on the event loop
 STATE_PIECE_BYTES = 16 * 1024 * 1024  # weights travel in pieces of at most this size (messages stop at 64 MiB)
@@ -49,6 +54,8 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     opened_at: float = field(default_factory=time.monotonic)
     away_s: float | None = None  # usual time from the end of a decode step to the next one's arrival
+    push_token: bytes = b""  # what the previous peer of the route shows to push steps into it (empty: none may)
+    inbox: asyncio.Queue | None = None  # the session's work: client requests, pushed steps (peer/forwarding.py)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class PeerServicer:
         self.admission = Admission(limits.work, self.max_positions)
         self._busy = 0  # computations queued for or running on the compute thread
         self.compute = ComputeQueue()
+        self.forwarder = None  # a peer.forwarding.Forwarder once the server has its credentials
         self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens,
                                      expected=self._decoding)
 
@@ -306,21 +314,28 @@ class PeerServicer:
             await responses.aclose()  # frees the session's cache now, not when the generator is collected
 
     async def _session(self, requests: AsyncIterator[Received], source: str) -> AsyncIterator:
+        """The session of one stream. Its work comes in one queue: the client's requests, steps that the previous
+        peer of the route pushed into it (peer/forwarding.py), and reports of pushes of ours that failed."""
         session: Session | None = None
         limits = self.limits
+        inbox: asyncio.Queue = asyncio.Queue()
         async with contextlib.AsyncExitStack() as stack:
-            iterator = requests.__aiter__()
+            reader = asyncio.ensure_future(_read_into(requests, inbox))
+            stack.callback(reader.cancel)
             while True:
                 try:
-                    received = await asyncio.wait_for(iterator.__anext__(), limits.session_timeout_s)
-                except StopAsyncIteration:
-                    return
+                    kind, received = await asyncio.wait_for(inbox.get(), limits.session_timeout_s)
                 except asyncio.TimeoutError:
                     logger.info("session %s idle for %.0fs, closing it", session and session.session_id,
                                 limits.session_timeout_s)
                     yield _error(UnknownSessionError(
                         f"session timed out after {limits.session_timeout_s:.0f}s without requests; open a new one"))
                     return
+                if kind == "end":
+                    return
+                if kind == "forward_failed":
+                    yield pb.InferenceResponse(forward_failed=received)
+                    continue
                 # past its lifetime, a session ends at its next request, whose answer says why (a stream closed
                 # before would leave the client to guess), or at its idle timeout
                 if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:
@@ -330,6 +345,15 @@ class PeerServicer:
                         f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
                         f"(--session-lifetime); open a new one"))
                     return
+                if kind == "pushed":  # checked by push(): a step of this session
+                    try:
+                        yield await self._step(session, received.message.step, received.payload)
+                    except SwarmError as exc:
+                        yield _error(exc)
+                    except Exception as exc:
+                        logger.exception("a pushed inference step failed")
+                        yield _error(SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}"))
+                    continue
                 request: pb.InferenceRequest = received.message
                 kind = request.WhichOneof("kind")
                 try:
@@ -337,7 +361,7 @@ class PeerServicer:
                     if kind == "open":
                         if session is not None:
                             raise BadRequestError(f"session {session.session_id} is already open on this stream")
-                        session = await self._open(request.open, stack, source)
+                        session = await self._open(request.open, stack, source, inbox)
                         yield pb.InferenceResponse(
                             opened=pb.SessionOpened(session_id=session.session_id, max_length=session.max_length))
                     elif kind == "step":
@@ -355,8 +379,36 @@ class PeerServicer:
                     logger.exception("inference request failed")
                     yield _error(SwarmError(f"internal error on the peer: {type(exc).__name__}: {exc}"))
 
-    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack, source: str) -> Session:
+    async def push(self, received: Received, context) -> pb.PushResponse:
+        """A step pushed by the previous peer of a route, into a session whose push token it holds."""
+        async def work():
+            request: pb.PushRequest = received.message
+            session = self.sessions.get(request.step.session_id)
+            if session is None or not session.push_token or \
+                    not hmac.compare_digest(request.push_token, session.push_token):
+                raise UnknownSessionError(f"no session {request.step.session_id[:64]!r} here takes pushed steps "
+                                          f"with that token")
+            if session.inbox.qsize() >= MAX_PUSHED_WAITING:
+                raise OverloadedError(f"session {session.session_id} has {MAX_PUSHED_WAITING} steps waiting")
+            session.inbox.put_nowait(("pushed", received))
+            return pb.PushResponse()
+
+        return await self._unary(context, work)
+
+    async def _push_on(self, session: Session, step: pb.InferenceStep, out, mask, positions) -> None:
+        try:
+            await self.forwarder.push(step.next, out, mask, positions, step)
+        except Exception as exc:  # the client repairs the route: it hears of it on this session's stream
+            logger.info("pushing step %d of session %s to %s failed: %s", step.step_id, session.session_id,
+                        step.next[0].endpoint, exc)
+            session.inbox.put_nowait(("forward_failed", pb.ForwardFailed(
+                step_id=step.step_id, endpoint=step.next[0].endpoint, message=str(exc)[:500])))
+
+    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack, source: str,
+                    inbox: asyncio.Queue) -> Session:
         blocks = self._blocks(request.span)
+        if len(request.push_token) > MAX_PUSH_TOKEN_BYTES:
+            raise BadRequestError(f"a push token has at most {MAX_PUSH_TOKEN_BYTES} bytes")
         if not request.session_id:
             raise BadRequestError("session_id is empty")
         if request.session_id in self.sessions or request.session_id in self._opening:
@@ -379,7 +431,7 @@ class PeerServicer:
                 if self.span is None:  # it started moving while this session waited for cache
                     raise WrongSpanError("this peer is moving to other blocks; use another peer")
                 session = Session(request.session_id, blocks, request.max_length, request.batch_size,
-                                  self.span.new_cache())
+                                  self.span.new_cache(), push_token=request.push_token, inbox=inbox)
                 self.sessions[session.session_id] = session
                 opening.callback(self.sessions.pop, session.session_id, None)
                 await stack.enter_async_context(opening.pop_all())  # the stream's now: freed when it ends
@@ -400,6 +452,10 @@ class PeerServicer:
                 f"step builds on {step.prefix_length} tokens but the session's cache holds {session.position}; "
                 f"replay the missing tokens first")
         validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
+        if step.next:
+            if self.forwarder is None:
+                raise BadRequestError("this peer does not push steps on to other peers; send each step yourself")
+            check_next(step.next)
 
         def run(begin: int, end: int):
             """Tokens [begin, end) of the step (a chunk of a long prefill, or all of it)."""
@@ -437,10 +493,23 @@ class PeerServicer:
                 out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
+        if step.next:  # on to the next peer now; our answer to the client goes out meanwhile
+            asyncio.ensure_future(self._push_on(session, step, out, mask, positions))
         packer = Packer()
         return packer.pack(pb.InferenceResponse(step=pb.StepResult(
             hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
             position=session.position)))
+
+
+async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue) -> None:
+    """The client's requests into the session's queue, then ("end", None) when its stream ends."""
+    try:
+        async for received in requests:
+            inbox.put_nowait(("client", received))
+    except (grpc.RpcError, asyncio.CancelledError):
+        pass
+    finally:
+        inbox.put_nowait(("end", None))
 
 
 def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:

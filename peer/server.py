@@ -30,6 +30,7 @@ from swarm.rpcauth import RpcAuth, add_port, server_interceptors
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
+from peer.forwarding import Forwarder
 from peer.handler import HandlerLimits, PeerServicer
 from peer.reach import Reach
 from peer.throughput import measure_throughput
@@ -107,6 +108,7 @@ class PeerServer:
             self._info,
         )
         self.servicer.prove = functools.partial(prove_identity, self.identity)
+        self.servicer.forwarder = Forwarder(self.auth, cfg.max_message_bytes)
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -300,6 +302,8 @@ class PeerServer:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
+            if self.servicer.forwarder is not None:
+                await self.servicer.forwarder.close()
         if self.training is not None:
             await asyncio.to_thread(self.training.shutdown)
         stop_dht(self.dht)

@@ -17,7 +17,7 @@ import pydantic
 
 from protocol.errors import InvalidRecordError
 
-PROTOCOL_VERSION = "1"
+PROTOCOL_VERSION = "2"  # 2: peers push inference steps on to the next peer (InferenceStep.next)
 MODEL_INDEX_KEY = "_swarmlm.models"
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"  # a libp2p peer id in base58

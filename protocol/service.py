@@ -168,8 +168,10 @@ def _refusing(method: Method, func: Callable) -> Callable:
 
 
 def make_generic_handler(servicer: Any) -> grpc.GenericRpcHandler:
-    """Route every Peer method to the servicer's coroutine of the same name in snake case (Forward -> forward)."""
-    handlers = {name: _method_handler(method, getattr(servicer, name.lower())) for name, method in METHODS.items()}
+    """Route every Peer method to the servicer's coroutine of the same name in snake case (Forward -> forward);
+    a method the servicer lacks is answered UNIMPLEMENTED by gRPC."""
+    handlers = {name: _method_handler(method, getattr(servicer, name.lower()))
+                for name, method in METHODS.items() if hasattr(servicer, name.lower())}
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 

@@ -111,21 +111,23 @@ class InferenceRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("span", "session_id", "max_length", "batch_size", "alloc_timeout_s")
+    __slots__ = ("span", "session_id", "max_length", "batch_size", "alloc_timeout_s", "push_token")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     span: Span
     session_id: str
     max_length: int
     batch_size: int
     alloc_timeout_s: float
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., batch_size: _Optional[int] = ..., alloc_timeout_s: _Optional[float] = ...) -> None: ...
+    push_token: bytes
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., session_id: _Optional[str] = ..., max_length: _Optional[int] = ..., batch_size: _Optional[int] = ..., alloc_timeout_s: _Optional[float] = ..., push_token: _Optional[bytes] = ...) -> None: ...
 
 class InferenceStep(_message.Message):
-    __slots__ = ("session_id", "hidden_states", "attention_mask", "position_ids", "prefix_length", "step_id", "output_compression")
+    __slots__ = ("session_id", "hidden_states", "attention_mask", "position_ids", "prefix_length", "step_id", "output_compression", "next")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,7 @@ class InferenceStep(_message.Message):
     PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hidden_states: Tensor
     attention_mask: Tensor
@@ -140,7 +143,34 @@ class InferenceStep(_message.Message):
     prefix_length: int
     step_id: int
     output_compression: Compression
-    def __init__(self, session_id: _Optional[str] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_length: _Optional[int] = ..., step_id: _Optional[int] = ..., output_compression: _Optional[_Union[Compression, str]] = ...) -> None: ...
+    next: _containers.RepeatedCompositeFieldContainer[NextHop]
+    def __init__(self, session_id: _Optional[str] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., prefix_length: _Optional[int] = ..., step_id: _Optional[int] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., next: _Optional[_Iterable[_Union[NextHop, _Mapping]]] = ...) -> None: ...
+
+class NextHop(_message.Message):
+    __slots__ = ("endpoint", "session_id", "push_token", "step_id")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    session_id: str
+    push_token: bytes
+    step_id: int
+    def __init__(self, endpoint: _Optional[str] = ..., session_id: _Optional[str] = ..., push_token: _Optional[bytes] = ..., step_id: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("push_token", "step", "payload")
+    PUSH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    push_token: bytes
+    step: InferenceStep
+    payload: bytes
+    def __init__(self, push_token: _Optional[bytes] = ..., step: _Optional[_Union[InferenceStep, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CloseSession(_message.Message):
     __slots__ = ("session_id",)
@@ -149,16 +179,28 @@ class CloseSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class InferenceResponse(_message.Message):
-    __slots__ = ("opened", "step", "error", "payload")
+    __slots__ = ("opened", "step", "error", "forward_failed", "payload")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_FAILED_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     step: StepResult
     error: Error
+    forward_failed: ForwardFailed
     payload: bytes
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., forward_failed: _Optional[_Union[ForwardFailed, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ForwardFailed(_message.Message):
+    __slots__ = ("step_id", "endpoint", "message")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    endpoint: str
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., endpoint: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("session_id", "max_length")

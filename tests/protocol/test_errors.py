@@ -102,13 +102,14 @@ def test_base_code_rebuilds_internal_error():
 
 
 def test_methods_match_the_proto():
-    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info", "State"}
+    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info", "State", "Push"}
     expected = {
         "Forward": (pb.ForwardRequest, pb.ForwardResponse, False, False),
         "Backward": (pb.BackwardRequest, pb.BackwardResponse, False, False),
         "Inference": (pb.InferenceRequest, pb.InferenceResponse, True, True),
         "Info": (pb.InfoRequest, pb.InfoResponse, False, False),
         "State": (pb.StateRequest, pb.StatePart, False, True),
+        "Push": (pb.PushRequest, pb.PushResponse, False, False),
     }
     assert SERVICE_NAME == "swarmlm.v1.Peer"
     for name, (request, response, client_streaming, server_streaming) in expected.items():
@@ -182,6 +183,7 @@ def test_generic_handler_routes_every_method_to_snake_case():
         async def inference(self, requests, context): ...
         async def info(self, request, context): ...
         async def state(self, request, context): ...
+        async def push(self, request, context): ...
 
     handler = make_generic_handler(Servicer())
 
@@ -195,6 +197,8 @@ def test_generic_handler_routes_every_method_to_snake_case():
         assert rpc is not None, name
         assert (rpc.request_streaming, rpc.response_streaming) == (method.client_streaming, method.server_streaming)
     assert handler.service(Details(f"/{SERVICE_NAME}/Nope")) is None
+    del Servicer.push  # a servicer without a method: gRPC answers it UNIMPLEMENTED
+    assert make_generic_handler(Servicer()).service(Details(f"/{SERVICE_NAME}/Push")) is None
 
 
 def test_unauthorized_is_unauthenticated_on_the_wire():

@@ -1,0 +1,92 @@
+"""Peer-to-peer forwarding of inference steps: a peer pushes its output of a step on to the next peer of the
+client's route, so that the step travels client -> peer 1 -> peer 2 -> ... and the next peer need not wait for
+the client. Each peer still answers the client on its own stream (the client keeps the history it replays after
+a failure); a push that fails is reported there too (ForwardFailed), and the client repairs the route.
+
+The client names each next hop in the step (`InferenceStep.next`): its endpoint, the session the client opened
+there, that session's push token, and the hop's step id. The next peer accepts the push only for a session that
+holds that token (peer/handler.py `push`), and checks the pushed tensor as it checks a client's.
+
+Pushes go only to direct gRPC endpoints ("host:port"); a hop reached through libp2p is driven by the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import re
+
+import grpc
+import torch
+
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError
+from protocol.packing import Packer
+from protocol.service import PeerStub, error_from_rpc
+from swarm.rpcauth import RpcAuth, call_metadata, open_channel
+
+logger = logging.getLogger(__name__)
+
+MAX_HOPS = 64  # next hops one step may name
+MAX_TOKEN_BYTES = 64
+MAX_CHANNELS = 32  # channels to next peers kept open; beyond, the least recently used is closed
+PUSH_TIMEOUT_S = 10.0
+_ENDPOINT = re.compile(r"[^\s:/]{1,253}:\d{1,5}")
+
+
+def check_next(hops) -> None:
+    """Raise BadRequestError for next hops that cannot be pushed to."""
+    if len(hops) > MAX_HOPS:
+        raise BadRequestError(f"a step names at most {MAX_HOPS} next hops, got {len(hops)}")
+    for hop in hops:
+        if not _ENDPOINT.fullmatch(hop.endpoint):
+            raise BadRequestError(f"a next hop's endpoint must be a gRPC host:port, got {hop.endpoint[:80]!r}")
+        if not hop.session_id or len(hop.push_token) > MAX_TOKEN_BYTES or not hop.push_token:
+            raise BadRequestError("a next hop needs its session id and push token (at most 64 bytes)")
+
+
+class Forwarder:
+    """Channels to the next peers, and the push of one step's output."""
+
+    def __init__(self, auth: RpcAuth | None, max_message_bytes: int):
+        self.auth = auth
+        self._options = [("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.max_send_message_length", max_message_bytes)]
+        self._stubs: collections.OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = collections.OrderedDict()
+        self.pushed = 0
+
+    def _stub(self, endpoint: str) -> PeerStub:
+        if endpoint in self._stubs:
+            self._stubs.move_to_end(endpoint)
+            return self._stubs[endpoint][1]
+        if len(self._stubs) >= MAX_CHANNELS:
+            _, (channel, _) = self._stubs.popitem(last=False)
+            asyncio.ensure_future(channel.close())  # the least recently used: its close can finish on its own
+        channel = open_channel(endpoint, self._options, self.auth)
+        self._stubs[endpoint] = (channel, PeerStub(channel))
+        return self._stubs[endpoint][1]
+
+    async def push(self, hops, output: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
+                   step: pb.InferenceStep) -> None:
+        """Push `output` (this peer's result of `step`) as the input of the session of `hops[0]`.
+
+        Raises SwarmError when the next peer refused it or could not be reached.
+        """
+        hop = hops[0]
+        packer = Packer()
+        request = packer.pack(pb.PushRequest(push_token=hop.push_token, step=pb.InferenceStep(
+            session_id=hop.session_id, hidden_states=packer.tensor(output), attention_mask=packer.optional(mask),
+            position_ids=packer.optional(positions), prefix_length=step.prefix_length, step_id=hop.step_id,
+            output_compression=step.output_compression, next=list(hops[1:]))))
+        try:
+            await self._stub(hop.endpoint).push(request, timeout=PUSH_TIMEOUT_S,
+                                                metadata=call_metadata(self.auth, "push"))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, hop.endpoint) from exc
+        self.pushed += 1
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()

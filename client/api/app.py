@@ -157,7 +157,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
             prompt_ids=tuple(prompt_ids), max_tokens=max_tokens(body, len(prompt_ids), chat),
             sampling=Sampling(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed),
-            stop=body.stop_strings())
+            stop=body.stop_strings(), ignore_eos=bool(body.ignore_eos))
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch_disconnect(request, gone))
         job: Job | None = None

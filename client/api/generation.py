@@ -49,6 +49,7 @@ class GenerationParams:
     max_tokens: int
     sampling: Sampling
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def run_generation(backend: Backend, params: GenerationParams, cancel: threading
                 break
             count += 1
             on_token()
-            if token in backend.eos_token_ids:
+            if token in backend.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
                 break
             text, stopped = stops.feed(detokenizer.add(token))

@@ -40,6 +40,8 @@ class _Common(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool | None = False
+    """vLLM's extension: generate max_tokens tokens whatever they are (benchmarks use it)."""
     # accepted at their no-op values only (checked in `unsupported`)
     n: int | None = None
     presence_penalty: float | None = None

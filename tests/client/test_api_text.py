@@ -82,9 +82,9 @@ class ScriptedBackend:
             self.closed = True
 
 
-def _run(script, max_tokens=10, stop=(), cancel=None):
+def _run(script, max_tokens=10, stop=(), cancel=None, ignore_eos=False):
     backend, out = ScriptedBackend(script), []
-    finish = run_generation(backend, GenerationParams((1,), max_tokens, Sampling(), tuple(stop)),
+    finish = run_generation(backend, GenerationParams((1,), max_tokens, Sampling(), tuple(stop), ignore_eos),
                             cancel or threading.Event(), out.append)
     assert backend.closed or backend.steps == 0  # an iterator never started opened nothing
     return "".join(out), finish, backend
@@ -93,6 +93,8 @@ def _run(script, max_tokens=10, stop=(), cancel=None):
 def test_generation_stops_at_eos_at_max_tokens_and_at_a_stop_string():
     text, finish, _ = _run([ord(c) for c in "hi"] + [0, ord("x")])
     assert (text, finish.reason, finish.completion_tokens) == ("hi", "stop", 3)
+    text, finish, _ = _run([ord(c) for c in "hi"] + [0, ord("x")], ignore_eos=True, max_tokens=4)
+    assert (text, finish.reason, finish.completion_tokens) == ("hi\x00x", "length", 4)
     text, finish, backend = _run([ord(c) for c in "abcdef"], max_tokens=4)
     assert (text, finish.reason, finish.completion_tokens, backend.steps) == ("abcd", "length", 4, 4)
     text, finish, backend = _run([ord(c) for c in "abcSTOPdef"], stop=["STOP"])

@@ -7,6 +7,7 @@
 - engine: SwarmBackend, the swarm client and tokenizer behind it (a session per request, HF-exact sampling)
 - text: incremental detokenizing and stop-string matching (pure); responses: OpenAI's response shapes
 - metrics: Prometheus metrics, one registry per app; config: ApiConfig; cli: the command
+- server: serving_in_background(app), uvicorn in a thread (benchmarks, tests, embedding programs)
 """
 
 from protocol.lazy import lazy_exports
@@ -15,6 +16,7 @@ _EXPORTS = {
     "ApiConfig": ("client.api.config", "ApiConfig"),
     "SwarmBackend": ("client.api.engine", "SwarmBackend"),
     "create_app": ("client.api.app", "create_app"),
+    "serving_in_background": ("client.api.server", "serving_in_background"),
 }
 
 __all__ = sorted(_EXPORTS)

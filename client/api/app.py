@@ -163,16 +163,16 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         job: Job | None = None
         try:
             job = await runner.start(params, gone, arrived)
-            first = await job.next_event(gone)
+            first = await job.next_event()
             if isinstance(first, Failed):
                 raise generation_error(first.error)
             shape = Shape(chat=chat, model=config.model_id)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                stream = stream_events(request, job, first, shape, gone, include_usage)
+                stream = stream_events(request, job, first, shape, include_usage)
                 watcher_owned, watcher = watcher, None  # the stream stops it when it ends
                 return EventStream(stream, on_close=lambda: (job.cancel.set(), watcher_owned.cancel()))
-            return await whole_answer(request, job, first, shape, gone)
+            return await whole_answer(request, job, first, shape)
         except ClientGone:
             count(request, CLIENT_GONE)
             return Response(status_code=499)
@@ -202,7 +202,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
                            param=param, code="context_length_exceeded")
         return asked
 
-    async def whole_answer(request: Request, job: Job, event, shape: Shape, gone: asyncio.Event):
+    async def whole_answer(request: Request, job: Job, event, shape: Shape):
         pieces = []
         while True:
             if isinstance(event, Text):
@@ -215,10 +215,9 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
                 count(request, 200)
                 return shape.whole("".join(pieces), event.reason, len(job.params.prompt_ids),
                                    event.completion_tokens)
-            event = await job.next_event(gone)
+            event = await job.next_event()
 
-    async def stream_events(request: Request, job: Job, event, shape: Shape, gone: asyncio.Event,
-                            include_usage: bool):
+    async def stream_events(request: Request, job: Job, event, shape: Shape, include_usage: bool):
         status = "200"
         try:
             if shape.chat:
@@ -241,7 +240,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
                         yield sse(shape.usage_chunk(len(job.params.prompt_ids), event.completion_tokens))
                     yield DONE
                     return
-                event = await job.next_event(gone)
+                event = await job.next_event()
         except ClientGone:
             status = CLIENT_GONE
         finally:

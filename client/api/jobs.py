@@ -42,6 +42,9 @@ async def until_gone(awaitable, gone: asyncio.Event):
     raise ClientGone()
 
 
+_GONE = object()  # put in a job's events when its client disconnects
+
+
 @dataclass(frozen=True)
 class Text:
     text: str
@@ -95,8 +98,18 @@ class Job:
             self.metrics.cancelled.inc()
         self._post(finish)
 
-    async def next_event(self, gone: asyncio.Event) -> Text | Finish | Failed:
-        return await until_gone(self.events.get(), gone)
+    def client_gone(self) -> None:
+        """The HTTP client disconnected: stop the worker, and wake whoever waits for the next event."""
+        self.cancel.set()
+        self.events.put_nowait(_GONE)
+
+    async def next_event(self) -> Text | Finish | Failed:
+        """The next event; raises ClientGone once the client has disconnected."""
+        event = await self.events.get()
+        if event is _GONE:
+            self.events.put_nowait(_GONE)  # for any later reader too
+            raise ClientGone()
+        return event
 
 
 class JobRunner:
@@ -111,7 +124,10 @@ class JobRunner:
         self._jobs: set[Job] = set()
 
     async def start(self, params: GenerationParams, gone: asyncio.Event, arrived_at: float) -> Job:
-        """Admit and start a job; raises ApiError(429) when the queue is full, ClientGone if the caller left."""
+        """Admit and start a job; raises ApiError(429) when the queue is full, ClientGone if the caller left.
+
+        Once started, the job hears of a disconnect through `gone` too (its `client_gone` is called).
+        """
         if self._running >= self.max_concurrency:
             if len(self._waiting) >= self.max_queued:
                 raise ApiError(429, f"the server is busy: {self._running} generations running (--max-concurrency "
@@ -138,6 +154,9 @@ class JobRunner:
         self._jobs.add(job)
         future = loop.run_in_executor(self._executor, job.run, self.backend)
         future.add_done_callback(lambda _: (self._jobs.discard(job), self._release()))
+        waiter = asyncio.ensure_future(gone.wait())  # per-token reads then need no race with `gone`
+        waiter.add_done_callback(lambda w: None if w.cancelled() else job.client_gone())
+        future.add_done_callback(lambda _: waiter.cancel())
         return job
 
     def _release(self) -> None:

@@ -18,7 +18,7 @@ from protocol.errors import NoPeersError, PeerUnavailableError
 from client.api.app import create_app
 from client.api.config import ApiConfig
 from client.api.errors import bad_request
-from tests.helpers.api_server import serving
+from client.api.server import serving_in_background as serving
 
 KEY = "sekret"
 REPLY = "Hello, wörld! "  # the scripted backend repeats it, one character per token

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             return _serve(args, config, swarm_key, sock)
-        except SwarmError as exc:
+        except (SwarmError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     finally:
@@ -123,7 +123,7 @@ def _serve(args, config, swarm_key, sock) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from protocol.errors import ModelNotFoundError
+    from protocol.errors import ModelNotFoundError, SwarmError
     from protocol.records import prefix_for_model
     from client.api.app import create_app
     from client.api.engine import SwarmBackend
@@ -136,9 +136,15 @@ def _serve(args, config, swarm_key, sock) -> int:
         raise ModelNotFoundError(f"cannot load a tokenizer from {path}: {exc}; the API needs the model's "
                                  f"tokenizer files beside its checkpoint") from None
     model_id = args.dht_prefix or prefix_for_model(args.model)
-    model = AutoDistributedModelForCausalLM.from_pretrained(
-        str(path), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype,
-        swarm_key=swarm_key, wait_for_peers_s=args.wait_for_peers, request_timeout_s=args.request_timeout)
+    try:
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(path), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype,
+            swarm_key=swarm_key, wait_for_peers_s=args.wait_for_peers, request_timeout_s=args.request_timeout)
+    except (SwarmError, ValueError):
+        raise
+    except Exception as exc:  # hivemind's daemon errors: say which flag to check, without its traceback
+        raise SwarmError(f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
+                         f"{type(exc).__name__}: {exc}") from None
     try:
         aliases = tuple({args.model, str(path)} - {model_id})
         config = dataclasses.replace(config, model_id=model_id, aliases=aliases)

@@ -173,6 +173,8 @@ def parse_body(raw: bytes, model_cls: type[_Common]) -> _Common:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("the request body nests too deeply to be read", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:

@@ -199,6 +199,8 @@ def test_unknown_model_and_routes(backend, api, url):
     (b"{not json", 400, None, "invalid_json"),
     (b"[1, 2]", 400, None, "invalid_json"),
     (b"\xff\xfe", 400, None, "invalid_json"),
+    (b"[" * 50_000, 400, None, "invalid_json"),
+    (b'{"model": "scripted", "prompt": "a", "temperature": NaN}', 400, "temperature", "invalid_type"),
     ({"prompt": "a"}, 400, "model", "missing_field"),
     ({"model": "scripted"}, 400, "prompt", "missing_field"),
     ({"model": "scripted", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_type"),

@@ -14,7 +14,6 @@ import json
 import re
 import signal
 import threading
-import time
 
 import httpx2
 import openai
@@ -261,6 +260,5 @@ def test_losing_the_only_peer_of_some_blocks_mid_stream_is_an_error_event_then_5
 
 def test_sigterm_stops_the_server_and_everything_it_started(served):
     swarm, api_process = served[0], served[2]
-    began = time.monotonic()
     assert swarm.terminate(api_process, timeout_s=30) in (0, 130), api_process.logs()
-    assert time.monotonic() - began < 30
+    assert "Traceback" not in api_process.stderr(), api_process.logs()

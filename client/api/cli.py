@@ -67,6 +67,16 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit(f"error: --{flag}: {exc}") from None
 
 
+def _check_model_arg(model: str) -> None:
+    """A path that does not exist is said at once (a bare name may be the built-in model or a cached hub id)."""
+    from pathlib import Path
+
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_like_path and not Path(model).expanduser().exists():
+        raise SystemExit(f"error: model folder {model!r} does not exist; pass a Hugging Face checkpoint folder, a hub "
+                         f"id in the local cache, or the built-in model's name")
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -104,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    _check_model_arg(args.model)
     sock = _bind(args.host, args.port)
     try:
         from protocol.errors import SwarmError

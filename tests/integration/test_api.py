@@ -78,8 +78,13 @@ def _reference(local, ids: list[int], max_new_tokens: int, seed: int | None = No
         torch.manual_seed(seed)
     options = dict(do_sample=True, top_k=0, **sampling) if seed is not None else dict(do_sample=False)
     prompt = torch.tensor([ids])
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                         pad_token_id=0, **options)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny steps: more threads only spin against the peers on a loaded machine
+    try:
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                             pad_token_id=0, **options)
+    finally:
+        torch.set_num_threads(threads)
     new = out[0, len(ids):].tolist()
     return tokenizer.decode(new, skip_special_tokens=True), len(new)
 

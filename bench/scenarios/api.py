@@ -70,11 +70,11 @@ def client_run(client, prompt: list[int], steps: int) -> tuple[float, float, lis
 
     config = copy.deepcopy(client.generation_config)
     config.eos_token_id = None  # as ignore_eos: the same number of tokens as the API run
+    config.max_new_tokens, config.do_sample, config.pad_token_id = steps, False, 0
     clock = _Clock()
     ids = torch.tensor([prompt])
     began = time.perf_counter()
-    out = client.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, max_new_tokens=steps,
-                          do_sample=False, streamer=clock, pad_token_id=0)
+    out = client.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
     new = out[0, len(prompt):].tolist()
     return clock.times[0] - began, (len(new) - 1) / (clock.times[-1] - clock.times[0]), new
 

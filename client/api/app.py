@@ -189,7 +189,8 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         where = "messages" if chat else "prompt"
         if prompt_tokens >= context:
             raise ApiError(400, f"this model's maximum context length is {context} tokens, and the {where} alone "
-                                f"has {prompt_tokens}; shorten it", param=where, code="context_length_exceeded")
+                                f"take {prompt_tokens}; shorten {'them' if chat else 'it'}", param=where,
+                           code="context_length_exceeded")
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if asked is None:
             default = config.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -187,14 +187,27 @@ def parse_body(raw: bytes, model_cls: type[_Common]) -> _Common:
     return request
 
 
+_UNION_FIELDS = {  # fields of several accepted shapes: pydantic would report the first shape's complaint
+    "stop": "must be a string or a list of strings",
+    "prompt": "must be a string, a list of token ids, or a list of one of those",
+    "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
 def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     first = exc.errors()[0]
     # pydantic names the union member it tried ("str", "list[int]"): keep only the field path
     loc = [str(part) for part in first["loc"] if not (isinstance(part, str) and ("[" in part or part in
                                                                                    ("str", "int", "float", "bool")))]
     param = ".".join(loc) or None
+    union = next((name for name in _UNION_FIELDS if loc and loc[-1] == name), None)
+    if union is None and len(loc) > 1 and loc[-2] in _UNION_FIELDS and loc[-1].isdigit():
+        union = loc[-2]  # an item of a list shape: say what the whole field may be
+        param = ".".join(loc[:-1])
     given = first.get("input")
     shown = "" if first["type"] == "missing" else f" (got {json.dumps(given, default=str)[:80]})"
+    if union is not None and first["type"] != "missing":
+        return bad_request(f"{param}: {_UNION_FIELDS[union]}{shown}", param, code="invalid_type")
     more = f"; and {exc.error_count() - 1} more problem(s)" if exc.error_count() > 1 else ""
     return bad_request(f"{param or 'body'}: {first['msg']}{shown}{more}", param,
                        code="missing_field" if first["type"] == "missing" else "invalid_type")

@@ -6,11 +6,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "startup", "train_swarm")
+SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "api", "startup", "train_swarm")
 """Every scenario, in the order they run (startup and memory are measured while the peers start)."""
 QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s != "train_swarm")
 """What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores."""
-MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "startup")
+MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup")
 """Scenarios that need a swarm of peers serving a model."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -18,6 +18,7 @@ TITLES = {
     "train": "Forward+backward (blocks frozen)",
     "wire": "Wire overhead per hop",
     "concurrency": "Concurrent clients",
+    "api": "OpenAI-compatible API vs the Python client",
     "startup": "Peer startup and memory",
     "train_swarm": "Training with the swarm (peers + trainers) vs local",
 }

@@ -17,7 +17,7 @@ from bench import models
 from bench.harness import ModelRun
 from bench.load import OutsideLoad
 from bench.plan import Plan
-from bench.scenarios import concurrency, decode, prefill, startup, train, train_swarm, wire
+from bench.scenarios import api, concurrency, decode, prefill, startup, train, train_swarm, wire
 from bench.stats import Row
 from bench.train_runs import TRAIN_MODEL
 
@@ -70,7 +70,8 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                     if "decode" in wanted:
                         out.attempt(f"{name}/decode", lambda: decode.run(model_run, split))
                         model_run.note_memory(split, "after decode")
-                    for scenario, module in (("prefill", prefill), ("train", train), ("concurrency", concurrency)):
+                    for scenario, module in (("prefill", prefill), ("train", train), ("concurrency", concurrency),
+                                             ("api", api)):
                         if scenario in wanted and full:
                             out.attempt(f"{name}/{scenario}", lambda: module.run(model_run, split))
                             model_run.note_memory(split, f"after {scenario}")

@@ -17,6 +17,7 @@ COMMANDS = {
     "peer": ("peer.cli", "serve a span of a model's blocks"),
     "train": ("client.train_cli", "train a model with the swarm (or alone, --local, as the reference)"),
     "export": ("client.export", "save the swarm's current weights as a Hugging Face checkpoint"),
+    "api": ("client.api.cli", "serve a model of the swarm over an OpenAI-compatible HTTP API"),
     "status": ("swarm.status", "show which models and blocks the swarm serves, and by whom"),
     "monitor": ("client.monitor.cli", "serve a live web page of the swarm (and its state as JSON)"),
     "bench": ("bench.cli", "measure the swarm against the local model and the bare wire"),

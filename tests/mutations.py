@@ -61,6 +61,7 @@ MARKER_ENV = "SWARMLM_MUTATION_RUN"  # every process of a run inherits it; lefto
 GEN = "tests/integration/test_generation.py"
 FAIL = "tests/integration/test_failover.py"
 TRAIN = "tests/integration/test_training.py"
+API = "tests/integration/test_api.py"
 GENERATION_FAILOVER = "generation_survives_sigkill"  # -k for test_failover.py: peers killed mid-generation
 
 
@@ -332,6 +333,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a block whose only peers do not answer (crashed, their records not expired yet) is not a gap",
         ("tests/swarm/test_state.py",
          "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer")),
+    Mutation(
+        "api-cancel-ignored", "client/api/generation.py",
+        "            if cancel.is_set():\n",
+        "            if False:  # MUTATION\n",
+        "a generation whose HTTP client went away runs on to max_tokens",
+        ("tests/client/test_api_app.py::test_a_client_that_disconnects_cancels_its_generation",
+         f"{API}::test_a_client_that_disconnects_frees_its_session_on_every_peer")),
+    Mutation(
+        "api-stop-string-emitted", "client/api/text.py",
+        "            return buffer[:min(found)], True\n",
+        "            return buffer, True  # MUTATION\n",
+        "the API emits the stop string it stopped at",
+        ("tests/client/test_api_text.py", f"{API}::test_a_stop_string_ends_the_text_before_it")),
+    Mutation(
+        "api-sampling-global-rng", "client/api/engine.py",
+        "        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)\n",
+        "        return torch.multinomial(probs, num_samples=1).squeeze(1)  # MUTATION\n",
+        "the API samples from the process's global generator: a seed no longer fixes the text",
+        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
+    Mutation(
+        "api-temperature-skipped", "client/api/engine.py",
+        "            if sampling.temperature != 1.0:\n",
+        "            if False:  # MUTATION\n",
+        "the API samples without applying the temperature",
+        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
 )
 
 

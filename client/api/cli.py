@@ -1,0 +1,176 @@
+"""`swarmlm api`: an OpenAI-compatible HTTP server on top of one swarm client.
+
+Flags are checked before anything heavy is imported; the port is bound before the model and the DHT are
+loaded, so a port in use or a wrong model is said at once. The line `swarmlm api: serving ... at URL` on stdout
+says the server is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+from swarm.swarmkey import SWARM_KEY_HELP, load_optional
+
+API_KEY_ENV = "SWARMLM_API_KEY"
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve a model of the swarm over an OpenAI-compatible HTTP API "
+                               "(/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics).")
+    p.add_argument("model", help="checkpoint folder, a hub id in the local cache, or SmolLM2-135M-Instruct (the "
+                                 "built-in model); its embeddings, head and tokenizer are loaded here")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
+    p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0: a free one)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV} if set, else open)")
+    p.add_argument("--max-concurrency", type=int, default=8, metavar="N",
+                   help="generations at once, one inference session each (default: 8)")
+    p.add_argument("--max-queued", type=int, default=32, metavar="N",
+                   help="requests waiting for a slot beyond those; more get 429 at once (default: 32)")
+    p.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                   help="tokens a chat request gets when it sets no max_tokens (default: 256)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default: 4)")
+    p.add_argument("--wait-for-peers", type=float, default=10.0, metavar="S",
+                   help="how long a request waits for uncovered blocks to be served before 503 (default: 10)")
+    p.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
+                   help="longest wait for one peer's answer before failing over (default: 60)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="dtype of the local embeddings and head (default: the checkpoint's)")
+    p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    """ApiConfig from the flags (model_id filled in once the model is known), or SystemExit naming the bad flag."""
+    from client.api.config import ApiConfig
+
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"error: --port must lie in 0..65535, got {args.port}")
+    if not args.wait_for_peers >= 0 or not args.request_timeout > 0 or not args.max_body_mb > 0:
+        raise SystemExit(f"error: --wait-for-peers must be >= 0, --request-timeout and --max-body-mb positive, got "
+                         f"{args.wait_for_peers}, {args.request_timeout}, {args.max_body_mb}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        return ApiConfig(model_id="pending", api_key=api_key, max_concurrency=args.max_concurrency,
+                         max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
+                         max_body_bytes=int(args.max_body_mb * 2**20))
+    except ValueError as exc:
+        flag = str(exc).split(" ", 1)[0].replace("_", "-")
+        raise SystemExit(f"error: --{flag}: {exc}") from None
+
+
+def _check_model_arg(model: str) -> None:
+    """A path that does not exist is said at once (a bare name may be the built-in model or a cached hub id)."""
+    from pathlib import Path
+
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_like_path and not Path(model).expanduser().exists():
+        raise SystemExit(f"error: model folder {model!r} does not exist; pass a Hugging Face checkpoint folder, a hub "
+                         f"id in the local cache, or the built-in model's name")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+                         f"(0: a free one)") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _model_path(args: argparse.Namespace):
+    from pathlib import Path
+
+    from swarm.checkpoint import resolve_model_path
+    from swarm.default_model import DEFAULT_MODEL, resolve_default_model
+    from swarm.paths import default_cache_dir
+
+    if args.model == DEFAULT_MODEL and not Path(args.model).exists():
+        return resolve_default_model(Path(args.cache_dir) if args.cache_dir else default_cache_dir())
+    return resolve_model_path(args.model)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    _check_model_arg(args.model)
+    sock = _bind(args.host, args.port)
+    try:
+        from protocol.errors import SwarmError
+
+        try:
+            return _serve(args, config, swarm_key, sock)
+        except (SwarmError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        sock.close()
+
+
+def _serve(args, config, swarm_key, sock) -> int:
+    import dataclasses
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from protocol.errors import ModelNotFoundError, SwarmError
+    from protocol.records import prefix_for_model
+    from client.api.app import create_app
+    from client.api.engine import SwarmBackend
+    from client.model import AutoDistributedModelForCausalLM
+
+    path = _model_path(args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelNotFoundError(f"cannot load a tokenizer from {path}: {exc}; the API needs the model's "
+                                 f"tokenizer files beside its checkpoint") from None
+    model_id = args.dht_prefix or prefix_for_model(args.model)
+    try:
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(path), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype,
+            swarm_key=swarm_key, wait_for_peers_s=args.wait_for_peers, request_timeout_s=args.request_timeout)
+    except (SwarmError, ValueError):
+        raise
+    except Exception as exc:  # hivemind's daemon errors: say which flag to check, without its traceback
+        raise SwarmError(f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    try:
+        aliases = tuple({args.model, str(path)} - {model_id})
+        config = dataclasses.replace(config, model_id=model_id, aliases=aliases)
+        app = create_app(SwarmBackend(model, tokenizer, model_id), config)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                               access_log=False))
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        auth = "API key required" if config.api_key else "no API key"
+        print(f"swarmlm api: serving {model_id} at http://{shown}:{port}/v1 ({auth}; at most "
+              f"{config.max_concurrency} generations at once, {config.max_queued} queued)", flush=True)
+        # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again: here, so that the client is
+        # shut down (its DHT process stopped) on the way out
+        signal.signal(signal.SIGTERM, _interrupt)
+        server.run(sockets=[sock])
+        return 0
+    finally:
+        model.shutdown()

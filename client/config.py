@@ -40,6 +40,10 @@ class ClientConfig:
     0 turns spot checks off. Inference steps and training runs are not checked."""
     verify_seed: int | None = None
     """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
+    forward_steps: bool = True
+    """Inference steps travel from peer to peer (client -> peer 1 -> peer 2 -> ... -> client), each peer still
+    answering the client too; False: the client sends each hop's step itself. Hops reached through libp2p, and
+    peers of protocol version 1, are always driven by the client."""
     min_session_lifetime_s: float = 60.0
     """A peer that ends an inference session at its `--session-lifetime` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that

@@ -37,7 +37,7 @@ from protocol.records import ServerInfo
 from swarm.directory import fetch_snapshot
 from swarm.identity import identity_challenge
 from swarm.snapshot import SwarmSnapshot
-from swarm.tunnel import TunnelPool
+from swarm.tunnel import TunnelPool, is_tunnel
 from client import checks, verify
 from client.config import ClientConfig
 from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
@@ -265,6 +265,13 @@ class RemoteSequence:
         if peer_id not in self.paths or not self._measured(peer_id, info):
             return await self._find_path(peer_id, info, timeout_s)
         return self.paths[peer_id]
+
+    def forwards(self, hop: RouteHop) -> bool:
+        """Whether `hop`'s peer takes and pushes on steps peer to peer: direct gRPC, protocol 2 or later."""
+        if is_tunnel(hop.endpoint):
+            return False
+        info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
+        return info is not None and info.version.split(".")[0].isdigit() and int(info.version.split(".")[0]) >= 2
 
     def hop_dtype(self, hop: RouteHop) -> torch.dtype:
         info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None

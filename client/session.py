@@ -8,8 +8,10 @@ shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as o
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, SequenceTooLongError, SessionExpiredError
+from protocol.errors import BadRequestError, PeerUnavailableError, SequenceTooLongError, SessionExpiredError
 from protocol.packing import Packer
 from client import checks
 from client.routing import RouteHop
@@ -38,6 +40,16 @@ class SpanSession:
     inputs: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
     opened_at: float = field(default_factory=time.monotonic)
+    push_token: bytes = b""  # what the previous peer shows to push a step into this session (peer/forwarding.py)
+    stale: set[int] = field(default_factory=set)  # ids of steps given up on: their late answers are skipped
+
+
+class _HopFailed(Exception):
+    """Span `index` of a chain of forwarded steps failed; `outputs` are those of the spans before it."""
+
+    def __init__(self, index: int, error: BaseException, outputs: list[torch.Tensor]):
+        super().__init__(str(error))
+        self.index, self.error, self.outputs = index, error, outputs
 
 
 class InferenceSession:
@@ -66,11 +78,11 @@ class InferenceSession:
 
     async def _open(self, hop: RouteHop) -> SpanSession:
         stream = InferenceStream(self.sequence.pool, hop.endpoint)
-        session_id = uuid.uuid4().hex
+        session_id, push_token = uuid.uuid4().hex, secrets.token_bytes(16)
         request = pb.InferenceRequest(open=pb.OpenSession(
             span=pb.Span(model=self.sequence.prefix, start=hop.start, end=hop.end), session_id=session_id,
             max_length=self.max_length, batch_size=self.batch_size,
-            alloc_timeout_s=self.sequence.config.connect_timeout_s))
+            alloc_timeout_s=self.sequence.config.connect_timeout_s, push_token=push_token))
         try:
             response = await stream.request(
                 request, self.sequence.config.connect_timeout_s + self.sequence.config.request_timeout_s)
@@ -78,7 +90,7 @@ class InferenceSession:
         except BaseException:
             await stream.close()
             raise
-        return SpanSession(hop, stream, session_id)
+        return SpanSession(hop, stream, session_id, push_token=push_token)
 
     async def _open_route(self, start: int, end: int, refresh: bool) -> list[SpanSession]:
         route = await self.sequence.plan(start, end, inference=True, min_cache_tokens=self.cache_tokens,
@@ -111,19 +123,92 @@ class InferenceSession:
             attempt += 1
 
     async def _send(self, span: SpanSession, hidden, mask, positions, prefix_length: int) -> torch.Tensor:
-        dtype, step_id = self.sequence.hop_dtype(span.hop), next(self._step_ids)
+        return (await self._send_chain([span], hidden, mask, positions, prefix_length))[0]
+
+    def _chain(self, index: int) -> list[SpanSession]:
+        """Span `index` and the spans after it that its step can be pushed on to, peer to peer: all reached by
+        direct gRPC, speaking protocol 2 or later, in one dtype (a pushed tensor is not cast on its way)."""
+        first = self.spans[index]
+        chain = [first]
+        if not self.sequence.config.forward_steps or not self.sequence.forwards(first.hop):
+            return chain
+        dtype = self.sequence.hop_dtype(first.hop)
+        for span in self.spans[index + 1:]:
+            if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
+                break
+            chain.append(span)
+        return chain
+
+    async def _send_chain(self, chain: list[SpanSession], hidden, mask, positions, prefix_length: int) -> list:
+        """Send a step to `chain[0]`, which pushes its output on to `chain[1]`, and so on; each span's answer comes
+        back on its own stream. Returns the outputs; raises _HopFailed at the first span that failed."""
+        config = self.sequence.config
+        dtype = self.sequence.hop_dtype(chain[0].hop)
+        ids = [next(self._step_ids) for _ in chain]
         packer = Packer()
         request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=span.session_id, hidden_states=packer.tensor(hidden.to(dtype)),
+            session_id=chain[0].session_id, hidden_states=packer.tensor(hidden.to(dtype)),
             attention_mask=packer.optional(mask), position_ids=packer.optional(positions),
-            prefix_length=prefix_length, step_id=step_id)))
-        checks.check_size(request, self.sequence.config.max_message_bytes)
-        response = await span.stream.request(request, self.sequence.config.request_timeout_s)
+            prefix_length=prefix_length, step_id=ids[0],
+            next=[pb.NextHop(endpoint=s.hop.endpoint, session_id=s.session_id, push_token=s.push_token, step_id=i)
+                  for s, i in zip(chain[1:], ids[1:])])))
+        checks.check_size(request, config.max_message_bytes)
+        outputs: list[torch.Tensor] = []
+        try:
+            await asyncio.wait_for(chain[0].stream.send(request), config.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise _HopFailed(0, PeerUnavailableError(f"peer {describe(chain[0].hop)} did not take a step within "
+                                                     f"{config.request_timeout_s:.1f}s"), outputs) from None
+        except Exception as exc:
+            raise _HopFailed(0, exc, outputs) from exc
         position = prefix_length + hidden.shape[1]
-        output = checks.step_answer(response, peer=describe(span.hop), shape=hidden.shape, dtype=dtype,
-                                    step_id=step_id, position=position)
-        span.position = position
-        return output.to(hidden.dtype)
+        for k, span in enumerate(chain):
+            try:
+                response = await self._answer(span, ids[k], chain[k - 1] if k else None, ids[k - 1] if k else 0)
+                output = checks.step_answer(response, peer=describe(span.hop), shape=hidden.shape, dtype=dtype,
+                                            step_id=ids[k], position=position)
+            except Exception as exc:
+                for later, step_id in zip(chain[k:], ids[k:]):  # answers to them may still come: skip those
+                    later.stale.add(step_id)
+                raise _HopFailed(k, exc, outputs) from exc
+            span.position = position
+            outputs.append(output.to(hidden.dtype))
+        return outputs
+
+    async def _answer(self, span: SpanSession, step_id: int, previous: SpanSession | None, previous_id: int):
+        """The answer of `span` to step `step_id`, skipping late answers to steps given up on. While it waits,
+        the previous span of a chain may report that it could not push the step on to `span`: then `span` failed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.sequence.config.request_timeout_s
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise PeerUnavailableError(f"peer {describe(span.hop)} did not answer step {step_id} in time")
+            answer = asyncio.ensure_future(span.stream.receive(left))
+            report = asyncio.ensure_future(previous.stream.receive(left)) if previous is not None else None
+            try:
+                await asyncio.wait([t for t in (answer, report) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (answer, report):
+                    if task is not None and not task.done():
+                        task.cancel()
+            if not answer.done() or answer.cancelled():
+                try:
+                    said = report.result().message
+                except Exception:  # its stream ended after its answer: nothing more to hear from it
+                    previous = None
+                    continue
+                if said.WhichOneof("kind") == "forward_failed" and said.forward_failed.step_id == previous_id:
+                    raise PeerUnavailableError(f"peer {describe(previous.hop)} could not push the step on to "
+                                               f"{describe(span.hop)}: {said.forward_failed.message}")
+                continue  # about an earlier step
+            received = answer.result()
+            message = received.message
+            kind = message.WhichOneof("kind")
+            if kind == "forward_failed" or (kind == "step" and message.step.step_id in span.stale):
+                span.stale.discard(message.step.step_id if kind == "step" else -1)
+                continue
+            return received
 
     async def _replace(self, index: int) -> None:
         """Route span `index` to other peers and replay its history into them."""
@@ -197,24 +282,31 @@ class InferenceSession:
 
         index, attempt = 0, 0
         while index < len(self.spans):
-            span = self.spans[index]
-            try:
+            chain = self._chain(index)
+            for span in chain:
                 if span.position != self.position:
                     raise RuntimeError(f"span at {span.position} tokens, session at {self.position}")
-                output = await self._send(span, hidden, mask, positions, prefix_length=self.position)
-            except Exception as exc:
-                error = checks.blame(exc, describe(span.hop))
-                if not is_retriable(error) or attempt >= self.sequence.config.max_retries:
-                    raise error
-                if self._reached_lifetime(span, error):
-                    logger.info("peer %s ended its session at its lifetime; opening a new one", describe(span.hop))
-                else:
-                    await self.sequence.report_failure(span.hop, error)
-                attempt = await self._recover(index, attempt)
+            try:
+                outputs = await self._send_chain(chain, hidden, mask, positions, prefix_length=self.position)
+                failed = None
+            except _HopFailed as exc:
+                outputs, failed = exc.outputs, exc
+            for span, output in zip(chain, outputs):  # the spans that answered keep this step's input
+                span.inputs.append(hidden)
+                span.positions.append(positions)
+                hidden = output
+            index += len(outputs)
+            if failed is None:
                 continue
-            span.inputs.append(hidden)
-            span.positions.append(positions)
-            hidden, index = output, index + 1
+            span = self.spans[index]
+            error = checks.blame(failed.error, describe(span.hop))
+            if not is_retriable(error) or attempt >= self.sequence.config.max_retries:
+                raise error
+            if self._reached_lifetime(span, error):
+                logger.info("peer %s ended its session at its lifetime; opening a new one", describe(span.hop))
+            else:
+                await self.sequence.report_failure(span.hop, error)
+            attempt = await self._recover(index, attempt)
         self.position += new
         if mask is not None:
             self.mask = mask.to(torch.int64)

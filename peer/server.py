@@ -280,6 +280,7 @@ class PeerServer:
             abandoned_work=self.servicer.compute.abandoned,
             decode_batches=self.servicer.batcher.batches,
             batched_steps=self.servicer.batcher.batched_steps,
+            pushed_steps=self.servicer.forwarder.pushed if self.servicer.forwarder is not None else 0,
         )
 
     async def shutdown(self) -> None:

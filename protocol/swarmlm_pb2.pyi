@@ -237,7 +237,7 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class InfoResponse(_message.Message):
     ABANDONED_WORK_FIELD_NUMBER: _ClassVar[int]
     DECODE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -280,7 +281,8 @@ class InfoResponse(_message.Message):
     abandoned_work: int
     decode_batches: int
     batched_steps: int
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ...) -> None: ...
+    pushed_steps: int
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

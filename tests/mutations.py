@@ -92,13 +92,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
     Mutation(
         "peer-cache-does-not-grow", "peer/handler.py",
-        "                    return span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,\n"
-        "                                between_layers=self.compute.checkpoint)\n",
-        "                    out = span(hidden, mask, positions, session.cache, step.prefix_length, blocks=session.blocks,\n"
-        "                               between_layers=self.compute.checkpoint)\n"
-        "                if step.prefix_length:  # MUTATION\n"
-        "                    rewind_cache(session.cache, step.prefix_length)\n"
-        "                return out\n",
+        "                    return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
+        "                                positions[:, begin:end] if positions is not None else None, session.cache,\n"
+        "                                step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)\n",
+        "                    out = span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
+        "                               positions[:, begin:end] if positions is not None else None, session.cache,\n"
+        "                               step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)\n"
+        "                    if step.prefix_length:  # MUTATION\n"
+        "                        rewind_cache(session.cache, step.prefix_length)\n"
+        "                    return out\n",
         "the peer's KV cache keeps only the prompt: a new token sees the prompt and itself",
         (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
     Mutation(
@@ -286,8 +288,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/test_groupgate.py",)),
     Mutation(
         "inference-queued-as-training", "peer/handler.py",
-        "            out = await self._compute(run, tokens, INFERENCE)\n",
-        "            out = await self._compute(run, tokens, TRAINING)  # MUTATION\n",
+        "                                                     INFERENCE))\n",
+        "                                                     TRAINING))  # MUTATION\n",
         "a peer's decode steps wait behind every queued training request",
         ("tests/integration/test_compute_order.py",)),
     Mutation(
@@ -358,6 +360,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if False:  # MUTATION\n",
         "the API samples without applying the temperature",
         (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
+    Mutation(
+        "push-token-unchecked", "peer/handler.py",
+        "                    not hmac.compare_digest(request.push_token, session.push_token):\n",
+        "                    False:  # MUTATION\n",
+        "a peer takes steps pushed into a session by anyone who names it",
+        ("tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",)),
+    Mutation(
+        "steps-never-forwarded", "client/session.py",
+        "        if not self.sequence.config.forward_steps or not self.sequence.forwards(first.hop):\n",
+        "        if True:  # MUTATION\n",
+        "every inference step goes back through the client after each hop",
+        ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",)),
 )
 
 

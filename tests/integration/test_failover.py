@@ -15,14 +15,13 @@ import time
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
 from client import AutoDistributedModelForCausalLM
 from client.transport import ChannelPool, InferenceStream
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import NoPeersError
 from protocol.records import prefix_for_model
-from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.generation import ActAfter, assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, make_tiny_llama
 from tests.helpers.peers import process_serving
 from tests.helpers.processes import Swarm
@@ -66,20 +65,11 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-class ActAfter(BaseStreamer):
-    """Calls `act` once `after` new tokens were streamed: a failure in the middle of generate()."""
-
-    def __init__(self, after: int, act):
-        self.after, self.act, self.seen, self.acted = after, act, -1, False
-
-    def put(self, value):
-        self.seen += 1  # the first put is the prompt
-        if self.seen == self.after and not self.acted:
-            self.act()
-            self.acted = True
-
-    def end(self):
-        pass
+def _pushed(remote, session) -> int:
+    """Steps the first peer of the session's route pushed on to the next peer."""
+    async def info():
+        return await remote.sequence.pool.unary(session.remote.spans[0].hop.endpoint, "info", pb.InfoRequest(), 10.0)
+    return remote._run(info()).pushed_steps
 
 
 def _route_peer(session, start: int) -> str:
@@ -88,11 +78,12 @@ def _route_peer(session, start: int) -> str:
     return span.hop.peer_id
 
 
-@pytest.mark.parametrize("failing_start, spans, batch", [
-    (2, [(0, 2), (2, 4), (2, 4)], 1),   # a peer of the second half dies
-    (0, [(0, 2), (0, 2), (2, 4)], 2),   # the first span's peer dies while a left-padded batch of 2 generates
-], ids=["second-span", "first-span-padded-batch"])
-def test_generation_survives_sigkill(swarm, model_path, local, failing_start, spans, batch):
+@pytest.mark.parametrize("failing_start, spans, batch, forward_steps", [
+    (2, [(0, 2), (2, 4), (2, 4)], 1, True),   # a peer of the second half dies (steps pushed peer to peer)
+    (2, [(0, 2), (2, 4), (2, 4)], 1, False),  # the same with every step sent by the client
+    (0, [(0, 2), (0, 2), (2, 4)], 2, True),   # the first span's peer dies while a left-padded batch of 2 generates
+], ids=["second-span", "second-span-client-driven", "first-span-padded-batch"])
+def test_generation_survives_sigkill(swarm, model_path, local, failing_start, spans, batch, forward_steps):
     peers = _start(swarm, model_path, spans)
     ids = _ids(batch, 6, seed=7)
     common = dict(pad_token_id=0)
@@ -101,13 +92,14 @@ def test_generation_survives_sigkill(swarm, model_path, local, failing_start, sp
         common["attention_mask"][1, :3] = 0
         ids[1, :3] = 0
     expected = generate_with_logits(local, ids, max_new_tokens=48, do_sample=False, **common)
-    remote = _connect(swarm, model_path)
+    remote = _connect(swarm, model_path, forward_steps=forward_steps)
     try:
         with remote.inference_session(max_length=80) as session:
             streamer = ActAfter(30, lambda: swarm.kill(_process_of(swarm, peers, _route_peer(session, failing_start))))
             got = generate_with_logits(remote, ids, max_new_tokens=48, do_sample=False, streamer=streamer, **common)
             assert streamer.acted
             assert session.recoveries >= 1 and remote.sequence.failovers >= 1
+            assert (_pushed(remote, session) > 0) == forward_steps
         assert_same_generation(got, expected)
         # sampling with a seed is unchanged too, on the peers that are left
         sampling = dict(max_new_tokens=16, do_sample=True, top_k=20, **common)

@@ -23,6 +23,8 @@ from client.model import AutoDistributedModelForCausalLM, DistributedModelForCau
 from bench import memory
 from bench.models import BenchModel, load_reference
 from bench.plan import Plan
+from bench.proxy import DelayProxy
+from bench.train_runs import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class Split:
     spans: list[tuple[int, int]]
     peers: list[PeerStart] = field(default_factory=list)
     client: DistributedModelForCausalLM | None = None
+    proxies: list[DelayProxy] = field(default_factory=list)
+    """With `split(delayed=True)`: each peer's delaying proxy, which it announces (set `delay_s` to change it)."""
 
 
 class ModelRun:
@@ -102,10 +106,10 @@ class ModelRun:
                 "--dht-prefix", prefix, "--device", p.device, "--dtype", p.dtype,
                 "--cache-tokens", str(self.cache_tokens()), "--cache-dir", str(self.log_dir / "peer-cache")]
 
-    def _start_peer(self, name: str, prefix: str, span: tuple[int, int]) -> PeerStart:
+    def _start_peer(self, name: str, prefix: str, span: tuple[int, int], listen: tuple[str, ...] = ()) -> PeerStart:
         began = time.monotonic()
         env = {"OMP_WAIT_POLICY": "PASSIVE"} if self.plan.peer_omp_passive else None
-        child = self.swarm.start_peer(name, str(self.model.path), *self._peer_args(prefix, *span), env=env)
+        child = self.swarm.start_peer(name, str(self.model.path), *self._peer_args(prefix, *span), *listen, env=env)
         self.swarm.wait_online(str(self.model.path), self.model.num_blocks, [span], dht_prefix=prefix,
                                timeout_s=_ONLINE_TIMEOUT_S)
         startup = time.monotonic() - began
@@ -122,14 +126,21 @@ class ModelRun:
                 peer.peak_by_moment_mib[moment] = memory.peak_rss_mib(peer.pid)
 
     @contextlib.contextmanager
-    def split(self, count: int) -> Iterator[Split]:
-        """The model's blocks split over `count` fresh peers, and a client connected to them."""
+    def split(self, count: int, delayed: bool = False) -> Iterator[Split]:
+        """The model's blocks split over `count` fresh peers, and a client connected to them. `delayed`: each peer
+        is announced behind a DelayProxy of its own (delay 0 until set), so that every connection to it, from the
+        client or from another peer, pays the delay (bench/proxy.py)."""
         count = max(1, min(count, self.model.num_blocks))
-        prefix = f"bench-{self.model.name}-{count}p"
+        prefix = f"bench-{self.model.name}-{count}p" + ("-delayed" if delayed else "")
         split = Split(count, prefix, split_blocks(self.model.num_blocks, count))
         try:
             for i, span in enumerate(split.spans):
-                split.peers.append(self._start_peer(f"{prefix}-{i}", prefix, span))
+                listen: tuple[str, ...] = ()
+                if delayed:
+                    port = free_port()
+                    split.proxies.append(DelayProxy(f"127.0.0.1:{port}", 0.0))
+                    listen = ("--port", str(port), "--announce-host", split.proxies[-1].start())
+                split.peers.append(self._start_peer(f"{prefix}-{i}", prefix, span, listen))
                 logger.info("%s: peer %d (blocks %d:%d) ONLINE after %.1fs", self.model.name, i, *span,
                             split.peers[-1].startup_s)
             split.client = AutoDistributedModelForCausalLM.from_pretrained(
@@ -148,6 +159,8 @@ class ModelRun:
                     peer.peak_rss_mib = memory.peak_rss_mib(peer.pid)
             began = time.monotonic()
             self._stop_peers([f"{prefix}-{i}" for i in range(len(split.spans))])
+            for proxy in split.proxies:
+                proxy.close()
             logger.info("%s: stopped the %d-peer split in %.1fs", self.model.name, count, time.monotonic() - began)
 
     def _stop_peers(self, names: list[str]) -> None:

@@ -6,11 +6,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "api", "startup", "train_swarm")
+SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "api", "startup", "wan", "train_swarm")
 """Every scenario, in the order they run (startup and memory are measured while the peers start)."""
-QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s != "train_swarm")
+QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("train_swarm", "wan"))
 """What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores."""
-MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup")
+MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup", "wan")
 """Scenarios that need a swarm of peers serving a model."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +46,12 @@ class Plan:
     """Numbers of clients generating at the same time against the same peers."""
     concurrency_steps: int = 32
     """Greedy steps per client in the concurrency scenario."""
+    wan_delays_ms: tuple[int, ...] = (0, 10, 25, 50)
+    """One-way delays of the wan scenario (each peer behind a delaying proxy)."""
+    wan_steps: int = 16
+    """Decode steps per run of the wan scenario."""
+    wan_prefill: int = 128
+    """Prompt tokens of the wan scenario's prefill."""
     wire_calls: int = 100
     """Echo calls per payload and transport in one repeat of the wire scenario."""
     train_swarm_steps: int = 30

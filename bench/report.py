@@ -20,6 +20,7 @@ TITLES = {
     "concurrency": "Concurrent clients",
     "api": "OpenAI-compatible API vs the Python client",
     "startup": "Peer startup and memory",
+    "wan": "A wide-area network, emulated: per-token latency vs its floor",
     "train_swarm": "Training with the swarm (peers + trainers) vs local",
 }
 SELF_PLOTTED = {"train_swarm"}

@@ -17,7 +17,7 @@ from bench import models
 from bench.harness import ModelRun
 from bench.load import OutsideLoad
 from bench.plan import Plan
-from bench.scenarios import api, concurrency, decode, prefill, startup, train, train_swarm, wire
+from bench.scenarios import api, concurrency, decode, prefill, startup, train, train_swarm, wan, wire
 from bench.stats import Row
 from bench.train_runs import TRAIN_MODEL
 
@@ -81,6 +81,14 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                 continue
             if "startup" in wanted and full and probe:
                 out.attempt(f"{name}/startup", lambda: startup.run(model_run, split, probe))
+        if "wan" in wanted:
+            name = f"{model.name}/{largest} peers behind delaying proxies"
+            try:
+                with model_run.split(largest, delayed=True) as split:
+                    out.attempt(f"{name}/wan", lambda: wan.run(model_run, split))
+            except Exception as exc:
+                logger.error("%s: the swarm failed:\n%s", name, traceback.format_exc())
+                out.errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {log_dir})")
 
 
 def _train_swarm(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path, out: _Collector,

@@ -128,14 +128,16 @@ class InferenceSession:
     def _chain(self, index: int) -> list[SpanSession]:
         """Span `index` and the spans after it that its step can be pushed on to, peer to peer: all reached by
         direct gRPC, speaking protocol 2 or later, in one dtype (a pushed tensor is not cast on its way)."""
-        first = self.spans[index]
+        first, config = self.spans[index], self.sequence.config
         chain = [first]
-        if not self.sequence.config.forward_steps or not self.sequence.forwards(first.hop):
+        if config.forward_steps is False or not self.sequence.forwards(first.hop):
             return chain
         dtype = self.sequence.hop_dtype(first.hop)
         for span in self.spans[index + 1:]:
             if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
                 break
+            if config.forward_steps == "auto" and self.sequence.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s:
+                break  # near this client: sending it the step directly is as fast, and costs the peers less
             chain.append(span)
         return chain
 
@@ -192,6 +194,8 @@ class InferenceSession:
                 for task in (answer, report):
                     if task is not None and not task.done():
                         task.cancel()
+            if answer.done() and report is not None and report.done() and not report.cancelled():
+                report.exception()  # both came at once: the answer is what counts (this marks the report read)
             if not answer.done() or answer.cancelled():
                 try:
                     said = report.result().message

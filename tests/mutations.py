@@ -368,7 +368,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",)),
     Mutation(
         "steps-never-forwarded", "client/session.py",
-        "        if not self.sequence.config.forward_steps or not self.sequence.forwards(first.hop):\n",
+        "        if config.forward_steps is False or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
         ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",)),

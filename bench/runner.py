@@ -61,6 +61,8 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
     largest = max(plan.peer_counts)
     # decode runs on every split; the other scenarios on the largest one (3 peers by default)
     counts = sorted(set(plan.peer_counts) if "decode" in wanted else {largest}, reverse=True)
+    if not wanted & {"decode", "prefill", "train", "concurrency", "api", "startup"}:
+        counts = []  # only the wan scenario: it starts a split of its own
     with ModelRun(model, plan, log_dir) as model_run:
         for count in counts:
             name = f"{model.name}/{count} peers"

@@ -15,7 +15,7 @@ import grpc
 
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
-from protocol.service import PeerStub, error_from_rpc
+from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
 from swarm.rpcauth import RpcAuth, call_metadata, open_channel
 from swarm.swarmkey import SwarmKey
 from swarm.tunnel import TunnelPool, is_tunnel
@@ -40,6 +40,7 @@ class ChannelPool:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *WINDOW_OPTIONS,
         ]
         # least recently used first
         self._stubs: OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = OrderedDict()

@@ -23,7 +23,7 @@ import torch
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
 from protocol.packing import Packer
-from protocol.service import PeerStub, error_from_rpc
+from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
 from swarm.rpcauth import RpcAuth, call_metadata, open_channel
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Forwarder:
     def __init__(self, auth: RpcAuth | None, max_message_bytes: int):
         self.auth = auth
         self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes)]
+                         ("grpc.max_send_message_length", max_message_bytes), *WINDOW_OPTIONS]
         self._stubs: collections.OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = collections.OrderedDict()
         self.pushed = 0
 

@@ -19,7 +19,7 @@ from hivemind.utils import get_dht_time
 from protocol import swarmlm_pb2 as pb
 from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix,
                               prefix_for_model, record_ttl_s)
-from protocol.service import make_generic_handler
+from protocol.service import WINDOW_OPTIONS, make_generic_handler
 from swarm.checkpoint import load_config, resolve_model_path
 from swarm.dht import start_dht, stop_dht, visible_maddrs
 from swarm.directory import announce, fetch_snapshot, unstored
@@ -113,6 +113,7 @@ class PeerServer:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *WINDOW_OPTIONS,
         ]
         self.grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(self.auth))
         self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))

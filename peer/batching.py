@@ -37,7 +37,7 @@ DUE_SLACK_S = 0.003  # a session's step may come this much later than due and st
 
 
 def can_batch(span: BlockSpan) -> bool:
-    return span.config._attn_implementation in BATCHED_ATTENTION
+    return getattr(span.config, "_attn_implementation", None) in BATCHED_ATTENTION
 
 
 def stored_tokens(cache: DynamicCache, layer_idx: int) -> int:

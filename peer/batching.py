@@ -32,8 +32,8 @@ from peer.compute import INFERENCE, ComputeQueue
 
 logger = logging.getLogger(__name__)
 
-BATCHED_ATTENTION = ("sdpa", "eager")
-DUE_SLACK_S = 0.003  # a session's step may come this much later than due and still be waited for  # attention implementations that take the per-row padding mask below
+BATCHED_ATTENTION = ("sdpa", "eager")  # attention implementations that take the per-row padding mask below
+DUE_SLACK_S = 0.003  # a session's step may come this much later than due and still be waited for
 
 
 def can_batch(span: BlockSpan) -> bool:

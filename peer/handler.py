@@ -466,7 +466,8 @@ class PeerServicer:
                 with torch.inference_mode():
                     return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,
                                 positions[:, begin:end] if positions is not None else None, session.cache,
-                                step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)
+                                step.prefix_length + begin, blocks=session.blocks,
+                                between_layers=self.compute.checkpoint)
             except Exception:
                 _forget_step(session, span, step.prefix_length)  # some layers may have grown
                 raise

@@ -94,10 +94,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "peer-cache-does-not-grow", "peer/handler.py",
         "                    return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
         "                                positions[:, begin:end] if positions is not None else None, session.cache,\n"
-        "                                step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)\n",
+        "                                step.prefix_length + begin, blocks=session.blocks,\n"
+        "                                between_layers=self.compute.checkpoint)\n",
         "                    out = span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
         "                               positions[:, begin:end] if positions is not None else None, session.cache,\n"
-        "                               step.prefix_length + begin, blocks=session.blocks, between_layers=self.compute.checkpoint)\n"
+        "                               step.prefix_length + begin, blocks=session.blocks,\n"
+        "                               between_layers=self.compute.checkpoint)\n"
         "                    if step.prefix_length:  # MUTATION\n"
         "                        rewind_cache(session.cache, step.prefix_length)\n"
         "                    return out\n",

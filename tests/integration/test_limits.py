@@ -211,7 +211,7 @@ def test_a_client_that_stops_reading_loses_its_session(attack, peer):
             while time.monotonic() < deadline and not freed:
                 try:
                     await asyncio.wait_for(call.write(prefill), 1.0)
-                except (asyncio.TimeoutError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+                except (asyncio.TimeoutError, asyncio.InvalidStateError, grpc.aio.AioRpcError, grpc.aio.UsageError):
                     pass
                 info = await pool.unary(endpoint, "info", pb.InfoRequest(), TIMEOUT_S)
                 freed = info.cache_tokens_left == CACHE_TOKENS - WITNESS_LENGTH and info.open_sessions == 1

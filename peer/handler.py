@@ -36,6 +36,7 @@ from peer import validation
 
 logger = logging.getLogger(__name__)
 
+MAX_CLIENT_REQUESTS_AHEAD = 2  # a session's client requests read before the ones ahead of them are done
 MAX_PUSHED_WAITING = 4  # pushed steps a session holds before pushes are refused (one per step is normal)
 MAX_PUSH_TOKEN_BYTES = 64
 DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch may wait a little for its step
@@ -319,12 +320,17 @@ class PeerServicer:
         session: Session | None = None
         limits = self.limits
         inbox: asyncio.Queue = asyncio.Queue()
+        # the client's requests are read ahead by at most this many: a client that sends without reading answers
+        # meets gRPC's flow control, as it would without the queue
+        slots = asyncio.Semaphore(MAX_CLIENT_REQUESTS_AHEAD)
         async with contextlib.AsyncExitStack() as stack:
-            reader = asyncio.ensure_future(_read_into(requests, inbox))
+            reader = asyncio.ensure_future(_read_into(requests, inbox, slots))
             stack.callback(reader.cancel)
             while True:
                 try:
                     kind, received = await asyncio.wait_for(inbox.get(), limits.session_timeout_s)
+                    if kind == "client":
+                        slots.release()
                 except asyncio.TimeoutError:
                     logger.info("session %s idle for %.0fs, closing it", session and session.session_id,
                                 limits.session_timeout_s)
@@ -502,10 +508,17 @@ class PeerServicer:
             position=session.position)))
 
 
-async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue) -> None:
-    """The client's requests into the session's queue, then ("end", None) when its stream ends."""
+async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue, slots: asyncio.Semaphore) -> None:
+    """The client's requests into the session's queue, each once a slot is free, then ("end", None) when its
+    stream ends."""
+    iterator = requests.__aiter__()
     try:
-        async for received in requests:
+        while True:
+            await slots.acquire()
+            try:
+                received = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
             inbox.put_nowait(("client", received))
     except (grpc.RpcError, asyncio.CancelledError):
         pass

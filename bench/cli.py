@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.models import MODELS
 from bench.plan import DEVICES, DTYPES, SCENARIOS, Plan, cpu_count, preset
+from swarm.extras import EXTRAS, install_hint, missing_modules
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if plan.reference_threads:
         torch.set_num_threads(plan.reference_threads)
+    warn_missing_plots()
     from swarm.paths import default_cache_dir
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -137,6 +139,15 @@ def run(args: argparse.Namespace) -> int:
     print(paths["markdown"].read_text())
     print(f"results in {out_dir}")
     return 1 if errors else 0
+
+
+def warn_missing_plots() -> bool:
+    """Say before the scenarios run that no plots will be drawn without matplotlib; True if so."""
+    missing = missing_modules(EXTRAS["bench"])
+    if missing:
+        print(f"note: {', '.join(missing)} is not installed: the results get their tables and JSON but no plots; "
+              f"for plots: {install_hint('bench')}", file=sys.stderr, flush=True)
+    return bool(missing)
 
 
 def _memory_note(plan: Plan, rows) -> str:

@@ -6,11 +6,15 @@ A scenario in SELF_PLOTTED draws its own PNG (train_swarm: loss curves); the oth
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import defaultdict
 from pathlib import Path
 
 from bench.stats import Row
+from swarm.extras import EXTRAS, install_hint, missing_modules
+
+logger = logging.getLogger(__name__)
 
 TITLES = {
     "decode": "Decode latency (batch 1, greedy)",
@@ -138,6 +142,9 @@ def write(out_dir: Path, rows: list[Row], header: dict) -> dict[str, Path]:
     payload = {**header, "rows": [row.to_json() for row in rows]}
     paths["json"].write_text(json.dumps(payload, indent=1, default=str, allow_nan=True))
     paths["markdown"].write_text(markdown(rows, header))
+    if missing_modules(EXTRAS["bench"]):  # the tables and JSON are written all the same
+        logger.warning("matplotlib is missing: no plots written; install them with %s", install_hint("bench"))
+        return paths
     for path in plot(rows, out_dir):
         paths[path.stem] = path
     return paths

@@ -20,6 +20,7 @@ from bench.plan import Plan
 from bench.scenarios import api, concurrency, decode, prefill, startup, train, train_swarm, wan, wire
 from bench.stats import Row
 from bench.train_runs import TRAIN_MODEL
+from swarm.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,12 @@ class _Collector:
     def __init__(self):
         self.rows: list[Row] = []
         self.errors: list[str] = []
+        # on a terminal: which scenario runs, how many are done and how long it all took so far
+        self.bar = progress(total=None, desc="bench", unit="scenario")
 
     def attempt(self, what: str, fn: Callable[[], list[Row] | None]) -> None:
         logger.info("running %s", what)
+        self.bar.set_description_str(what)
         began = time.monotonic()
         try:
             with OutsideLoad() as load:
@@ -39,6 +43,8 @@ class _Collector:
             logger.error("%s failed:\n%s", what, traceback.format_exc())
             self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
             return
+        finally:
+            self.bar.update(1)
         logger.info("%s done in %.1fs (other processes kept %.2f cores busy)", what, time.monotonic() - began,
                     load.cores or 0.0)
         for row in found:
@@ -109,26 +115,29 @@ def _train_swarm(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path
 def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) -> tuple[list[Row], list[str], dict]:
     """Every scenario of `plan` over every model; returns rows, errors and the models' descriptions."""
     out = _Collector()
-    descriptions = {}
-    per_model = plan.needs_swarm or "wire" in plan.scenarios
-    for name in plan.configs if per_model else ():
-        try:
-            model = models.resolve(name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype,
-                                   device=plan.device)
-        except Exception as exc:
-            logger.error("model %s unavailable:\n%s", name, traceback.format_exc())
-            out.errors.append(f"{name}: model unavailable: {type(exc).__name__}: {exc}")
-            continue
-        descriptions[name] = model.description
-        if "wire" in plan.scenarios:
-            out.attempt(f"{name}/wire", lambda: _wire(plan, model))
-        if plan.needs_swarm:
+    try:
+        descriptions = {}
+        per_model = plan.needs_swarm or "wire" in plan.scenarios
+        for name in plan.configs if per_model else ():
             try:
-                _model_scenarios(plan, model, out_dir / "logs" / name, out)
-            except Exception as exc:  # the bootstrap node failed to start, say
-                logger.error("%s: %s", name, traceback.format_exc())
-                out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
-    if "train_swarm" in plan.scenarios:
-        _train_swarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out,
-                     descriptions=descriptions)
+                model = models.resolve(name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype,
+                                       device=plan.device)
+            except Exception as exc:
+                logger.error("model %s unavailable:\n%s", name, traceback.format_exc())
+                out.errors.append(f"{name}: model unavailable: {type(exc).__name__}: {exc}")
+                continue
+            descriptions[name] = model.description
+            if "wire" in plan.scenarios:
+                out.attempt(f"{name}/wire", lambda: _wire(plan, model))
+            if plan.needs_swarm:
+                try:
+                    _model_scenarios(plan, model, out_dir / "logs" / name, out)
+                except Exception as exc:  # the bootstrap node failed to start, say
+                    logger.error("%s: %s", name, traceback.format_exc())
+                    out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        if "train_swarm" in plan.scenarios:
+            _train_swarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out,
+                         descriptions=descriptions)
+    finally:
+        out.bar.close()
     return out.rows, out.errors, descriptions

@@ -11,7 +11,7 @@
 - training: SwarmTrainer, pipelined synchronous training with the peers of a run; local_training: its reference
 - data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched
 - train_cli, export: `swarmlm train`, `swarmlm export`
-- demo: `swarmlm demo`
+- demo: `swarmlm demo`; demo_api: `swarmlm demo --api`, the demo swarm with the API server and the monitor
 """
 
 from protocol.lazy import lazy_exports

@@ -1,5 +1,7 @@
 """`swarmlm demo`: a whole swarm on this machine (bootstrap, three peers, a client), one chat, then stop.
 
+With --api it serves the swarm instead (client/demo_api.py); with --train it fine-tunes it (client/train_demo.py).
+
 The peers are real processes started through the `swarmlm` CLI on 127.0.0.1; every one of them is
 stopped on the way out, also on Ctrl+C or an error.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,6 +21,8 @@ from swarm.default_model import DEFAULT_MODEL, resolve_default_model
 from swarm.paths import default_cache_dir
 from swarm.swarmkey import load_optional
 from swarm.tunnel import describe_address
+from swarm.extras import require_extra
+from client.demo_api import check_ports, run_with_api
 from client.local_swarm import LocalSwarm, split_blocks
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="where the default model is converted to (default: ~/.cache/swarmlm)")
     p.add_argument("--swarm-key", metavar="FILE",
                    help="run the swarm private with this key file (see `swarmlm bootstrap --new-swarm-key`)")
+    a = p.add_argument_group("serving (--api)")
+    a.add_argument("--api", action="store_true",
+                   help="instead of one chat: serve the swarm over the OpenAI-compatible API and the monitor's "
+                        "web page on 127.0.0.1, print their URLs, and run until Ctrl+C")
+    a.add_argument("--port", type=int, default=8000, help="the API's port (default: 8000; 0: a free one)")
+    a.add_argument("--monitor-port", type=int, default=8080, help="the monitor's port (default: 8080; 0: a free one)")
     t = p.add_argument_group("training (--train)")
     t.add_argument("--train", action="store_true",
                    help="fine-tune the model on Shakespeare with two stages of training peers, then write a line")
@@ -60,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {exc}") from None
     if swarm_key is not None and args.train:
         raise SystemExit("error: --swarm-key runs the chat demo only; drop it with --train")
+    if args.api:
+        if args.train:
+            raise SystemExit("error: --api and --train are two different demos; choose one")
+        require_extra("api", "swarmlm demo --api")
+        check_ports("127.0.0.1", {"--port": args.port, "--monitor-port": args.monitor_port})
     from transformers import AutoTokenizer, TextStreamer
 
     from client.model import AutoDistributedModelForCausalLM
@@ -73,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --steps must be >= 1, --seq-len >= 2 and --batch-size an even number >= 2, "
                              f"got {args.steps}, {args.seq_len}, {args.batch_size}")
         return _run_training(args, model_path, cache_dir)
+    if args.api:
+        return _run_api(args, model_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     num_blocks = load_config(model_path).num_hidden_layers
     spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
@@ -115,6 +133,21 @@ def run(args: argparse.Namespace) -> int:
             model.shutdown()
         swarm.stop()
         print(f"all processes stopped (logs in {swarm.log_dir})")
+
+
+def _run_api(args: argparse.Namespace, model_path: Path, cache_dir: Path) -> int:
+    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-api-")), swarm_key_file=args.swarm_key)
+    try:
+        return run_with_api(args, model_path, cache_dir, swarm)
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the swarm, the API server and the monitor", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        swarm.stop()
+        print(f"all processes stopped (logs in {swarm.log_dir})", flush=True)
 
 
 def _run_training(args: argparse.Namespace, model_path: Path, cache_dir: Path) -> int:

@@ -187,6 +187,7 @@ class RemoteSequence:
         """A route for blocks [start, end); waits up to `wait_for_peers_s` for the swarm to cover them."""
         deadline = time.monotonic() + self.config.wait_for_peers_s
         delay = self.config.retry_delay_s
+        waiting_for = ""
         while True:
             snapshot = await self.snapshot(refresh=refresh)
             try:
@@ -203,9 +204,12 @@ class RemoteSequence:
                         hops = plan_forward_route(snapshot, start, end, model_name=self.prefix,
                                                   banned=self.bans.banned(snapshot.expirations))
                 return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
-            except NoPeersError:
+            except NoPeersError as exc:
                 if time.monotonic() + delay > deadline:
                     raise
+                if str(exc) != waiting_for:  # once per change of what is missing, not every retry
+                    waiting_for = str(exc)
+                    logger.info("waiting up to %.0f s more for peers: %s", deadline - time.monotonic(), exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
             refresh = True

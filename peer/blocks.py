@@ -18,6 +18,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from protocol.errors import BadRequestError, ModelNotFoundError
 from swarm.checkpoint import checkpoint_dtype, family_class, load_tensors
+from swarm.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -146,16 +147,21 @@ def load_span(
     wanted = {f"{LAYER_PREFIX}{i}." for i in range(start, end)}
     tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
     layers = []
-    for i in range(start, end):
-        prefix = f"{LAYER_PREFIX}{i}."
-        state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-        with torch.device("meta"):
-            layer = layer_cls(config, layer_idx=i)
-        missing = set(layer.state_dict()) - set(state)
-        if missing:
-            raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {sorted(missing)[:5]}")
-        layer.load_state_dict(state, strict=True, assign=True)
-        layers.append(layer.to(device=device, dtype=dtype))
+    total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    with progress(total=total_bytes, desc=f"loading blocks {start}:{end}", unit="B", unit_scale=True,
+                  unit_divisor=1024, leave=False) as bar:
+        for i in range(start, end):
+            prefix = f"{LAYER_PREFIX}{i}."
+            state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            with torch.device("meta"):
+                layer = layer_cls(config, layer_idx=i)
+            missing = set(layer.state_dict()) - set(state)
+            if missing:
+                raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {sorted(missing)[:5]}")
+            layer.load_state_dict(state, strict=True, assign=True)
+            layers.append(layer.to(device=device, dtype=dtype))
+            bar.set_postfix_str(f"block {i + 1 - start}/{end - start}", refresh=False)
+            bar.update(sum(t.numel() * t.element_size() for t in state.values()))
     rotary = rotary_cls(config=config).to(device)
     span = BlockSpan(config, start, end, nn.ModuleList(layers), rotary).eval()
     span.requires_grad_(False)

@@ -15,6 +15,8 @@
 - settings: optimizer names and averaging timing, checked before anything heavy is imported
 - checkpoint: reading a checkpoint's config and selected tensors
 - default_model: the built-in default model, converted once from a shipped GGUF file
+- extras: which optional extras (bench, api) are installed, checked before slow work
+- progress: progress bars, drawn only on a terminal
 - bootstrap, status, cli: the `swarmlm bootstrap`, `swarmlm status` and `swarmlm` commands
 
 Exports load on first use, so `swarmlm --help` does not pay for torch and hivemind.

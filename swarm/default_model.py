@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from protocol.errors import ModelNotFoundError
+from swarm.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,21 @@ def find_gguf() -> Path | None:
 
 def convert_gguf(gguf: Path, destination: Path) -> Path:
     """De-quantize a GGUF checkpoint once and save it as a plain safetensors folder (atomically)."""
+    logger.info("converting %s to safetensors in %s (once)", gguf.name, destination)
+    with progress(total=3, desc=f"converting {DEFAULT_MODEL} (first run only)", unit="step", leave=False) as bar:
+        return _convert(gguf, destination, bar)
+
+
+def _convert(gguf: Path, destination: Path, bar) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s to safetensors in %s (once)", gguf.name, destination)
+    bar.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    bar.update(1)
+    bar.set_postfix_str("de-quantizing the weights")
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    bar.update(1)
+    bar.set_postfix_str("saving")
     config = quantized.config
     del config.quantization_config  # the weights are plain float32 from here on
     config._name_or_path = DEFAULT_MODEL
@@ -65,6 +76,7 @@ def convert_gguf(gguf: Path, destination: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         if not _is_checkpoint(destination):  # lost a race with another converter: theirs is as good
             raise
+    bar.update(1)
     return destination
 
 

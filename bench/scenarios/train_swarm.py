@@ -34,6 +34,7 @@ from bench.stats import Row, Summary, Target
 from client.local_swarm import LocalSwarm
 from swarm.checkpoint import load_config
 from swarm.default_model import resolve_default_model
+from swarm.extras import EXTRAS, missing_modules
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class TrainSwarm:
         return [self._throughput(s, variant, ours["default-swarm"], local["default-local"], config="default")]
 
     def plot(self) -> list[Row]:
-        if self.curves:
+        if self.curves and not missing_modules(EXTRAS["bench"]):  # without matplotlib: the rows, no curves
             plot_curves(self.curves, self.out_dir / "train_swarm.png")
         return []
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 
+from swarm.extras import require_extra
 from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 
 API_KEY_ENV = "SWARMLM_API_KEY"
@@ -109,6 +110,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("api", "swarmlm api")  # before the model and the DHT: not an ImportError once they are up
     config = config_from_args(args)
     try:
         swarm_key = load_optional(args.swarm_key)

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from client.monitor.config import MonitorConfig
+from swarm.extras import require_extra
 from swarm.status import check_initial_peers
 from swarm.swarmkey import SWARM_KEY_HELP, load_optional
 
@@ -51,6 +52,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_extra("api", "swarmlm monitor")  # the web stack: said before the swarm is joined
     try:
         config = config_from_args(args)
         swarm_key = load_optional(args.swarm_key)

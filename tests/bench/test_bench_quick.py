@@ -86,7 +86,7 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
     metrics = {(row["scenario"], row["metric"]) for row in rows}
     for expected in [("decode", "decode step"), ("prefill", "prefill time"), ("prefill", "prefill throughput"),
                      ("train", "forward+backward"), ("wire", "ours per hop"), ("concurrency", "aggregate decode"),
-                     ("concurrency", "per-client step"), ("startup", "launch to ONLINE"),
+                     ("concurrency", "per-token latency p95"), ("startup", "launch to ONLINE"),
                      ("startup", "peer RSS after decode")]:
         assert expected in metrics, expected
     decode = [row for row in rows if row["scenario"] == "decode"]

@@ -16,14 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.checkpoint import load_config
 from swarm.default_model import DEFAULT_MODEL, resolve_default_model
 from swarm.paths import default_cache_dir
 from swarm.swarmkey import load_optional
 from swarm.tunnel import describe_address
 from swarm.extras import require_extra
-from client.demo_api import check_ports, run_with_api
-from client.local_swarm import LocalSwarm, split_blocks
+from client.demo_api import check_ports, run_with_api, start_demo_swarm
+from client.local_swarm import LocalSwarm
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.api:
         return _run_api(args, model_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    num_blocks = load_config(model_path).num_hidden_layers
-    spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
     swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="swarmlm-demo-")), swarm_key_file=args.swarm_key)
     model = None
     try:
         began = time.monotonic()
-        maddrs = swarm.start_bootstrap()
-        print(f"bootstrap node: {maddrs[0]}")
-        for i, (start, end) in enumerate(spans):
-            swarm.start_peer(f"peer{i}", str(model_path), "--blocks", f"{start}:{end}", "--cache-dir", str(cache_dir))
-            print(f"peer {i}: blocks {start}:{end}  (log: {swarm.log(f'peer{i}')})")
+        maddrs, num_blocks, spans = start_demo_swarm(swarm, model_path, cache_dir, args.peers)
         swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
         model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs,
                                                                 swarm_key=swarm_key)

@@ -50,17 +50,24 @@ def wait_for_line(swarm: LocalSwarm, name: str, pattern: re.Pattern, timeout_s: 
     raise TimeoutError(f"{name} was not ready within {timeout_s:.0f}s; its log: {swarm.log(name)}")
 
 
-def run_with_api(args: argparse.Namespace, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> int:
-    """Start the swarm, the API server and the monitor, print their URLs, then wait for Ctrl+C (KeyboardInterrupt)."""
-    key_args = ("--swarm-key", args.swarm_key) if args.swarm_key else ()
+def start_demo_swarm(swarm: LocalSwarm, model_path: Path, cache_dir: Path, peers: int):
+    """A bootstrap node and `peers` peers splitting the model's blocks, each line printed as it starts; returns
+    (the bootstrap's multiaddrs, the model's block count, the spans). The peers may still be loading."""
     num_blocks = load_config(model_path).num_hidden_layers
-    spans = split_blocks(num_blocks, max(1, min(args.peers, num_blocks)))
-    began = time.monotonic()
+    spans = split_blocks(num_blocks, max(1, min(peers, num_blocks)))
     maddrs = swarm.start_bootstrap()
     print(f"bootstrap node: {maddrs[0]}")
     for i, (start, end) in enumerate(spans):
         swarm.start_peer(f"peer{i}", str(model_path), "--blocks", f"{start}:{end}", "--cache-dir", str(cache_dir))
         print(f"peer {i}: blocks {start}:{end}  (log: {swarm.log(f'peer{i}')})")
+    return maddrs, num_blocks, spans
+
+
+def run_with_api(args: argparse.Namespace, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> int:
+    """Start the swarm, the API server and the monitor, print their URLs, then wait for Ctrl+C (KeyboardInterrupt)."""
+    key_args = ("--swarm-key", args.swarm_key) if args.swarm_key else ()
+    began = time.monotonic()
+    maddrs, num_blocks, spans = start_demo_swarm(swarm, model_path, cache_dir, args.peers)
     # the API and the monitor start while the peers load: both wait for blocks themselves
     swarm.start("api", "api", str(model_path), "--initial-peers", *maddrs, "--host", "127.0.0.1",
                 "--port", str(args.port), "--cache-dir", str(cache_dir), *key_args)

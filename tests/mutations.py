@@ -290,8 +290,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/test_groupgate.py",)),
     Mutation(
         "inference-queued-as-training", "peer/handler.py",
-        "                                                     INFERENCE))\n",
-        "                                                     TRAINING))  # MUTATION\n",
+        "                                                     batch * (end - begin), INFERENCE))\n",
+        "                                                     batch * (end - begin), TRAINING))  # MUTATION\n",
         "a peer's decode steps wait behind every queued training request",
         ("tests/integration/test_compute_order.py",)),
     Mutation(
@@ -362,6 +362,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if False:  # MUTATION\n",
         "the API samples without applying the temperature",
         (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
+    Mutation(
+        "head-round-waits-for-nobody", "client/heads.py",
+        "        if len(self._pending) >= self._members or left <= 0:\n",
+        "        if True:  # MUTATION\n",
+        "the client computes each generation's LM head as it comes: concurrent generations drift apart",
+        ("tests/client/test_heads.py",)),
+    Mutation(
+        "head-rows-swapped", "client/heads.py",
+        "                for request, part in zip(batch, logits.split(rows)):\n",
+        "                for request, part in zip(reversed(batch), logits.split(rows[::-1])):  # MUTATION\n",
+        "a round of LM heads hands each generation another's logits",
+        ("tests/client/test_heads.py", f"{API}::test_eight_concurrent_streams_are_each_exact")),
     Mutation(
         "push-token-unchecked", "peer/handler.py",
         "                    not hmac.compare_digest(request.push_token, session.push_token):\n",

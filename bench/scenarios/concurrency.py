@@ -1,23 +1,24 @@
 """Concurrency: N clients generating greedily at the same time against the same peers.
 
-Each client is its own inference session (its own KV caches on every peer) driven on the client library's
-event loop, the sessions sharing one gRPC channel per peer, as independent users of one gateway would.
-Peers batch the decode steps that reach them together (peer/batching.py). Reported: aggregate decode tokens/s
-and per-token latency (p50, p95), each vs one client alone, and the aggregate vs the local Hugging Face model
-generating the same prompts as one batch in this process.
+Each client is a thread running its own generation the way `swarmlm api` runs a request (client/decoding.py):
+its own inference session (its own KV caches on every peer), its steps on the client library's event loop, the
+sessions sharing one gRPC channel per peer, and the LM head of all decoding clients computed as one batch per
+round (client/heads.py), which keeps their steps together. Peers batch the decode steps that reach them together
+(peer/batching.py). Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client
+alone, and the aggregate vs the local Hugging Face model generating the same prompts as one batch in this process.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import threading
 import time
 
 import torch
 
 from transformers import DynamicCache
 
-from client.session import InferenceSession
+from client.decoding import decode_tokens, lm_head_batcher
 from protocol import swarmlm_pb2 as pb
 from bench.harness import ModelRun, Split, sync_for
 from bench.scenarios.decode import prompt_ids
@@ -33,44 +34,35 @@ TARGETS = {
 }
 
 
-class _Greedy:
-    """The local parts of the client model, used between steps (no autograd, never across an await)."""
-
-    def __init__(self, client):
-        self.client = client
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.client.get_input_embeddings()(ids)
-
-    def next_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = self.client.lm_head(self.client.model.norm(hidden[:, -1:]))
-            return logits.argmax(-1)
+def _greedy(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
-async def _one_client(client, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[float]]:
-    """(decode start, decode end, step latencies) of one greedy generation."""
-    greedy = _Greedy(client)
-    session = InferenceSession(client.sequence, prompt.shape[1] + steps + 1, batch_size=1)
-    try:
-        length = prompt.shape[1]
-        out = await session.step(greedy.embed(prompt), None, torch.arange(length).unsqueeze(0))
-        token = greedy.next_token(out)
-        latencies = []
-        began = time.perf_counter()
-        for i in range(steps):
-            t = time.perf_counter()
-            out = await session.step(greedy.embed(token), None, torch.tensor([[length + i]]))
-            token = greedy.next_token(out)
-            latencies.append(time.perf_counter() - t)
-        return began, time.perf_counter(), latencies
-    finally:
-        await session.close()
+def _one_client(client, heads, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[float]]:
+    """(decode start, decode end, step latencies) of one greedy generation: `steps` tokens after the first."""
+    times = [time.perf_counter() for _ in decode_tokens(client, heads, prompt[0].tolist(), steps + 1, _greedy)]
+    return times[0], times[-1], [b - a for a, b in zip(times, times[1:])]
 
 
-async def _clients(client, prompts: list[torch.Tensor], steps: int):
-    return await asyncio.gather(*(_one_client(client, prompt, steps) for prompt in prompts))
+def _clients(client, heads, prompts: list[torch.Tensor], steps: int):
+    """Every client in a thread of its own, all at once, as `swarmlm api` runs concurrent requests."""
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _one_client(client, heads, prompts[i], steps)
+        except BaseException as exc:  # raised below, in the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"bench-client-{i}") for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _local_batch(model, prompts: torch.Tensor, steps: int, device: str) -> float:
@@ -109,17 +101,20 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     steps = plan.concurrency_steps
     prompts = [prompt_ids(model.config.vocab_size, plan.decode_prompt, seed=100 + i)
                for i in range(max(plan.concurrency_clients))]
-    client._run(_clients(client, prompts[:1], min(4, steps)))  # warm-up
+    heads = lm_head_batcher(client)
+    _clients(client, heads, prompts[:1], min(4, steps))  # warm-up
     measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
     local: dict[int, list[float]] = {}
     mean_batch: dict[int, float] = {}  # decode steps per batched forward on the peers
+    mean_heads: dict[int, float] = {}  # rows per round of the client's LM head
     for n in plan.concurrency_clients:
         aggregate, latencies, p95s = [], [], []
         counted = client._run(_batch_counters(client))
+        heads_counted = heads.rounds, heads.rows
         _local_batch(model_run.reference, torch.cat(prompts[:n]), min(4, steps), plan.device)  # warm-up
         local[n] = []
         for _ in range(plan.repeats):
-            results = client._run(_clients(client, prompts[:n], steps))
+            results = _clients(client, heads, prompts[:n], steps)
             wall = max(end for _, end, _ in results) - min(start for start, _, _ in results)
             aggregate.append(n * steps / wall)
             run_latencies = [lat for _, _, lats in results for lat in lats]
@@ -128,7 +123,10 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
             local[n].append(_local_batch(model_run.reference, torch.cat(prompts[:n]), steps, plan.device))
         batches, steps_batched = (b - a for a, b in zip(counted, client._run(_batch_counters(client))))
         mean_batch[n] = steps_batched / batches if batches else 1.0
-        logger.info("%d clients: %.2f decode steps per batched forward on the peers", n, mean_batch[n])
+        rounds, rows = heads.rounds - heads_counted[0], heads.rows - heads_counted[1]
+        mean_heads[n] = rows / rounds if rounds else 1.0
+        logger.info("%d clients: %.2f decode steps per batched forward on the peers, %.2f rows per LM head round",
+                    n, mean_batch[n], mean_heads[n])
         measured[n] = (aggregate, latencies, p95s)
     base = min(measured)
     rows = []
@@ -138,7 +136,8 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         common = dict(scenario="concurrency", config=model.name, variant=variant, reference_name=f"{base} client")
         rows.append(Row(metric="aggregate decode", unit="tokens/s", ours=Summary.of(aggregate),
                         reference=Summary.of(measured[base][0]),
-                        extra={"steps_per_client": steps, "mean_peer_batch": round(mean_batch[n], 2)},
+                        extra={"steps_per_client": steps, "mean_peer_batch": round(mean_batch[n], 2),
+                               "mean_head_batch": round(mean_heads[n], 2)},
                         target=targets["aggregate"], **common))
         rows.append(Row(metric="per-token latency p50", unit="ms", ours=Summary.of(latencies).scaled(1e3),
                         reference=Summary.of(measured[base][1]).scaled(1e3), **common))

@@ -2,9 +2,11 @@
 
 Each generation opens its own `InferenceSession` (its own KV cache on every peer of its route, with failover),
 so concurrent requests never share a cache; its steps run on the client's event loop, called from the worker
-thread that runs the generation. Tokens are picked here as Hugging Face's `generate()` picks them (argmax, or
-temperature then top-p then `torch.multinomial`), with a generator of the request's own seeded from `seed`: the
-same seed gives the same tokens as `torch.manual_seed(seed)` before a local `generate()` with those settings.
+thread that runs the generation (client/decoding.py). The LM head of the generations that are decoding is
+computed once per round for all of them (client/heads.py), which keeps their steps together for the peers'
+batches. Tokens are picked here as Hugging Face's `generate()` picks them (argmax, or temperature then top-p then
+`torch.multinomial`), with a generator of the request's own seeded from `seed`: the same seed gives the same
+tokens as `torch.manual_seed(seed)` before a local `generate()` with those settings.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 
 from client.api.errors import ApiError, bad_request
 from client.api.schemas import Sampling
+from client.decoding import decode_tokens, lm_head_batcher
 from client.model import DistributedModelForCausalLM
-from client.session import InferenceSession
 
 
 class TokenPicker:
@@ -55,6 +57,7 @@ class SwarmBackend:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.heads = lm_head_batcher(model)  # shared by the generations: see client/decoding.py
 
     # --- text ---
 
@@ -91,26 +94,7 @@ class SwarmBackend:
     # --- generation ---
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> Iterator[int]:
-        model = self.model
-        picker = TokenPicker(sampling)
-        ids = torch.tensor([prompt_ids])
-        session = InferenceSession(model.sequence, len(prompt_ids) + max_new_tokens, batch_size=1)
-        try:
-            new, done = ids, 0
-            while True:
-                with torch.inference_mode():
-                    hidden = model.get_input_embeddings()(new)
-                positions = torch.arange(done, done + new.shape[1]).unsqueeze(0)
-                output = model._run(session.step(hidden, None, positions))
-                done += new.shape[1]
-                with torch.inference_mode():
-                    logits = model.lm_head(model.model.norm(output[:, -1:]))[:, -1].float()
-                    token = picker.pick(ids, logits)
-                ids = torch.cat([ids, token.view(1, 1)], dim=1)
-                yield int(token)
-                new = token.view(1, 1)
-        finally:
-            model._run(session.close())
+        return decode_tokens(self.model, self.heads, prompt_ids, max_new_tokens, TokenPicker(sampling).pick)
 
     # --- the swarm ---
 

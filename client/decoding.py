@@ -1,0 +1,51 @@
+"""Token by token through the swarm, one generation per thread: what `swarmlm api` runs for each request.
+
+`decode_tokens` opens an inference session (its own KV cache on every peer of the route, with failover), sends
+the prompt, then each picked token, and yields the tokens. The LM head goes through a `HeadBatcher` shared by the
+generations of one model, so that concurrent generations compute it together and step in lockstep
+(client/heads.py). Unlike `generate()`, nothing here keeps logits or attention masks: one row, no padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from client.heads import HeadBatcher
+from client.session import InferenceSession
+
+
+def lm_head_batcher(model) -> HeadBatcher:
+    """A HeadBatcher of `model`'s final norm and LM head (a DistributedModelForCausalLM)."""
+    return HeadBatcher(lambda hidden: model.lm_head(model.model.norm(hidden)))
+
+
+def decode_tokens(model, heads: HeadBatcher, prompt_ids: list[int], max_new_tokens: int,
+                  pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[int]:
+    """Yield up to `max_new_tokens` tokens after `prompt_ids`; `pick(ids [1, length], logits [1, vocab])` gives the
+    next token [1]. Closing the iterator closes the session on every peer. Call from a thread other than the
+    client's event loop (each step blocks until the peers have answered)."""
+    ids = torch.tensor([prompt_ids])
+    session = InferenceSession(model.sequence, len(prompt_ids) + max_new_tokens, batch_size=1)
+    decoding = contextlib.ExitStack()
+    try:
+        new, done = ids, 0
+        for _ in range(max_new_tokens):
+            with torch.inference_mode():
+                hidden = model.get_input_embeddings()(new)
+            positions = torch.arange(done, done + new.shape[1]).unsqueeze(0)
+            output = model._run(session.step(hidden, None, positions))
+            done += new.shape[1]
+            if done == len(prompt_ids):  # prefilled: from now on each round of heads waits for this generation
+                decoding.enter_context(heads.member())
+            logits = heads.logits(output[:, -1]).float()
+            with torch.inference_mode():
+                token = pick(ids, logits)
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+            yield int(token)
+            new = token.view(1, 1)
+    finally:
+        decoding.close()
+        model._run(session.close())

@@ -12,6 +12,7 @@ Modules:
     report     results.json, results.md and PNG plots (matplotlib, Agg)
     scenarios/ decode, prefill, train (forward+backward), wire, concurrency, startup (and memory)
     verify     `python -m bench.verify`: what client spot checks cost, forward+backward at fractions 0, 0.05, 1
+    hop_profile `python -m bench.hop_profile`: where a decode step's milliseconds go, client and each peer
 
 Timings are never asserted by tests; they are reported as ratios to a reference measured in the same run.
 """

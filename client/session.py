@@ -44,6 +44,20 @@ class SpanSession:
     stale: set[int] = field(default_factory=set)  # ids of steps given up on: their late answers are skipped
 
 
+@dataclass
+class HopTimings:
+    """Client-side time of the inference steps one peer answered, summed (bench/hop_profile.py reads it).
+
+    `pack_s` builds and packs the request (a chain's request counts for its first hop only); `rpc_s` runs from
+    sending it until this hop's answer is received (a later hop of a chain counts from the chain's send);
+    `check_s` checks the answer and casts its hidden states."""
+
+    steps: int = 0
+    pack_s: float = 0.0
+    rpc_s: float = 0.0
+    check_s: float = 0.0
+
+
 class _HopFailed(Exception):
     """Span `index` of a chain of forwarded steps failed; `outputs` are those of the spans before it."""
 
@@ -71,6 +85,7 @@ class InferenceSession:
         self.closed = False
         self.recoveries = 0
         self.recovery_s = 0.0  # time spent re-routing and replaying after failures
+        self.hop_timings: dict[str, HopTimings] = {}  # peer id -> its answered steps' client-side time
 
     @property
     def cache_tokens(self) -> int:
@@ -147,6 +162,7 @@ class InferenceSession:
         config = self.sequence.config
         dtype = self.sequence.hop_dtype(chain[0].hop)
         ids = [next(self._step_ids) for _ in chain]
+        began = time.perf_counter()
         packer = Packer()
         request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
             session_id=chain[0].session_id, hidden_states=packer.tensor(hidden.to(dtype)),
@@ -156,6 +172,7 @@ class InferenceSession:
                   for s, i in zip(chain[1:], ids[1:])])))
         checks.check_size(request, config.max_message_bytes)
         outputs: list[torch.Tensor] = []
+        sent = time.perf_counter()
         try:
             await asyncio.wait_for(chain[0].stream.send(request), config.request_timeout_s)
         except asyncio.TimeoutError:
@@ -167,6 +184,7 @@ class InferenceSession:
         for k, span in enumerate(chain):
             try:
                 response = await self._answer(span, ids[k], chain[k - 1] if k else None, ids[k - 1] if k else 0)
+                answered = time.perf_counter()
                 output = checks.step_answer(response, peer=describe(span.hop), shape=hidden.shape, dtype=dtype,
                                             step_id=ids[k], position=position)
             except Exception as exc:
@@ -175,6 +193,11 @@ class InferenceSession:
                 raise _HopFailed(k, exc, outputs) from exc
             span.position = position
             outputs.append(output.to(hidden.dtype))
+            timings = self.hop_timings.setdefault(span.hop.peer_id, HopTimings())
+            timings.steps += 1
+            timings.pack_s += 0.0 if k else sent - began
+            timings.rpc_s += answered - sent
+            timings.check_s += time.perf_counter() - answered
         return outputs
 
     async def _answer(self, span: SpanSession, step_id: int, previous: SpanSession | None, previous_id: int):

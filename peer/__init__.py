@@ -5,6 +5,7 @@
 - reach: how clients reach the peer (direct gRPC, or libp2p through a relay from behind NAT)
 - blocks: loading a span of decoder layers from a checkpoint and running it
 - handler: the gRPC methods (forward, backward, inference stream, info, state)
+- timings: where inference steps spend their time (phase timers, reported by Info)
 - training: a training peer's optimizer, gradient accumulation and group updates (`--train`)
 - lora: LoRA adapters for a span (`--train-mode lora`), and checkpoint-named weights for export
 - cache: the KV-cache token budget

@@ -116,6 +116,8 @@ class Member:
     reset: Callable[[], None] = field(default=lambda: None)  # when the cache cannot be put back: start afresh
     output: Any = None
     error: BaseException | None = None
+    forward_s: float = 0.0  # how long the forward that computed this step took (peer/timings.py)
+    shared_by: int = 1  # steps computed in that forward
 
     @property
     def rows(self) -> int:
@@ -232,11 +234,13 @@ class DecodeBatcher:
             except Exception as exc:
                 logger.warning("a batch of %d decode steps failed (%r); computing each alone", len(members), exc)
                 for member in members:
+                    alone = time.perf_counter()
                     self._alone(span, member, blocks)
+                    member.forward_s = time.perf_counter() - alone
                 return taken
-        for member, output in zip(members, outputs):
-            member.output = output
         self._last_batch_s = time.perf_counter() - began
+        for member, output in zip(members, outputs):
+            member.output, member.forward_s, member.shared_by = output, self._last_batch_s, len(members)
         self.batches += 1
         self.batched_steps += len(members)
         return taken

@@ -31,6 +31,7 @@ from peer.forwarding import check_next
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
+from peer.timings import StepClock, StepTimings
 from swarm.identity import MAX_NONCE_BYTES
 from peer import validation
 
@@ -109,6 +110,7 @@ class PeerServicer:
         self.forwarder = None  # a peer.forwarding.Forwarder once the server has its credentials
         self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens,
                                      expected=self._decoding)
+        self.step_timings = StepTimings()  # where inference steps spend their time (for Info and benchmarks)
 
     def _decoding(self, blocks: tuple[int, int]) -> dict[str, float]:
         """When the next decode step of each session of `blocks` that is decoding is due (peer/batching.py)."""
@@ -446,6 +448,7 @@ class PeerServicer:
         return session
 
     async def _step(self, session: Session, step: pb.InferenceStep, payload: memoryview):
+        clock = StepClock()
         span = self.span
         if span is None or not span.start <= session.blocks[0] < session.blocks[1] <= span.end:
             raise WrongSpanError(f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
@@ -462,6 +465,7 @@ class PeerServicer:
             if self.forwarder is None:
                 raise BadRequestError("this peer does not push steps on to other peers; send each step yourself")
             check_next(step.next)
+        clock.parsed()
 
         def run(begin: int, end: int):
             """Tokens [begin, end) of the step (a chunk of a long prefill, or all of it)."""
@@ -490,22 +494,27 @@ class PeerServicer:
                                 asyncio.get_running_loop().create_future(),
                                 reset=lambda: _forget_step(session, span, 0))
                 out = await self.batcher.step(session.blocks, member)
+                clock.computed(member.forward_s, member.shared_by)
             else:
                 chunk = max(1, self.limits.max_batch_tokens // batch)
                 parts = []
                 for begin in range(0, new, chunk):  # other sessions' decode steps run between the chunks
                     end = min(new, begin + chunk)
-                    parts.append(await self._compute(functools.partial(run, begin, end), batch * (end - begin),
-                                                     INFERENCE))
+                    parts.append(await self._compute(clock.timed(functools.partial(run, begin, end)),
+                                                     batch * (end - begin), INFERENCE))
                 out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
         if step.next:  # on to the next peer now; our answer to the client goes out meanwhile
             asyncio.ensure_future(self._push_on(session, step, out, mask, positions))
+        clock.replying()
         packer = Packer()
-        return packer.pack(pb.InferenceResponse(step=pb.StepResult(
+        packed = packer.pack(pb.InferenceResponse(step=pb.StepResult(
             hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
             position=session.position)))
+        clock.replied()
+        self.step_timings.add(clock)
+        return packed
 
 
 async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue, slots: asyncio.Semaphore) -> None:

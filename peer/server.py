@@ -282,6 +282,7 @@ class PeerServer:
             decode_batches=self.servicer.batcher.batches,
             batched_steps=self.servicer.batcher.batched_steps,
             pushed_steps=self.servicer.forwarder.pushed if self.servicer.forwarder is not None else 0,
+            step_timings=self.servicer.step_timings.message(),
         )
 
     async def shutdown(self) -> None:

@@ -237,7 +237,20 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings")
+    class StepTimings(_message.Message):
+        __slots__ = ("steps", "parse_s", "wait_s", "compute_s", "reply_s")
+        STEPS_FIELD_NUMBER: _ClassVar[int]
+        PARSE_S_FIELD_NUMBER: _ClassVar[int]
+        WAIT_S_FIELD_NUMBER: _ClassVar[int]
+        COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+        REPLY_S_FIELD_NUMBER: _ClassVar[int]
+        steps: int
+        parse_s: float
+        wait_s: float
+        compute_s: float
+        reply_s: float
+        def __init__(self, steps: _Optional[int] = ..., parse_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., reply_s: _Optional[float] = ...) -> None: ...
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +273,7 @@ class InfoResponse(_message.Message):
     DECODE_BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     PUSHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -282,7 +296,8 @@ class InfoResponse(_message.Message):
     decode_batches: int
     batched_steps: int
     pushed_steps: int
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ...) -> None: ...
+    step_timings: InfoResponse.StepTimings
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

@@ -9,6 +9,7 @@ are prefilled in chunks, and at most 16 decode steps share a forward.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -79,25 +80,30 @@ def _assert_local_model_agrees(local, prompt: torch.Tensor, tokens: torch.Tensor
     torch.testing.assert_close(logits[:expected.shape[0]], expected, atol=ATOL, rtol=0)
 
 
-def _counters(remote, endpoints) -> list[tuple[int, int]]:
+def _infos(remote, endpoints) -> list[pb.InfoResponse]:
     async def read():
         return [await remote.sequence.pool.unary(e, "info", pb.InfoRequest(), 10.0) for e in endpoints]
-    return [(i.decode_batches, i.batched_steps) for i in remote._run(read())]
+    return remote._run(read())
 
 
 def test_concurrent_sessions_are_batched_and_each_stays_exact(served):
     remote, local, endpoints = served
     prompts = [_prompt(length, seed) for seed, length in enumerate([3, 9, 5, 14, 7, 11])]
-    before = _counters(remote, endpoints)
+    before = _infos(remote, endpoints)
     async def together():
         return await asyncio.gather(*(_greedy(remote, p, NEW_TOKENS) for p in prompts))
 
     results = remote._run(together())
-    after = _counters(remote, endpoints)
+    after = _infos(remote, endpoints)
     for prompt, (tokens, logits) in zip(prompts, results):
         _assert_local_model_agrees(local, prompt, tokens, logits)
-    for (batches0, steps0), (batches1, steps1) in zip(before, after):
-        assert steps1 - steps0 > batches1 - batches0, "no peer ever computed two sessions' steps together"
+    for then, now in zip(before, after):
+        assert now.batched_steps - then.batched_steps > now.decode_batches - then.decode_batches, \
+            "no peer ever computed two sessions' steps together"
+        timings = now.step_timings  # every step's phases were timed (peer/timings.py)
+        assert timings.steps - then.step_timings.steps == len(prompts) * NEW_TOKENS
+        phases = (timings.parse_s, timings.wait_s, timings.compute_s, timings.reply_s)
+        assert all(math.isfinite(s) and s >= 0 for s in phases) and timings.compute_s > 0, phases
 
 
 def test_a_long_prompt_among_short_sessions_is_chunked_and_nobody_starves(served):

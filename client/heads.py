@@ -4,11 +4,13 @@ A client that serves many generations at once (`swarmlm api`, one thread per gen
 each generation's head alone, one after the other. Their next steps then leave for the peers staggered by a
 head's time each, reach every peer spread over the round, and the peers' batches (peer/batching.py) stay small.
 Here the generations that are decoding are members; each round waits until every member has handed in its
-hidden state (or `max_wait_s` after the first one did), computes all rows in one matmul, which reads the head's
-weights once, and releases the members together, so that their next steps reach the first peer together.
+hidden state (or a wait after the first one did), computes all rows in one matmul, which reads the head's weights
+once, and releases the members together, so that their next steps reach the first peer together.
 
-A member that is slow this round (its session is failing over) delays the others by at most `max_wait_s`, then
-joins a later round. A row computed in a batch may differ from the row computed alone in the last bits of float
+The wait is half the members' usual time away between two rounds (their step through the peers), at most
+`max_wait_s`: on a machine where the peers share the client's cores, steps of one round come back up to a few
+hundred ms apart, and a shorter wait splits the round for good. A member that is slow this round (its session is
+failing over) delays the others by at most that wait, then joins a later round. A row computed in a batch may differ from the row computed alone in the last bits of float
 rounding, as the peers' batched blocks do.
 """
 
@@ -34,7 +36,7 @@ class _Request:
 class HeadBatcher:
     """`head` maps hidden states [rows, hidden] to logits [rows, vocab]; callers are threads."""
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], max_wait_s: float = 0.05):
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], max_wait_s: float = 0.25):
         if not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.head, self.max_wait_s = head, max_wait_s
@@ -43,6 +45,8 @@ class HeadBatcher:
         self._pending: list[_Request] = []
         self._round_began = 0.0  # when the first request of the pending round came
         self._computing = False
+        self._round_end = 0.0  # when the latest round was released
+        self._away_s: float | None = None  # usual time from a round's release to the next round's first request
         self.rounds = 0  # batches computed, and the rows in them (for benchmarks)
         self.rows = 0
 
@@ -64,6 +68,9 @@ class HeadBatcher:
         with self._cond:
             if not self._pending:
                 self._round_began = time.monotonic()
+                if self._round_end and not self._computing:
+                    away = self._round_began - self._round_end
+                    self._away_s = away if self._away_s is None else 0.7 * self._away_s + 0.3 * away
             self._pending.append(request)
             self._cond.notify_all()
             while not request.done:
@@ -76,11 +83,18 @@ class HeadBatcher:
             raise request.error
         return request.logits
 
+    @property
+    def wait_s(self) -> float:
+        """How long a round waits for its members after the first one came."""
+        if self._away_s is None:
+            return self.max_wait_s
+        return min(self.max_wait_s, max(0.002, self._away_s / 2))
+
     def _leader_wait(self, request: _Request) -> float | None:
         """None: `request` leads the pending round and it is complete; else how long to wait before looking again."""
         if self._computing or not self._pending or self._pending[0] is not request:
             return max(self.max_wait_s, 0.001)  # woken when its round is done, or when it leads the next
-        left = self._round_began + self.max_wait_s - time.monotonic()
+        left = self._round_began + self.wait_s - time.monotonic()
         if len(self._pending) >= self._members or left <= 0:
             return None
         return left
@@ -103,6 +117,7 @@ class HeadBatcher:
         finally:
             self._cond.acquire()
             self._computing = False
+            self._round_end = time.monotonic()
             self.rounds += 1
             self.rows += sum(r.hidden.shape[0] for r in batch)
             if self._pending:  # the next round's wait starts now: it could not be computed meanwhile

@@ -108,3 +108,24 @@ def test_a_failing_head_fails_its_round_for_every_member_and_the_next_round_work
 def test_max_wait_must_be_a_non_negative_number(head):
     with pytest.raises(ValueError, match="max_wait_s"):
         HeadBatcher(head, max_wait_s=float("nan"))
+
+
+def test_the_wait_follows_the_members_time_away_within_the_bound(head):
+    batcher = HeadBatcher(head, max_wait_s=0.2)
+    release = threading.Event()
+
+    def absent():
+        with batcher.member():
+            release.wait(20)
+
+    thread = threading.Thread(target=absent)
+    thread.start()
+    try:
+        assert batcher.wait_s == 0.2  # nothing known yet: the bound
+        with batcher.member():
+            for _ in range(4):  # back to back: away for next to nothing between rounds
+                batcher.logits(torch.randn(1, HIDDEN))
+        assert batcher.wait_s < 0.05
+    finally:
+        release.set()
+        thread.join(20)

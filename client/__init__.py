@@ -3,8 +3,8 @@
 - model: DistributedModelForCausalLM / AutoDistributedModelForCausalLM (local embeddings, norm, head)
 - sequence: the remote blocks, routing, retries, forward/backward with autograd
 - session: inference sessions with server-side KV caches and failover by replay
-- decoding: one generation per thread, token by token (what `swarmlm api` runs); heads: their LM heads as one
-  batch per round, which keeps concurrent generations in lockstep for the peers' batches
+- decoding: one generation per thread, token by token (what `swarmlm api` runs); heads: the LM heads of
+  concurrent generations as one batch (optionally in lockstep)
 - routing: route planning (pure functions)
 - transport: gRPC channels (a bounded pool) and calls; loop: the background event loop
 - checks: the caller's input before sending, every peer's answer before use, whose fault a peer's error is

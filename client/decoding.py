@@ -2,8 +2,7 @@
 
 `decode_tokens` opens an inference session (its own KV cache on every peer of the route, with failover), sends
 the prompt, then each picked token, and yields the tokens. The LM head goes through a `HeadBatcher` shared by the
-generations of one model, so that concurrent generations compute it together and step in lockstep
-(client/heads.py). Unlike `generate()`, nothing here keeps logits or attention masks: one row, no padding.
+generations of one model, so that concurrent generations compute it together (client/heads.py). Unlike `generate()`, nothing here keeps logits or attention masks: one row, no padding.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from client.heads import HeadBatcher
 from client.session import InferenceSession
 
 
-def lm_head_batcher(model) -> HeadBatcher:
-    """A HeadBatcher of `model`'s final norm and LM head (a DistributedModelForCausalLM)."""
-    return HeadBatcher(lambda hidden: model.lm_head(model.model.norm(hidden)))
+def lm_head_batcher(model, max_wait_s: float = 0.0) -> HeadBatcher:
+    """A HeadBatcher of `model`'s final norm and LM head (a DistributedModelForCausalLM); see HeadBatcher for
+    `max_wait_s`, which keeps concurrent generations in lockstep."""
+    return HeadBatcher(lambda hidden: model.lm_head(model.model.norm(hidden)), max_wait_s)
 
 
 def decode_tokens(model, heads: HeadBatcher, prompt_ids: list[int], max_new_tokens: int,
@@ -38,7 +38,7 @@ def decode_tokens(model, heads: HeadBatcher, prompt_ids: list[int], max_new_toke
             positions = torch.arange(done, done + new.shape[1]).unsqueeze(0)
             output = model._run(session.step(hidden, None, positions))
             done += new.shape[1]
-            if done == len(prompt_ids):  # prefilled: from now on each round of heads waits for this generation
+            if done == len(prompt_ids):  # prefilled: from now on a round of heads may wait for this generation
                 decoding.enter_context(heads.member())
             logits = heads.logits(output[:, -1]).float()
             with torch.inference_mode():

@@ -1,17 +1,16 @@
-"""The LM head of concurrent generations, computed as one batch per round: what keeps their steps in lockstep.
+"""The LM head of concurrent generations, computed as one batch: one read of its weights for every row.
 
 A client that serves many generations at once (`swarmlm api`, one thread per generation) would otherwise compute
-each generation's head alone, one after the other. Their next steps then leave for the peers staggered by a
-head's time each, reach every peer spread over the round, and the peers' batches (peer/batching.py) stay small.
-Here the generations that are decoding are members; each round waits until every member has handed in its
-hidden state (or a wait after the first one did), computes all rows in one matmul, which reads the head's weights
-once, and releases the members together, so that their next steps reach the first peer together.
+each generation's head alone, one after the other. Here rows that reach the head while it computes a round are
+computed together in the next one, which never makes a row wait longer than the round before it.
 
-The wait is half the members' usual time away between two rounds (their step through the peers), at most
-`max_wait_s`: on a machine where the peers share the client's cores, steps of one round come back up to a few
-hundred ms apart, and a shorter wait splits the round for good. A member that is slow this round (its session is
-failing over) delays the others by at most that wait, then joins a later round. A row computed in a batch may differ from the row computed alone in the last bits of float
-rounding, as the peers' batched blocks do.
+With `max_wait_s` > 0 a round also waits for the generations that are decoding (members) to hand in their hidden
+states, for half their usual time away between rounds at most, and releases them together, so that their next
+steps reach the first peer together (lockstep). On 2 CPU cores shared by the client and three peers that gave
+rounds of 5-7 rows of 8 but no larger batches on the peers nor more tokens/s (the README's concurrency figures),
+and with generations on routes of different speeds it would hold the fast ones back, so the API does not wait.
+A row computed in a batch may differ from the row computed alone in the last bits of float rounding, as the
+peers' batched blocks do.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ class _Request:
 class HeadBatcher:
     """`head` maps hidden states [rows, hidden] to logits [rows, vocab]; callers are threads."""
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], max_wait_s: float = 0.25):
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], max_wait_s: float = 0.0):
         if not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.head, self.max_wait_s = head, max_wait_s

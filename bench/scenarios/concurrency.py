@@ -2,9 +2,8 @@
 
 Each client is a thread running its own generation the way `swarmlm api` runs a request (client/decoding.py):
 its own inference session (its own KV caches on every peer), its steps on the client library's event loop, the
-sessions sharing one gRPC channel per peer, and the LM head of all decoding clients computed as one batch per
-round (client/heads.py), which keeps their steps together. Peers batch the decode steps that reach them together
-(peer/batching.py). Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client
+sessions sharing one gRPC channel per peer, and the LM heads of clients whose steps come back together computed
+as one batch (client/heads.py). Peers batch the decode steps that reach them together (peer/batching.py). Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client
 alone, and the aggregate vs the local Hugging Face model generating the same prompts as one batch in this process.
 """
 
@@ -106,7 +105,7 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
     local: dict[int, list[float]] = {}
     mean_batch: dict[int, float] = {}  # decode steps per batched forward on the peers
-    mean_heads: dict[int, float] = {}  # rows per round of the client's LM head
+    mean_heads: dict[int, float] = {}  # rows per batch of the client's LM head
     for n in plan.concurrency_clients:
         aggregate, latencies, p95s = [], [], []
         counted = client._run(_batch_counters(client))
@@ -125,7 +124,7 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         mean_batch[n] = steps_batched / batches if batches else 1.0
         rounds, rows = heads.rounds - heads_counted[0], heads.rows - heads_counted[1]
         mean_heads[n] = rows / rounds if rounds else 1.0
-        logger.info("%d clients: %.2f decode steps per batched forward on the peers, %.2f rows per LM head round",
+        logger.info("%d clients: %.2f decode steps per batched forward on the peers, %.2f rows per LM head batch",
                     n, mean_batch[n], mean_heads[n])
         measured[n] = (aggregate, latencies, p95s)
     base = min(measured)

@@ -2,11 +2,11 @@
 
 Each generation opens its own `InferenceSession` (its own KV cache on every peer of its route, with failover),
 so concurrent requests never share a cache; its steps run on the client's event loop, called from the worker
-thread that runs the generation (client/decoding.py). The LM head of the generations that are decoding is
-computed once per round for all of them (client/heads.py), which keeps their steps together for the peers'
-batches. Tokens are picked here as Hugging Face's `generate()` picks them (argmax, or temperature then top-p then
-`torch.multinomial`), with a generator of the request's own seeded from `seed`: the same seed gives the same
-tokens as `torch.manual_seed(seed)` before a local `generate()` with those settings.
+thread that runs the generation (client/decoding.py). The LM heads of generations whose steps come back together
+are computed as one batch (client/heads.py). Tokens are picked here as Hugging Face's `generate()` picks them
+(argmax, or temperature then top-p then `torch.multinomial`), with a generator of the request's own seeded from
+`seed`: the same seed gives the same tokens as `torch.manual_seed(seed)` before a local `generate()` with those
+settings.
 """
 
 from __future__ import annotations

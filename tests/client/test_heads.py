@@ -129,3 +129,30 @@ def test_the_wait_follows_the_members_time_away_within_the_bound(head):
     finally:
         release.set()
         thread.join(20)
+
+
+def test_without_a_wait_rows_that_come_during_a_round_make_the_next_one(head):
+    started, release = threading.Event(), threading.Event()
+    sizes = []
+
+    def slow(hidden):
+        sizes.append(hidden.shape[0])
+        if len(sizes) == 1:
+            started.set()
+            release.wait(20)
+        return head(hidden)
+
+    batcher = HeadBatcher(slow)  # the default: a round never waits for anyone
+    results, errors = {}, []
+    with batcher.member():  # a member that never hands anything in holds nobody up
+        first = _members(batcher, [[torch.randn(1, HIDDEN)]], results, errors)
+        assert started.wait(20)
+        others = _members(batcher, [[torch.randn(1, HIDDEN)] for _ in range(3)], {}, errors)
+        for _ in range(2000):  # the three wait for the round being computed
+            if len(batcher._pending) == 3 or errors:
+                break
+            threading.Event().wait(0.01)
+        release.set()
+        _join(first + others)
+    assert not errors
+    assert sizes == [1, 3]

@@ -5,9 +5,9 @@ each generation's head alone, one after the other. Here rows that reach the head
 computed together in the next one, which never makes a row wait longer than the round before it.
 
 With `max_wait_s` > 0 a round also waits for the generations that are decoding (members) to hand in their hidden
-states, for half their usual time away between rounds at most, and releases them together, so that their next
+states, for `max_wait_s` at most after the first one did, and releases them together, so that their next
 steps reach the first peer together (lockstep). On 2 CPU cores shared by the client and three peers that gave
-rounds of 5-7 rows of 8 but no larger batches on the peers nor more tokens/s (the README's concurrency figures),
+rounds of 5-7 rows of 8 (0.25-0.5 s waits) but no larger batches on the peers nor more tokens/s (the README's concurrency figures),
 and with generations on routes of different speeds it would hold the fast ones back, so the API does not wait.
 A row computed in a batch may differ from the row computed alone in the last bits of float rounding, as the
 peers' batched blocks do.
@@ -44,8 +44,6 @@ class HeadBatcher:
         self._pending: list[_Request] = []
         self._round_began = 0.0  # when the first request of the pending round came
         self._computing = False
-        self._round_end = 0.0  # when the latest round was released
-        self._away_s: float | None = None  # usual time from a round's release to the next round's first request
         self.rounds = 0  # batches computed, and the rows in them (for benchmarks)
         self.rows = 0
 
@@ -67,9 +65,6 @@ class HeadBatcher:
         with self._cond:
             if not self._pending:
                 self._round_began = time.monotonic()
-                if self._round_end and not self._computing:
-                    away = self._round_began - self._round_end
-                    self._away_s = away if self._away_s is None else 0.7 * self._away_s + 0.3 * away
             self._pending.append(request)
             self._cond.notify_all()
             while not request.done:
@@ -82,18 +77,11 @@ class HeadBatcher:
             raise request.error
         return request.logits
 
-    @property
-    def wait_s(self) -> float:
-        """How long a round waits for its members after the first one came."""
-        if self._away_s is None:
-            return self.max_wait_s
-        return min(self.max_wait_s, max(0.002, self._away_s / 2))
-
     def _leader_wait(self, request: _Request) -> float | None:
         """None: `request` leads the pending round and it is complete; else how long to wait before looking again."""
         if self._computing or not self._pending or self._pending[0] is not request:
-            return max(self.max_wait_s, 0.001)  # woken when its round is done, or when it leads the next
-        left = self._round_began + self.wait_s - time.monotonic()
+            return 1.0  # notified when its round is done or it leads the next; the timeout only in case
+        left = self._round_began + self.max_wait_s - time.monotonic()
         if len(self._pending) >= self._members or left <= 0:
             return None
         return left
@@ -116,7 +104,6 @@ class HeadBatcher:
         finally:
             self._cond.acquire()
             self._computing = False
-            self._round_end = time.monotonic()
             self.rounds += 1
             self.rows += sum(r.hidden.shape[0] for r in batch)
             if self._pending:  # the next round's wait starts now: it could not be computed meanwhile

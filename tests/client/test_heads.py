@@ -110,27 +110,6 @@ def test_max_wait_must_be_a_non_negative_number(head):
         HeadBatcher(head, max_wait_s=float("nan"))
 
 
-def test_the_wait_follows_the_members_time_away_within_the_bound(head):
-    batcher = HeadBatcher(head, max_wait_s=0.2)
-    release = threading.Event()
-
-    def absent():
-        with batcher.member():
-            release.wait(20)
-
-    thread = threading.Thread(target=absent)
-    thread.start()
-    try:
-        assert batcher.wait_s == 0.2  # nothing known yet: the bound
-        with batcher.member():
-            for _ in range(4):  # back to back: away for next to nothing between rounds
-                batcher.logits(torch.randn(1, HIDDEN))
-        assert batcher.wait_s < 0.05
-    finally:
-        release.set()
-        thread.join(20)
-
-
 def test_without_a_wait_rows_that_come_during_a_round_make_the_next_one(head):
     started, release = threading.Event(), threading.Event()
     sizes = []

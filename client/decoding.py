@@ -2,7 +2,8 @@
 
 `decode_tokens` opens an inference session (its own KV cache on every peer of the route, with failover), sends
 the prompt, then each picked token, and yields the tokens. The LM head goes through a `HeadBatcher` shared by the
-generations of one model, so that concurrent generations compute it together (client/heads.py). Unlike `generate()`, nothing here keeps logits or attention masks: one row, no padding.
+generations of one model, so that concurrent generations compute it together (client/heads.py). Unlike
+`generate()`, nothing here keeps logits or attention masks: one row, no padding.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Each client is a thread running its own generation the way `swarmlm api` runs a request (client/decoding.py):
 its own inference session (its own KV caches on every peer), its steps on the client library's event loop, the
 sessions sharing one gRPC channel per peer, and the LM heads of clients whose steps come back together computed
-as one batch (client/heads.py). Peers batch the decode steps that reach them together (peer/batching.py). Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client
-alone, and the aggregate vs the local Hugging Face model generating the same prompts as one batch in this process.
+as one batch (client/heads.py). Peers batch the decode steps that reach them together (peer/batching.py).
+Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client alone, and the aggregate
+vs the local Hugging Face model generating the same prompts as one batch in this process.
 """
 
 from __future__ import annotations

@@ -113,7 +113,14 @@ class SwarmTrainer:
             raise ValueError(f"expected a batch of {self.config.batch_size} sequences, got {batch.shape[0]}")
         future = asyncio.run_coroutine_threadsafe(self._step(batch), self.model._loop.loop)
         try:
-            return future.result()
+            while True:
+                # in short waits: a Ctrl+C that another thread of this process received runs its handler (raising
+                # KeyboardInterrupt here) only once this thread wakes, and a step may wait for a long time
+                try:
+                    return future.result(timeout=0.5)
+                except TimeoutError:
+                    if future.done():  # the step itself timed out
+                        raise
         except BaseException:  # Ctrl+C: stop the step's work too, not only the wait for it
             future.cancel()
             raise

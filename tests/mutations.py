@@ -366,7 +366,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "head-round-waits-for-nobody", "client/heads.py",
         "        if len(self._pending) >= self._members or left <= 0:\n",
         "        if True:  # MUTATION\n",
-        "the client computes each generation's LM head as it comes: concurrent generations drift apart",
+        "a head batcher with a wait computes each round at once: lockstep among generations is lost",
         ("tests/client/test_heads.py",)),
     Mutation(
         "head-rows-swapped", "client/heads.py",

@@ -20,6 +20,7 @@ import torch
 
 from client.local_swarm import LocalSwarm, split_blocks
 from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from protocol import swarmlm_pb2 as pb
 from bench import memory
 from bench.models import BenchModel, load_reference
 from bench.plan import Plan
@@ -177,6 +178,14 @@ class ModelRun:
             child.wait()
             # a stopped peer must not count as a crash when the next split waits for its peers
             del self.swarm.children[name]
+
+
+async def peer_infos(client) -> dict[str, pb.InfoResponse]:
+    """Peer id -> Info answer of each online peer of the client's model (counters and timings since its start)."""
+    snapshot = await client.sequence.snapshot(refresh=True)
+    return {peer_id: await client.sequence.pool.unary(client.sequence.paths.get(peer_id, info.endpoint), "info",
+                                                      pb.InfoRequest(), 10.0)
+            for peer_id, info in snapshot.online().items()}
 
 
 def sync_for(device: str):

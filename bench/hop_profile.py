@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench import models
-from bench.harness import ModelRun
+from bench.harness import ModelRun, peer_infos
 from bench.load import OutsideLoad
 from bench.plan import preset
 from bench.scenarios.decode import decode_local, decode_swarm, prompt_ids
@@ -60,13 +60,7 @@ rerun. What each part is: the docstring of bench/hop_profile.py; the peer's phas
 
 async def _peer_timings(client) -> dict[str, pb.InfoResponse.StepTimings]:
     """Each online peer's step timings since its start, by peer id."""
-    snapshot = await client.sequence.snapshot(refresh=True)
-    found = {}
-    for peer_id, info in snapshot.online().items():
-        answer = await client.sequence.pool.unary(client.sequence.paths.get(peer_id, info.endpoint), "info",
-                                                  pb.InfoRequest(), 10.0)
-        found[peer_id] = answer.step_timings
-    return found
+    return {peer_id: info.step_timings for peer_id, info in (await peer_infos(client)).items()}
 
 
 def _profiled_round(client, prompt: torch.Tensor, steps: int, acc: dict) -> None:

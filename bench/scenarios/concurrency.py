@@ -19,8 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from client.decoding import decode_tokens, lm_head_batcher
-from protocol import swarmlm_pb2 as pb
-from bench.harness import ModelRun, Split, sync_for
+from bench.harness import ModelRun, Split, peer_infos, sync_for
 from bench.scenarios.decode import prompt_ids
 from bench.stats import Row, Summary, Target, percentile
 
@@ -82,13 +81,8 @@ def _local_batch(model, prompts: torch.Tensor, steps: int, device: str) -> float
 
 async def _batch_counters(client) -> tuple[int, int]:
     """(batched forwards, decode steps in them) summed over the online peers of the client's model."""
-    snapshot = await client.sequence.snapshot(refresh=True)
-    batches = steps = 0
-    for peer_id, info in snapshot.online().items():
-        answer = await client.sequence.pool.unary(client.sequence.paths.get(peer_id, info.endpoint), "info",
-                                                  pb.InfoRequest(), 10.0)
-        batches, steps = batches + answer.decode_batches, steps + answer.batched_steps
-    return batches, steps
+    infos = (await peer_infos(client)).values()
+    return sum(i.decode_batches for i in infos), sum(i.batched_steps for i in infos)
 
 
 def _targets(model_name: str, split: Split, n: int) -> dict[str, Target | None]:

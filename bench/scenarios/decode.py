@@ -16,6 +16,7 @@ from bench.harness import ModelRun, Split, sync_for
 from bench.stats import Row, Summary, Target
 
 DECODE_TARGET = Target("ratio", "<=", 1.15, "<= 1.15x local")
+TINY_DECODE_TARGET = Target("ratio", "<=", 1.25, "<= 1.25x local")  # per-hop costs show most on a tiny model
 
 
 def prompt_ids(vocab_size: int, length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
@@ -73,7 +74,7 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         local_runs.append(sorted(lt)[len(lt) // 2] * 1e3)
         swarm_runs.append(sorted(st)[len(st) // 2] * 1e3)
         matches.append(sum(a == b for a, b in zip(local_tokens, swarm_tokens)) / len(local_tokens))
-    target = DECODE_TARGET if model.name == "default" and split.count == 3 else None
+    target = {"default": DECODE_TARGET, "tiny": TINY_DECODE_TARGET}.get(model.name) if split.count == 3 else None
     ours, local = Summary.of(swarm_times).scaled(1e3), Summary.of(local_times).scaled(1e3)
     return [Row(
         scenario="decode", config=model.name, variant=f"{split.count} peer{'s' * (split.count > 1)}",

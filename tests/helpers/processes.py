@@ -8,6 +8,10 @@ SIGTERM, then SIGKILL after a bounded wait, and raises `LeftoverProcessError` if
 `reaping_descendants(popen)` does the same for a process that starts its own children (`swarmlm demo`): it
 remembers every descendant while the process runs, and SIGKILLs and checks them at the end, whatever happened.
 
+Commands run outside a network namespace and with `swarmlm` itself are forked from the test process's zygote
+(tests/helpers/zygote.py), which has our modules imported already: the same command in a real process of its own,
+without the 4 CPU-seconds of imports each; `SWARMLM_TEST_FORK=0` execs them all instead.
+
 Each process writes stdout and stderr to files under the swarm's log folder; `Swarm.format_logs()` gives their
 tails, which waits that time out include in their error and the `swarm` fixture attaches to a failing test's report.
 
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import psutil
+
+from tests.helpers.zygote import Zygote, launcher
 
 T = TypeVar("T")
 
@@ -101,15 +107,20 @@ def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
 class ManagedProcess:
     """One `swarmlm` process in its own session, with stdout/stderr in files."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str]):
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str],
+                 zygote: Zygote | None = None, argv: Sequence[str] = ()):
+        """Runs `args`; or, given a zygote, forks `swarmlm ARGV...` there (`args` is then what it stands for)."""
         self.name = name
         self.args = list(args)
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
-            )
+            if zygote is not None:
+                self.popen = zygote.start(self.args, list(argv), env, self.stdout_path, self.stderr_path)
+            else:
+                self.popen = subprocess.Popen(
+                    self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+                )
         self.pid = self.popen.pid
         # The session id equals the pid (start_new_session); the DHT process and p2pd inherit it.
         self.sid = self.pid
@@ -283,7 +294,8 @@ class Swarm:
         self._names[name] = count + 1
         unique = name if count == 0 else f"{name}-{count}"
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        proc = cls(unique, prefix + list(command or swarmlm_command()) + args, self.log_dir, self.env)
+        zygote = launcher(self.env) if not netns and command is None else None
+        proc = cls(unique, prefix + list(command or swarmlm_command()) + args, self.log_dir, self.env, zygote, args)
         self.processes.append(proc)
         return proc
 

@@ -1,0 +1,270 @@
+"""A warm launcher for the tests' `swarmlm` processes: it imports our code once, then forks a child per command.
+
+A process that imports the peer's code spends about 4 CPU-seconds on an idle machine before it does anything
+(torch, transformers' masking utilities with torch._dynamo, hivemind), and the suite starts about 150 of them
+on 2 cores. The zygote imports those modules once, while it has a single thread (OMP_NUM_THREADS=1: no BLAS
+pool yet), and for each request forks a child that becomes what `swarmlm ARGS...` would be: a session of its
+own, stdin from /dev/null, stdout and stderr to the given files, the given environment and working directory,
+fresh random state, then `swarm.cli.main(ARGS)` and a normal interpreter exit. The child is a real process
+running the real command; only the interpreter's start and the imports are shared.
+
+Protocol, JSON lines: requests on the zygote's stdin, {"id", "argv", "env", "cwd", "stdout", "stderr"}; on its
+stdout {"ready": pid} once, then {"id", "pid"} (or {"id", "error"}) per request, and {"exit": pid, "code": N}
+when a child ends (N < 0: killed by signal -N, as `subprocess` reports it). It exits when its stdin closes.
+
+The test side is `Zygote` (one per test process, started on first use by `launcher()`); `Forked` offers what
+tests/helpers/processes.py uses of `subprocess.Popen`. `SWARMLM_TEST_FORK=0` makes every test exec instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+PRELOAD = ("swarm.cli", "swarm.bootstrap", "swarm.status", "peer.cli", "peer.server", "client.train_cli",
+           "client.export", "client.api.cli", "client.monitor.cli")
+READY_TIMEOUT_S = 120.0
+REPLY_TIMEOUT_S = 30.0
+ORPHAN_EXIT_CODE = 255  # what a Forked reports when the zygote ended before it did
+
+
+# --- the zygote process ---
+
+
+def _send(message: dict) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(1, data):]
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve() -> dict | None:
+    """Import, then fork a child per request. Returns the request in each child; None in the zygote at EOF."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a child's end wakes select() through the wakeup fd
+    _send({"ready": os.getpid(), "threads": len(os.listdir("/proc/self/task"))})
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        _reap()
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return None
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                _send({"id": request["id"], "error": repr(exc)})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
+                return request
+            _send({"id": request["id"], "pid": pid})
+
+
+def become(request: dict) -> None:
+    """In the forked child: what `subprocess.Popen(..., start_new_session=True)` and a fresh interpreter give."""
+    import numpy
+
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    numpy.random.seed()  # `random` reseeds itself after fork; numpy's global generator does not
+    sys.argv = ["swarmlm", *request["argv"]]
+
+
+# --- the test side ---
+
+
+class Forked:
+    """A child of the zygote, with the part of `subprocess.Popen`'s interface the tests' helpers use."""
+
+    def __init__(self, pid: int, args: list[str]):
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self.orphaned = False  # the zygote ended before it: its exit code can no longer be known
+        self._ended = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.orphaned:
+            try:
+                gone = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                gone = True
+            if gone:
+                self._exited(ORPHAN_EXIT_CODE)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended.wait(0.1 if left is None else min(left, 0.1))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ZygoteError(RuntimeError):
+    """The zygote did not start, or stopped answering."""
+
+
+class Zygote:
+    """The zygote process, seen from the test process: `start()` forks a command in it."""
+
+    def __init__(self, env: dict[str, str]):
+        self._log = tempfile.NamedTemporaryFile(prefix="swarmlm-zygote-", suffix=".err", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote"], cwd=REPO, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     start_new_session=True)
+        self._lock = threading.Lock()  # one request at a time
+        self._replies: dict[int, dict] = {}
+        self._replied = threading.Condition()
+        self._children: dict[int, Forked] = {}
+        self._next_id = 0
+        self._ready = threading.Event()
+        self.alive = True
+        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        if not self._ready.wait(READY_TIMEOUT_S) or not self.alive:
+            self.close()
+            raise ZygoteError(f"the tests' zygote did not start:\n{Path(self._log.name).read_text()[-4000:]}")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                if message["threads"] != 1:  # forking a process with threads can deadlock its child
+                    self.alive = False
+                self._ready.set()
+            elif "exit" in message:
+                child = self._children.pop(message["exit"], None)
+                if child is not None:
+                    child._exited(message["code"])
+            else:
+                with self._replied:
+                    if "pid" in message:  # registered before its exit report can come
+                        message["child"] = self._children[message["pid"]] = Forked(message["pid"], [])
+                    self._replies[message["id"]] = message
+                    self._replied.notify_all()
+        self.alive = False  # EOF: the zygote is gone; its children, if any, are orphans now
+        for child in self._children.values():
+            child.orphaned = True
+        self._ready.set()
+        with self._replied:
+            self._replied.notify_all()
+
+    def start(self, args: list[str], argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Forked:
+        """Fork `swarmlm ARGV...` (shown as `args`) with its output appended to the given files."""
+        with self._lock:
+            if not self.alive:
+                raise ZygoteError("the tests' zygote has stopped")
+            self._next_id += 1
+            request = {"id": self._next_id, "argv": argv, "env": env, "cwd": os.getcwd(),
+                       "stdout": str(stdout), "stderr": str(stderr)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            with self._replied:
+                if not self._replied.wait_for(lambda: request["id"] in self._replies or not self.alive,
+                                              REPLY_TIMEOUT_S):
+                    raise ZygoteError(f"the tests' zygote did not fork `{' '.join(args)}` within {REPLY_TIMEOUT_S} s")
+                reply = self._replies.pop(request["id"], None)
+                if reply is None or "error" in reply:
+                    raise ZygoteError(f"the tests' zygote could not fork `{' '.join(args)}`: {reply}")
+                child = reply["child"]
+                child.args = args
+                return child
+
+    def close(self) -> None:
+        self.alive = False
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self._log.name)
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def launcher(env: dict[str, str]) -> Zygote | None:
+    """The test process's zygote (started on first use with `env`), or None where tests exec every command."""
+    global _zygote
+    if os.environ.get("SWARMLM_TEST_FORK", "1") == "0":
+        return None
+    with _zygote_lock:
+        if _zygote is None or not _zygote.alive:
+            _zygote = Zygote(env)
+            atexit.register(_zygote.close)
+        return _zygote
+
+
+if __name__ == "__main__":
+    chosen = serve()
+    if chosen is None:
+        sys.exit(0)
+    become(chosen)
+    from swarm.cli import main
+
+    sys.exit(main(chosen["argv"]))

@@ -1,0 +1,48 @@
+"""The tests' zygote (tests/helpers/zygote.py): a forked command behaves as the same command exec'd would."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+
+from tests.helpers import zygote
+from tests.helpers.processes import Swarm
+
+
+def test_a_forked_command_has_its_own_session_output_exit_code_and_environment(tmp_path):
+    with Swarm(tmp_path / "swarm") as swarm:
+        assert zygote.launcher(swarm.env) is not None, "the suite is meant to fork its commands here"
+        usage = swarm.run("--help")
+        assert usage.returncode == 0 and "usage: swarmlm COMMAND" in usage.stdout
+        wrong = swarm.run("no-such-command")
+        assert wrong.returncode == 2 and "unknown command 'no-such-command'" in wrong.stderr
+
+        swarm.start_bootstrap()
+        bootstrap = swarm.bootstrap
+        process = psutil.Process(bootstrap.pid)
+        assert process.ppid() == zygote.launcher(swarm.env).proc.pid  # forked, not exec'd
+        assert os.getsid(bootstrap.pid) == bootstrap.pid
+        assert "--initial-peers" in bootstrap.stdout()  # printed to its own file
+        assert "INFO swarm.bootstrap" in bootstrap.stderr()
+
+        swarm.env["SWARMLM_LOG_LEVEL"] = "WARNING"  # the environment each command is given is the one it sees
+        quiet = swarm.spawn("quiet-bootstrap", "bootstrap")
+        swarm.wait_for(lambda: "--initial-peers" in quiet.stdout(), 60, "the second bootstrap to start")
+        assert "INFO" not in quiet.stderr(), quiet.logs()
+
+        assert swarm.terminate(bootstrap, timeout_s=30, sig=signal.SIGTERM) == 0, bootstrap.logs()
+        assert not bootstrap.alive() and bootstrap.popen.wait(1) == 0
+
+
+def test_a_forked_command_killed_by_a_signal_reports_it(tmp_path):
+    with Swarm(tmp_path / "swarm") as swarm:
+        swarm.start_bootstrap()
+        swarm.kill(swarm.bootstrap, signal.SIGKILL)
+        assert swarm.bootstrap.popen.wait(30) == -signal.SIGKILL
+
+
+def test_fork_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SWARMLM_TEST_FORK", "0")
+    assert zygote.launcher({}) is None

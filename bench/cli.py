@@ -16,9 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from bench.models import MODELS
-from bench.plan import DEVICES, DTYPES, SCENARIOS, Plan, cpu_count, preset
-from swarm.extras import EXTRAS, install_hint, missing_modules
+# Before torch loads, since libgomp reads it once: this process's idle OpenMP threads then sleep instead of
+# spinning on the cores its co-located peers are about to compute on. The local reference measured the same
+# either way (bench/figures/tiny.md); `OMP_WAIT_POLICY=` (empty) keeps libgomp's own policy.
+OWN_OMP_POLICY = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE") if "torch" not in sys.modules else None
+
+from bench.models import MODELS  # noqa: E402
+from bench.plan import DEVICES, DTYPES, SCENARIOS, Plan, cpu_count, preset  # noqa: E402
+from swarm.extras import EXTRAS, install_hint, missing_modules  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         "summary": {
             "machine": f"{machine['cpus']} CPUs, torch {machine['torch']}, {plan.device} {plan.dtype}"
                        + (f", {machine['gpu']}" if "gpu" in machine else ""),
-            "threads": f"reference/client process {machine['reference_threads']}, each peer {plan.peer_threads}"
+            "threads": f"reference/client process {machine['reference_threads']}"
+                       + f" with OMP_WAIT_POLICY={OWN_OMP_POLICY or 'unset'}, each peer {plan.peer_threads}"
                        + (" with OMP_WAIT_POLICY=PASSIVE" if plan.peer_omp_passive else ""),
             "models": "; ".join(f"{k}: {v}" for k, v in descriptions.items()),
             "load average (1 min) at start/end": f"{_load(machine['load_average_at_start'])} / "

@@ -109,7 +109,8 @@ class ModelRun:
 
     def _start_peer(self, name: str, prefix: str, span: tuple[int, int], listen: tuple[str, ...] = ()) -> PeerStart:
         began = time.monotonic()
-        env = {"OMP_WAIT_POLICY": "PASSIVE"} if self.plan.peer_omp_passive else None
+        # explicit either way: the local swarm defaults to PASSIVE, and this process's own policy is in os.environ
+        env = {"OMP_WAIT_POLICY": "PASSIVE" if self.plan.peer_omp_passive else ""}  # "": libgomp's own policy
         child = self.swarm.start_peer(name, str(self.model.path), *self._peer_args(prefix, *span), *listen, env=env)
         self.swarm.wait_online(str(self.model.path), self.model.num_blocks, [span], dht_prefix=prefix,
                                timeout_s=_ONLINE_TIMEOUT_S)

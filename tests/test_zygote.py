@@ -6,6 +6,7 @@ import os
 import signal
 
 import psutil
+import pytest
 
 from tests.helpers import zygote
 from tests.helpers.processes import Swarm
@@ -46,3 +47,13 @@ def test_a_forked_command_killed_by_a_signal_reports_it(tmp_path):
 def test_fork_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SWARMLM_TEST_FORK", "0")
     assert zygote.launcher({}) is None
+
+
+def test_a_zygote_with_threads_is_refused_and_commands_are_execd(monkeypatch):
+    """Forking a process that runs threads can deadlock the child: such a zygote is stopped, with a warning."""
+    monkeypatch.setattr(zygote, "_zygote", None)
+    monkeypatch.setattr(zygote, "_failed", None)
+    env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2")  # BLAS starts its thread pools
+    with pytest.warns(UserWarning, match=r"exec every command.*threads: [2-9]"):
+        assert zygote.launcher(env) is None
+    assert zygote.launcher(env) is None

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -44,10 +45,13 @@ ORPHAN_EXIT_CODE = 255  # what a Forked reports when the zygote ended before it 
 # --- the zygote process ---
 
 
+_replies_fd = 1  # the zygote's stdout at start; stray prints of what it imports go to its stderr instead
+
+
 def _send(message: dict) -> None:
     data = (json.dumps(message) + "\n").encode()
     while data:
-        data = data[os.write(1, data):]
+        data = data[os.write(_replies_fd, data):]
 
 
 def _reap() -> None:
@@ -63,6 +67,9 @@ def _reap() -> None:
 
 def serve() -> dict | None:
     """Import, then fork a child per request. Returns the request in each child; None in the zygote at EOF."""
+    global _replies_fd
+    _replies_fd = os.dup(1)
+    os.dup2(2, 1)
     for name in PRELOAD:
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()
@@ -95,6 +102,7 @@ def serve() -> dict | None:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(wake_r)
                 os.close(wake_w)
+                os.close(_replies_fd)
                 return request
             _send({"id": request["id"], "pid": pid})
 
@@ -182,17 +190,20 @@ class Zygote:
         self._children: dict[int, Forked] = {}
         self._next_id = 0
         self._ready = threading.Event()
+        self._threads: int | None = None
         self.alive = True
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
         if not self._ready.wait(READY_TIMEOUT_S) or not self.alive:
+            log = Path(self._log.name).read_text(errors="replace")[-4000:]
             self.close()
-            raise ZygoteError(f"the tests' zygote did not start:\n{Path(self._log.name).read_text()[-4000:]}")
+            raise ZygoteError(f"the tests' zygote did not start (threads: {self._threads}):\n{log}")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             message = json.loads(line)
             if "ready" in message:
-                if message["threads"] != 1:  # forking a process with threads can deadlock its child
+                self._threads = message["threads"]
+                if self._threads != 1:  # forking a process with threads can deadlock its child
                     self.alive = False
                 self._ready.set()
             elif "exit" in message:
@@ -248,14 +259,23 @@ _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
+_failed: str | None = None
+
+
 def launcher(env: dict[str, str]) -> Zygote | None:
-    """The test process's zygote (started on first use with `env`), or None where tests exec every command."""
-    global _zygote
-    if os.environ.get("SWARMLM_TEST_FORK", "1") == "0":
+    """The test process's zygote (started on first use with `env`), or None where tests exec every command:
+    with `SWARMLM_TEST_FORK=0`, or once a zygote failed to start (a warning says why; exec is only slower)."""
+    global _zygote, _failed
+    if os.environ.get("SWARMLM_TEST_FORK", "1") == "0" or _failed is not None:
         return None
     with _zygote_lock:
         if _zygote is None or not _zygote.alive:
-            _zygote = Zygote(env)
+            try:
+                _zygote = Zygote(env)
+            except ZygoteError as exc:
+                _failed = str(exc)
+                warnings.warn(f"tests exec every command from now on: {exc}", stacklevel=2)
+                return None
             atexit.register(_zygote.close)
         return _zygote
 

@@ -25,6 +25,7 @@ from client import checks
 from client.routing import RouteHop
 from client.sequence import RemoteSequence, describe, is_retriable
 from client.transport import InferenceStream
+from swarm.runtime import within
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class InferenceSession:
         outputs: list[torch.Tensor] = []
         sent = time.perf_counter()
         try:
-            await asyncio.wait_for(chain[0].stream.send(request), config.request_timeout_s)
+            await within(chain[0].stream.send(request), config.request_timeout_s)
         except asyncio.TimeoutError:
             raise _HopFailed(0, PeerUnavailableError(f"peer {describe(chain[0].hop)} did not take a step within "
                                                      f"{config.request_timeout_s:.1f}s"), outputs) from None
@@ -217,6 +218,8 @@ class InferenceSession:
                 for task in (answer, report):
                     if task is not None and not task.done():
                         task.cancel()
+                    elif task is not None and not task.cancelled():
+                        task.exception()  # marked read: we may be leaving, cancelled, while it failed
             if answer.done() and report is not None and report.done() and not report.cancelled():
                 report.exception()  # both came at once: the answer is what counts (this marks the report read)
             if not answer.done() or answer.cancelled():

@@ -17,6 +17,7 @@ from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
 from swarm.rpcauth import RpcAuth, call_metadata, open_channel
+from swarm.runtime import within
 from swarm.swarmkey import SwarmKey
 from swarm.tunnel import TunnelPool, is_tunnel
 
@@ -143,7 +144,7 @@ class InferenceStream:
     async def request(self, request, timeout_s: float) -> Received:
         """Send an InferenceRequest (or its `Packed` form) and return the answer with its payload."""
         try:
-            await asyncio.wait_for(self.send(request), timeout_s)
+            await within(self.send(request), timeout_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"peer {self.endpoint} did not take a request within {timeout_s:.1f}s") from None
         return await self.receive(timeout_s)
@@ -180,7 +181,7 @@ class InferenceStream:
         if self._reader is None:
             raise PeerUnavailableError(f"peer {self.endpoint}: nothing was sent on this inference stream")
         try:
-            response = await asyncio.wait_for(self._answers.get(), timeout_s)
+            response = await within(self._answers.get(), timeout_s)
         except asyncio.TimeoutError:
             raise PeerUnavailableError(f"peer {self.endpoint} did not answer within {timeout_s:.1f}s") from None
         if isinstance(response, grpc.RpcError):

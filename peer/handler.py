@@ -33,6 +33,7 @@ from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
 from peer.timings import StepClock, StepTimings
 from swarm.identity import MAX_NONCE_BYTES
+from swarm.runtime import within
 from peer import validation
 
 logger = logging.getLogger(__name__)
@@ -308,7 +309,7 @@ class PeerServicer:
         try:
             async for response in responses:
                 try:
-                    await asyncio.wait_for(context.write(response), self.limits.write_timeout_s)
+                    await within(context.write(response), self.limits.write_timeout_s)
                 except asyncio.TimeoutError:
                     logger.info("a client did not read its session's response within %.0fs; closing the stream",
                                 self.limits.write_timeout_s)
@@ -330,7 +331,7 @@ class PeerServicer:
             stack.callback(reader.cancel)
             while True:
                 try:
-                    kind, received = await asyncio.wait_for(inbox.get(), limits.session_timeout_s)
+                    kind, received = await within(inbox.get(), limits.session_timeout_s)
                     if kind == "client":
                         slots.release()
                 except asyncio.TimeoutError:

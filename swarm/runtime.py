@@ -1,10 +1,26 @@
-"""Running a role's async main until SIGINT or SIGTERM, on uvloop where available."""
+"""Running a role's async main until SIGINT or SIGTERM, on uvloop where available; a timeout that keeps cancels."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from typing import Awaitable, Callable
+import sys
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """`await asyncio.wait_for(awaitable, timeout_s)`, except that a cancellation is never lost.
+
+    Before Python 3.12, wait_for returns the result when the awaitable finishes in the same loop iteration as the
+    task is cancelled, and the task runs on as if never cancelled (a vanished client's generation went on).
+    Raises asyncio.TimeoutError (TimeoutError) when the time is up.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)  # 3.10 has no asyncio.timeout
 
 
 def install_event_loop_policy() -> None:

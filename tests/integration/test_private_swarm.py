@@ -131,9 +131,9 @@ def _call_all(open_channel, prefix: str) -> list[grpc.RpcError]:
                 await call()
             except grpc.RpcError as exc:
                 errors.append(exc)
-        stream = stub.inference()
+        stream = stub.inference(timeout=10)  # bounded, should the peer ever serve it
         try:
-            await stream.write(pb.InferenceRequest())
+            # no write first: the peer ends the call as it starts, and a write racing that status fails INTERNAL
             await stream.read()
         except grpc.RpcError as exc:
             errors.append(exc)

@@ -219,9 +219,9 @@ class InferenceSession:
                     if task is not None and not task.done():
                         task.cancel()
                     elif task is not None and not task.cancelled():
-                        task.exception()  # marked read: we may be leaving, cancelled, while it failed
-            if answer.done() and report is not None and report.done() and not report.cancelled():
-                report.exception()  # both came at once: the answer is what counts (this marks the report read)
+                        # marked read: we may be leaving, cancelled, while it failed; and when both came at once,
+                        # the answer is what counts
+                        task.exception()
             if not answer.done() or answer.cancelled():
                 try:
                     said = report.result().message

@@ -16,6 +16,7 @@ update divides by all the samples of the step (swarm/averaging.py), exactly as t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,14 +114,11 @@ class SwarmTrainer:
             raise ValueError(f"expected a batch of {self.config.batch_size} sequences, got {batch.shape[0]}")
         future = asyncio.run_coroutine_threadsafe(self._step(batch), self.model._loop.loop)
         try:
-            while True:
-                # in short waits: a Ctrl+C that another thread of this process received runs its handler (raising
-                # KeyboardInterrupt here) only once this thread wakes, and a step may wait for a long time
-                try:
-                    return future.result(timeout=0.5)
-                except TimeoutError:
-                    if future.done():  # the step itself timed out
-                        raise
+            # in short waits: a Ctrl+C that another thread of this process received runs its handler (raising
+            # KeyboardInterrupt here) only once this thread wakes, and a step may wait for a long time
+            while not future.done():
+                concurrent.futures.wait([future], timeout=0.5)
+            return future.result()
         except BaseException:  # Ctrl+C: stop the step's work too, not only the wait for it
             future.cancel()
             raise

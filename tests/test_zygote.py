@@ -52,7 +52,7 @@ def test_fork_can_be_turned_off(monkeypatch):
 def test_a_zygote_with_threads_is_refused_and_commands_are_execd(monkeypatch):
     """Forking a process that runs threads can deadlock the child: such a zygote is stopped, with a warning."""
     monkeypatch.setattr(zygote, "_zygote", None)
-    monkeypatch.setattr(zygote, "_failed", None)
+    monkeypatch.setattr(zygote, "_failed", False)
     env = dict(os.environ, OMP_NUM_THREADS="2", OPENBLAS_NUM_THREADS="2")  # BLAS starts its thread pools
     with pytest.warns(UserWarning, match=r"exec every command.*threads: [2-9]"):
         assert zygote.launcher(env) is None

@@ -8,8 +8,8 @@ own, stdin from /dev/null, stdout and stderr to the given files, the given envir
 fresh random state, then `swarm.cli.main(ARGS)` and a normal interpreter exit. The child is a real process
 running the real command; only the interpreter's start and the imports are shared.
 
-Protocol, JSON lines: requests on the zygote's stdin, {"id", "argv", "env", "cwd", "stdout", "stderr"}; on its
-stdout {"ready": pid} once, then {"id", "pid"} (or {"id", "error"}) per request, and {"exit": pid, "code": N}
+Protocol, JSON lines: requests on the zygote's stdin, {"argv", "env", "cwd", "stdout", "stderr"}; on its
+stdout {"ready": pid, "threads": N} once, then {"pid"} (or {"error"}) per request in turn, and {"exit": pid, "code": N}
 when a child ends (N < 0: killed by signal -N, as `subprocess` reports it). It exits when its stdin closes.
 
 The test side is `Zygote` (one per test process, started on first use by `launcher()`); `Forked` offers what
@@ -22,6 +22,7 @@ import atexit
 import importlib
 import json
 import os
+import queue
 import select
 import signal
 import subprocess
@@ -95,7 +96,7 @@ def serve() -> dict | None:
             try:
                 pid = os.fork()
             except OSError as exc:
-                _send({"id": request["id"], "error": repr(exc)})
+                _send({"error": repr(exc)})
                 continue
             if pid == 0:
                 signal.set_wakeup_fd(-1)
@@ -104,7 +105,7 @@ def serve() -> dict | None:
                 os.close(wake_w)
                 os.close(_replies_fd)
                 return request
-            _send({"id": request["id"], "pid": pid})
+            _send({"pid": pid})
 
 
 def become(request: dict) -> None:
@@ -184,65 +185,54 @@ class Zygote:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      start_new_session=True)
-        self._lock = threading.Lock()  # one request at a time
-        self._replies: dict[int, dict] = {}
-        self._replied = threading.Condition()
+        self._lock = threading.Lock()  # one request at a time, so replies come in the order they are read
+        self._replies: queue.Queue[dict | None] = queue.Queue()  # None: the zygote is gone
         self._children: dict[int, Forked] = {}
-        self._next_id = 0
-        self._ready = threading.Event()
-        self._threads: int | None = None
         self.alive = True
         threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
-        if not self._ready.wait(READY_TIMEOUT_S) or not self.alive:
+        ready = self._reply(READY_TIMEOUT_S)
+        if ready is None or ready["threads"] != 1:  # forking a process with threads can deadlock its child
             log = Path(self._log.name).read_text(errors="replace")[-4000:]
             self.close()
-            raise ZygoteError(f"the tests' zygote did not start (threads: {self._threads}):\n{log}")
+            raise ZygoteError(f"the tests' zygote did not start (threads: {ready and ready['threads']}):\n{log}")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             message = json.loads(line)
-            if "ready" in message:
-                self._threads = message["threads"]
-                if self._threads != 1:  # forking a process with threads can deadlock its child
-                    self.alive = False
-                self._ready.set()
-            elif "exit" in message:
+            if "exit" in message:
                 child = self._children.pop(message["exit"], None)
                 if child is not None:
                     child._exited(message["code"])
-            else:
-                with self._replied:
-                    if "pid" in message:  # registered before its exit report can come
-                        message["child"] = self._children[message["pid"]] = Forked(message["pid"], [])
-                    self._replies[message["id"]] = message
-                    self._replied.notify_all()
+                continue
+            if "pid" in message:  # registered before its exit report can come
+                message["child"] = self._children[message["pid"]] = Forked(message["pid"], [])
+            self._replies.put(message)
         self.alive = False  # EOF: the zygote is gone; its children, if any, are orphans now
         for child in self._children.values():
             child.orphaned = True
-        self._ready.set()
-        with self._replied:
-            self._replied.notify_all()
+        self._replies.put(None)
+
+    def _reply(self, timeout_s: float) -> dict | None:
+        try:
+            return self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self.alive = False  # a late reply would answer the next request
+            return None
 
     def start(self, args: list[str], argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Forked:
         """Fork `swarmlm ARGV...` (shown as `args`) with its output appended to the given files."""
         with self._lock:
             if not self.alive:
                 raise ZygoteError("the tests' zygote has stopped")
-            self._next_id += 1
-            request = {"id": self._next_id, "argv": argv, "env": env, "cwd": os.getcwd(),
-                       "stdout": str(stdout), "stderr": str(stderr)}
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout), "stderr": str(stderr)}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
-            with self._replied:
-                if not self._replied.wait_for(lambda: request["id"] in self._replies or not self.alive,
-                                              REPLY_TIMEOUT_S):
-                    raise ZygoteError(f"the tests' zygote did not fork `{' '.join(args)}` within {REPLY_TIMEOUT_S} s")
-                reply = self._replies.pop(request["id"], None)
-                if reply is None or "error" in reply:
-                    raise ZygoteError(f"the tests' zygote could not fork `{' '.join(args)}`: {reply}")
-                child = reply["child"]
-                child.args = args
-                return child
+            reply = self._reply(REPLY_TIMEOUT_S)
+            if reply is None or "error" in reply:
+                raise ZygoteError(f"the tests' zygote did not fork `{' '.join(args)}` "
+                                  f"within {REPLY_TIMEOUT_S} s: {reply}")
+            reply["child"].args = args
+            return reply["child"]
 
     def close(self) -> None:
         self.alive = False
@@ -257,23 +247,21 @@ class Zygote:
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
-
-
-_failed: str | None = None
+_failed = False  # a zygote failed to start: exec from then on
 
 
 def launcher(env: dict[str, str]) -> Zygote | None:
     """The test process's zygote (started on first use with `env`), or None where tests exec every command:
     with `SWARMLM_TEST_FORK=0`, or once a zygote failed to start (a warning says why; exec is only slower)."""
     global _zygote, _failed
-    if os.environ.get("SWARMLM_TEST_FORK", "1") == "0" or _failed is not None:
+    if os.environ.get("SWARMLM_TEST_FORK", "1") == "0" or _failed:
         return None
     with _zygote_lock:
         if _zygote is None or not _zygote.alive:
             try:
                 _zygote = Zygote(env)
             except ZygoteError as exc:
-                _failed = str(exc)
+                _failed = True
                 warnings.warn(f"tests exec every command from now on: {exc}", stacklevel=2)
                 return None
             atexit.register(_zygote.close)

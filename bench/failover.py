@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 from client.model import AutoDistributedModelForCausalLM
-from swarm.checkpoint import load_config
-from swarm.default_model import resolve_default_model
+from swarm.models.checkpoint import load_config
+from swarm.models.default_model import resolve_default_model
 from swarm.paths import default_cache_dir
 
 PEER_ARGS = ("--num-threads", "1", "--throughput", "1000", "--update-period", "5")

@@ -31,7 +31,7 @@ import grpc
 import psutil
 import torch
 
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 from client.transport import ChannelPool, InferenceStream
 from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
@@ -40,7 +40,7 @@ from protocol.errors import SwarmError
 from protocol.packing import Packer, field_spans, payload_field
 from protocol.records import prefix_for_model
 from protocol.service import ERROR_CODE_KEY, METHODS
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from client.local_swarm import LocalSwarm, split_blocks
+from client.demo.local_swarm import LocalSwarm, split_blocks
 from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from protocol import swarmlm_pb2 as pb
 from bench import memory

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
 
-from swarm.checkpoint import load_config
-from swarm.default_model import resolve_default_model
+from swarm.models.checkpoint import load_config
+from swarm.models.default_model import resolve_default_model
 
 logger = logging.getLogger(__name__)
 

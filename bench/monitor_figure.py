@@ -16,9 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from swarm.default_model import resolve_default_model
+from swarm.models.default_model import resolve_default_model
 from swarm.paths import default_cache_dir
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 

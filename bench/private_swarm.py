@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from bench.models import RANDOM_SPECS, build_random
-from client.local_swarm import LocalSwarm, split_blocks
+from client.demo.local_swarm import LocalSwarm, split_blocks
 from client.model import AutoDistributedModelForCausalLM
-from swarm.swarmkey import SwarmKey, create_key_file
+from swarm.trust.swarmkey import SwarmKey, create_key_file
 
 
 def _swarm(workdir: Path, model: Path, num_blocks: int, key_file: str | None) -> tuple[LocalSwarm, object]:

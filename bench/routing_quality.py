@@ -18,7 +18,7 @@ from pathlib import Path
 
 from client.routing import RouteHop, plan_inference_route
 from protocol.records import ServerInfo, ServerState
-from swarm.snapshot import SwarmSnapshot
+from swarm.dht.snapshot import SwarmSnapshot
 
 
 def random_swarm(rng: random.Random, peers: int, blocks: int) -> tuple[SwarmSnapshot, dict[str, float]]:

@@ -41,12 +41,12 @@ import torch
 from bench.soak_clients import Client, make_cases
 from bench.soak_fleet import Fleet, Incarnation, overlapping_spans
 from bench.soak_traffic import BadTraffic
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 from client.transport import ChannelPool
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import SwarmError
 from protocol.records import prefix_for_model
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def resolve_model(name: str | None, workdir: Path) -> Path:
     if name is None:
         return build_model(workdir / "tiny-soak")
     if name == "default":
-        from swarm.default_model import resolve_default_model
+        from swarm.models.default_model import resolve_default_model
         from swarm.paths import default_cache_dir
 
         return resolve_default_model(default_cache_dir())

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 
 ONLINE_LINE = "ONLINE: serving blocks"
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from client.local_swarm import LocalSwarm
-from swarm.default_model import resolve_default_model
+from client.demo.local_swarm import LocalSwarm
+from swarm.models.default_model import resolve_default_model
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +199,13 @@ def bare_allreduce_s(initial_peers: list[str], tensors: list[tuple[tuple[int, ..
 
     `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
     both call step() at the same
-    moment from two threads, with the settings a training group uses (swarm/averaging.py TrainingGroup).
+    moment from two threads, with the settings a training group uses (swarm/training/averaging.py TrainingGroup).
     Rounds until the first success are a warm-up (the averagers find each other in the DHT), not counted.
     """
     from hivemind.averaging import DecentralizedAverager
     from hivemind.utils import get_dht_time
 
-    from swarm.dht import start_dht, stop_dht
+    from swarm.dht.node import start_dht, stop_dht
 
     dhts, averagers = [], []
     handler = signal.getsignal(signal.SIGINT)  # hivemind's averager ignores SIGINT here before it forks

@@ -24,10 +24,10 @@ import torch
 from bench.scenarios.decode import prompt_ids
 from bench.scenarios.train import frozen_blocks, step
 from client.config import ClientConfig
-from client.local_swarm import LocalSwarm
+from client.demo.local_swarm import LocalSwarm
 from client.model import AutoDistributedModelForCausalLM
-from swarm.checkpoint import load_config
-from swarm.default_model import resolve_default_model
+from swarm.models.checkpoint import load_config
+from swarm.models.default_model import resolve_default_model
 from swarm.paths import default_cache_dir
 
 PEER_ARGS = ("--num-threads", "1", "--throughput", "1000")

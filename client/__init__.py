@@ -1,5 +1,6 @@
 """The client library: use a swarm-served model like a local transformers model.
 
+The core (top-level modules):
 - model: DistributedModelForCausalLM / AutoDistributedModelForCausalLM (local embeddings, norm, head)
 - sequence: the remote blocks, routing, retries, forward/backward with autograd
 - session: inference sessions with server-side KV caches and failover by replay
@@ -9,11 +10,13 @@
 - transport: gRPC channels (a bounded pool) and calls; loop: the background event loop
 - checks: the caller's input before sending, every peer's answer before use, whose fault a peer's error is
 - verify: spot checks, a share of hops recomputed on other peers; a peer outvoted two to one is banned
-- config: ClientConfig
-- training: SwarmTrainer, pipelined synchronous training with the peers of a run; local_training: its reference
-- data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched
-- train_cli, export: `swarmlm train`, `swarmlm export`
-- demo: `swarmlm demo`; demo_api: `swarmlm demo --api`, the demo swarm with the API server and the monitor
+- config: ClientConfig, TrainConfig
+
+Rooms built on the core (each may import the core, never the other way round):
+- training/: SwarmTrainer, its local reference, data, `swarmlm train` and `swarmlm export`
+- api/: `swarmlm api`, the OpenAI-compatible server
+- monitor/: `swarmlm monitor`, the live web page
+- demo/: `swarmlm demo`, a whole swarm on this machine (chat, --api, --train)
 """
 
 from protocol.lazy import lazy_exports
@@ -26,8 +29,8 @@ _EXPORTS = {
     "DistributedModelForCausalLM": ("client.model", "DistributedModelForCausalLM"),
     "InferenceSession": ("client.session", "InferenceSession"),
     "RouteHop": ("client.routing", "RouteHop"),
-    "StepResult": ("client.training", "StepResult"),
-    "SwarmTrainer": ("client.training", "SwarmTrainer"),
+    "StepResult": ("client.training.trainer", "StepResult"),
+    "SwarmTrainer": ("client.training.trainer", "SwarmTrainer"),
     "TrainConfig": ("client.config", "TrainConfig"),
     "plan_forward_route": ("client.routing", "plan_forward_route"),
     "plan_inference_route": ("client.routing", "plan_inference_route"),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.records import check_run_id
-from swarm.settings import OPTIMIZERS, AveragingSettings
-from swarm.swarmkey import SwarmKey
+from swarm.training.settings import OPTIMIZERS, AveragingSettings
+from swarm.trust.swarmkey import SwarmKey
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,7 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
-            raise ValueError(f"swarm_key must be a SwarmKey (swarm.swarmkey.SwarmKey.load(FILE)), got "
+            raise ValueError(f"swarm_key must be a SwarmKey (swarm.trust.swarmkey.SwarmKey.load(FILE)), got "
                              f"{type(self.swarm_key).__name__}")
         if not self.initial_peers:
             raise ValueError("initial_peers is empty; pass the bootstrap node's multiaddr, e.g. /ip4/.../tcp/.../p2p/...")

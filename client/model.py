@@ -18,8 +18,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.records import check_prefix, prefix_for_model
-from swarm.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
-from swarm.dht import start_dht, stop_dht
+from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
+from swarm.dht.node import start_dht, stop_dht
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteBlocks, RemoteSequence

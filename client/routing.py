@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from protocol.errors import NoPeersError
 from protocol.records import ServerInfo, ServerState
-from swarm.snapshot import SwarmSnapshot
-from swarm.tunnel import tunnel_address
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import tunnel_address
 
 _MIN_THROUGHPUT = 1e-9  # a peer announcing 0 tokens/s is a last resort, not a division by zero
 

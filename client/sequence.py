@@ -34,10 +34,10 @@ from protocol.codec import parse_dtype
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
-from swarm.directory import fetch_snapshot
-from swarm.identity import identity_challenge
-from swarm.snapshot import SwarmSnapshot
-from swarm.tunnel import TunnelPool, is_tunnel
+from swarm.dht.directory import fetch_snapshot
+from swarm.trust.identity import identity_challenge
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import TunnelPool, is_tunnel
 from client import checks, verify
 from client.config import ClientConfig
 from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
@@ -224,7 +224,7 @@ class RemoteSequence:
 
     async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float,
                          snapshot: SwarmSnapshot | None = None) -> str:
-        """The first of the peer's addresses where the answer to a ping proves the peer's key (swarm/identity.py).
+        """The first of the peer's addresses where the answer to a ping proves the peer's key (swarm/trust/identity.py).
 
         A server at an announced endpoint that cannot sign the nonce with the key of the record's owner is not
         that peer: the record points at someone else's server. Such a peer is banned (its record is a lie).

@@ -1,7 +1,7 @@
 """gRPC channels to peers, and calls that turn every failure into a swarmlm error.
 
 A peer's address is its gRPC "host:port", or "p2p:..." for one reached through libp2p streams: its channel then
-goes to a local endpoint of a `swarm.tunnel.TunnelPool`, the same gRPC calls through another path.
+goes to a local endpoint of a `swarm.net.tunnel.TunnelPool`, the same gRPC calls through another path.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import grpc
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
-from swarm.rpcauth import RpcAuth, call_metadata, open_channel
+from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 from swarm.runtime import within
-from swarm.swarmkey import SwarmKey
-from swarm.tunnel import TunnelPool, is_tunnel
+from swarm.trust.swarmkey import SwarmKey
+from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
 

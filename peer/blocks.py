@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache, get_layer_types_and_kwargs
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from protocol.errors import BadRequestError, ModelNotFoundError
-from swarm.checkpoint import checkpoint_dtype, family_class, load_tensors
+from swarm.models.checkpoint import checkpoint_dtype, family_class, load_tensors
 from swarm.progress import progress
 
 logger = logging.getLogger(__name__)

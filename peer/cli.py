@@ -11,8 +11,8 @@ from swarm.runtime import run_until_signal, wait_for_signal
 from peer.admission import WorkLimits
 from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
 from peer.config import TRAIN_MODES, TrainingConfig
-from swarm.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
-from swarm.swarmkey import SWARM_KEY_HELP, load_optional
+from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         server = PeerServer(config)
         try:
-            # the DHT process runs in a process group of its own (swarm/dht.py): a signal to our group
+            # the DHT process runs in a process group of its own (swarm/dht/node.py): a signal to our group
             # (Ctrl+C, kill -TERM -PGID) leaves it running, so shutdown() can still announce OFFLINE
             await server.join_swarm()
             started = asyncio.create_task(server.start())

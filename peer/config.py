@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from peer.admission import WorkLimits
-from swarm.settings import OPTIMIZERS, AveragingSettings
-from swarm.swarmkey import SwarmKey
+from swarm.training.settings import OPTIMIZERS, AveragingSettings
+from swarm.trust.swarmkey import SwarmKey
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("auto", "direct", "p2p")

@@ -24,7 +24,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
 from protocol.packing import Packer
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
-from swarm.rpcauth import RpcAuth, call_metadata, open_channel
+from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
 from peer.timings import StepClock, StepTimings
-from swarm.identity import MAX_NONCE_BYTES
+from swarm.trust.identity import MAX_NONCE_BYTES
 from swarm.runtime import within
 from peer import validation
 

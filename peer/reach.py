@@ -1,10 +1,10 @@
 """How clients reach a peer: direct gRPC, or gRPC through libp2p streams, through a relay from behind NAT.
 
 `--transport auto` asks DHT neighbours (the initial peers) to connect back to the gRPC endpoint
-(swarm/reachability.py). A peer they reach announces its endpoint; one they cannot reach leaves the DHT as a
+(swarm/net/reachability.py). A peer they reach announces its endpoint; one they cannot reach leaves the DHT as a
 full node (others could not reach it there either), rejoins as a DHT client, registers with relays among its
-initial peers or among the peers that announce `--relay` (swarm/relay.py), and announces "p2p" with those
-relays. Every peer also serves its gRPC server through libp2p streams (swarm/tunnel.py), the fallback of
+initial peers or among the peers that announce `--relay` (swarm/net/relay.py), and announces "p2p" with those
+relays. Every peer also serves its gRPC server through libp2p streams (swarm/net/tunnel.py), the fallback of
 clients that cannot connect to the endpoint; peers others can reach answer probes, and relay with `--relay`.
 """
 
@@ -18,11 +18,11 @@ import hivemind
 from hivemind.p2p import PeerID
 
 from protocol.errors import PeerUnavailableError
-from swarm.dht import peer_ids_of, start_dht, stop_dht
-from swarm.reachability import ProbeService, probe
-from swarm.relay import RelayRegistrar, RelayService
-from swarm.rpcauth import RpcAuth
-from swarm.tunnel import TunnelServer
+from swarm.dht.node import peer_ids_of, start_dht, stop_dht
+from swarm.net.reachability import ProbeService, probe
+from swarm.net.relay import RelayRegistrar, RelayService
+from swarm.trust.rpcauth import RpcAuth
+from swarm.net.tunnel import TunnelServer
 from peer.config import PeerConfig
 
 logger = logging.getLogger(__name__)

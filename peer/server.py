@@ -20,13 +20,13 @@ from protocol import swarmlm_pb2 as pb
 from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix,
                               prefix_for_model, record_ttl_s)
 from protocol.service import WINDOW_OPTIONS, make_generic_handler
-from swarm.checkpoint import load_config, resolve_model_path
-from swarm.dht import start_dht, stop_dht, visible_maddrs
-from swarm.directory import announce, fetch_snapshot, unstored
-from swarm.identity import claim_identity, load_identity, prove_identity
+from swarm.models.checkpoint import load_config, resolve_model_path
+from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.dht.directory import announce, fetch_snapshot, unstored
+from swarm.trust.identity import claim_identity, load_identity, prove_identity
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
-from swarm.rpcauth import RpcAuth, add_port, server_interceptors
+from swarm.trust.rpcauth import RpcAuth, add_port, server_interceptors
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig

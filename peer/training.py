@@ -2,7 +2,7 @@
 
 Backward requests of a run add their parameter gradients (weighted by their batch size); a background loop
 publishes this peer's progress and, once the group holds `target_batch_size` samples, averages with it and
-updates (swarm/averaging.py). Updates run on the compute thread, between requests, never under one.
+updates (swarm/training/averaging.py). Updates run on the compute thread, between requests, never under one.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from protocol.errors import BadRequestError, StaleEpochError, StateDownloadError
-from swarm.averaging import TrainingGroup, digest, group_key, has_nonfinite
-from swarm.optim import make_optimizer, set_step_count, state_tensors
+from swarm.training.averaging import TrainingGroup, digest, group_key, has_nonfinite
+from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from peer.blocks import BlockSpan
 from peer.config import TrainingConfig
 

@@ -4,7 +4,7 @@ Keys: `"{prefix}.{block}"` -> subkey peer id -> ServerInfo; `MODEL_INDEX_KEY` ->
 Both are validated strictly when written and when read: a record that does not fit is an InvalidRecordError.
 Every number is finite and capped and every string bounded, so that a record's size and its weight in placement
 and routing are bounded whatever a peer puts in it. The block records' subkeys carry their owner's key and their
-lifetimes are capped (swarm/identity.py, swarm/validators.py).
+lifetimes are capped (swarm/trust/identity.py, swarm/dht/validators.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MAX_ADAPTERS = 16
 MAX_NUM_BLOCKS = 10_000
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_RECORD_TTL_S = 300.0
-"""The DHT refuses records of ours that expire further ahead than this (swarm/validators.py), so a record pinned
+"""The DHT refuses records of ours that expire further ahead than this (swarm/dht/validators.py), so a record pinned
 far into the future cannot outlive the announcements that should replace it."""
 CLOCK_SKEW_S = 60.0
 """How far apart the clocks of honest nodes may be: their records must live at most MAX_RECORD_TTL_S minus this."""
@@ -77,10 +77,10 @@ class ServerInfo(_Record):
     version: str = pydantic.Field(pattern=r"^[A-Za-z0-9.+-]{1,32}$")
     endpoint: str = pydantic.Field(pattern=r"^[^\s:]{1,253}:\d{1,5}$")  # gRPC "host:port"
     # how clients reach it: "direct" gRPC at `endpoint`, or "p2p": gRPC tunneled through libp2p streams of its DHT
-    # node (swarm/tunnel.py), through one of `relays` (peer ids that forward streams to it) when it has any
+    # node (swarm/net/tunnel.py), through one of `relays` (peer ids that forward streams to it) when it has any
     transport: Literal["direct", "p2p"] = "direct"
     relays: tuple[_PeerId, ...] = pydantic.Field(default=(), max_length=MAX_RELAYS)
-    relay: bool = False  # it forwards streams to peers behind NAT (swarm/relay.py)
+    relay: bool = False  # it forwards streams to peers behind NAT (swarm/net/relay.py)
     adapters: tuple[_AdapterName, ...] = pydantic.Field(default=(), max_length=MAX_ADAPTERS)
     # peer id -> RTT in seconds, to peers serving the next blocks
     next_pings: dict[_PeerId, _Ping] = pydantic.Field(default={}, max_length=MAX_NEXT_PINGS)

@@ -1,9 +1,9 @@
 """`swarmlm bootstrap`: a DHT-only node with a stable identity that other peers join through.
 
-It also answers reachability probes (swarm/reachability.py) and, unless `--no-relay`, relays streams to peers
-behind NAT (swarm/relay.py). With `--swarm-key FILE` (or `--new-swarm-key FILE`, which creates that file first) it
-starts a private swarm: only holders of the key can use its DHT and call its peers (swarm/dhtauth.py,
-swarm/rpcauth.py).
+It also answers reachability probes (swarm/net/reachability.py) and, unless `--no-relay`, relays streams to peers
+behind NAT (swarm/net/relay.py). With `--swarm-key FILE` (or `--new-swarm-key FILE`, which creates that file first) it
+starts a private swarm: only holders of the key can use its DHT and call its peers (swarm/trust/dhtauth.py,
+swarm/trust/rpcauth.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import sys
 
 from swarm.runtime import run_until_signal, wait_for_signal
-from swarm.swarmkey import SWARM_KEY_HELP, create_key_file, load_optional
+from swarm.trust.swarmkey import SWARM_KEY_HELP, create_key_file, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
 
-    from swarm.dht import start_dht, visible_maddrs  # hivemind: only once the flags are known good
-    from swarm.reachability import ProbeService
-    from swarm.relay import RelayService
-    from swarm.rpcauth import RpcAuth
+    from swarm.dht.node import start_dht, visible_maddrs  # hivemind: only once the flags are known good
+    from swarm.net.reachability import ProbeService
+    from swarm.net.relay import RelayService
+    from swarm.trust.rpcauth import RpcAuth
 
     auth = RpcAuth(swarm_key) if swarm_key is not None else None
 

@@ -12,11 +12,11 @@ import os
 import sys
 
 COMMANDS = {
-    "demo": ("client.demo", "run a whole swarm on this machine with the built-in model, chat, then stop"),
+    "demo": ("client.demo.cli", "run a whole swarm on this machine with the built-in model, chat, then stop"),
     "bootstrap": ("swarm.bootstrap", "run a DHT bootstrap node and print the --initial-peers to use"),
     "peer": ("peer.cli", "serve a span of a model's blocks"),
-    "train": ("client.train_cli", "train a model with the swarm (or alone, --local, as the reference)"),
-    "export": ("client.export", "save the swarm's current weights as a Hugging Face checkpoint"),
+    "train": ("client.training.cli", "train a model with the swarm (or alone, --local, as the reference)"),
+    "export": ("client.training.export", "save the swarm's current weights as a Hugging Face checkpoint"),
     "api": ("client.api.cli", "serve a model of the swarm over an OpenAI-compatible HTTP API"),
     "status": ("swarm.status", "show which models and blocks the swarm serves, and by whom"),
     "monitor": ("client.monitor.cli", "serve a live web page of the swarm (and its state as JSON)"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from protocol.records import ServerInfo
-from swarm.snapshot import SwarmSnapshot
+from swarm.dht.snapshot import SwarmSnapshot
 
 
 def block_throughputs(snapshot: SwarmSnapshot, *, exclude: str | None = None) -> list[float]:

@@ -1,6 +1,6 @@
 """`swarmlm status`: which models the swarm serves, who serves which blocks, and what is uncovered.
 
-`--json` prints the document of swarm/state.py instead (the one `swarmlm monitor` serves), without pinging the
+`--json` prints the document of swarm/dht/state.py instead (the one `swarmlm monitor` serves), without pinging the
 peers: its "rtt_measured" is false and every "rtt_s" null.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from protocol.errors import SwarmError
 from protocol.records import ServerState
-from swarm.snapshot import SwarmSnapshot
-from swarm.state import block_ranges, build_state, describe_reach
-from swarm.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.dht.state import block_ranges, build_state, describe_reach
+from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -83,7 +83,7 @@ def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None, startup
     from hivemind.p2p import P2PDaemonError  # hivemind: only once the flags are known good
 
     from protocol.errors import DHTUnavailableError
-    from swarm.dht import start_dht
+    from swarm.dht.node import start_dht
 
     try:
         return start_dht(initial_peers, client_mode=True, swarm_key=swarm_key, startup_timeout_s=startup_timeout_s)
@@ -94,7 +94,7 @@ def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None, startup
 
 
 def _show(dht, args: argparse.Namespace) -> int:
-    from swarm.state import read_state
+    from swarm.dht.state import read_state
 
     try:
         models, snapshots = read_state(dht, args.model)

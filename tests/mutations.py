@@ -208,13 +208,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a training peer adds each request's gradients without weighting them by its samples",
         (f"{TRAIN}::test_swarm_training_equals_local_training",)),
     Mutation(
-        "group-skips-averaging", "swarm/averaging.py",
+        "group-skips-averaging", "swarm/training/averaging.py",
         "        if members <= 1:\n",
         "        if True:  # MUTATION\n",
         "members of a group update with their own gradients, never averaging",
         (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",)),
     Mutation(
-        "trainer-skips-update-wait", "client/training.py",
+        "trainer-skips-update-wait", "client/training/trainer.py",
         "        updated = await self._wait_for_update(tag, done)\n",
         "        updated = True  # MUTATION\n",
         "the trainer starts the next batch before the stages have applied the update",
@@ -252,11 +252,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a session kept busy lives forever",
         ("tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",)),
     Mutation(
-        "unowned-subkeys-accepted", "swarm/identity.py",
+        "unowned-subkeys-accepted", "swarm/trust/identity.py",
         "        return (peer_id, public_key) if peer_id_of(public_key) == peer_id else None\n",
         "        return (peer_id, public_key)  # MUTATION\n",
         "a record whose peer id is not its key's is read as that peer's",
-        ("tests/swarm/test_identity.py", "tests/swarm/test_records_dht.py")),
+        ("tests/swarm/trust/test_identity.py", "tests/swarm/dht/test_records_dht.py")),
     Mutation(
         "impostor-not-checked", "client/sequence.py",
         "            if snapshot is None or not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),\n",
@@ -271,23 +271,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_checks.py",
          "tests/integration/test_lying_peer.py::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]")),
     Mutation(
-        "private-calls-unchecked", "swarm/rpcauth.py",
+        "private-calls-unchecked", "swarm/trust/rpcauth.py",
         "        if handler is None or reason is None:\n",
         "        if True:  # MUTATION\n",
         "a private swarm's peer serves strangers",
         ("tests/integration/test_private_swarm.py",)),
     Mutation(
-        "averaging-joins-unchecked", "swarm/averaging.py",
+        "averaging-joins-unchecked", "swarm/training/averaging.py",
         "        if self._gate is not None and not self._gate.admits(request.gather, context.remote_id.to_bytes()):\n",
         "        if False:  # MUTATION\n",
         "a stranger joins a private swarm's averaging round",
-        ("tests/swarm/test_groupgate.py",)),
+        ("tests/swarm/trust/test_groupgate.py",)),
     Mutation(
-        "state-sent-to-strangers", "swarm/averaging.py",
+        "state-sent-to-strangers", "swarm/training/averaging.py",
         "        if self._gate is not None and not await self._published_progress(context.remote_id.to_base58()):\n",
         "        if False:  # MUTATION\n",
         "a stranger downloads a private swarm's training state",
-        ("tests/swarm/test_groupgate.py",)),
+        ("tests/swarm/trust/test_groupgate.py",)),
     Mutation(
         "inference-queued-as-training", "peer/handler.py",
         "                                                     batch * (end - begin), INFERENCE))\n",
@@ -331,11 +331,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the monitor's page turns text a peer announced into markup (and runs its script)",
         ("tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer",)),
     Mutation(
-        "monitor-ignores-pings", "swarm/state.py",
+        "monitor-ignores-pings", "swarm/dht/state.py",
         "    usable = coverage if answering is None else answering\n",
         "    usable = coverage  # MUTATION\n",
         "a block whose only peers do not answer (crashed, their records not expired yet) is not a gap",
-        ("tests/swarm/test_state.py",
+        ("tests/swarm/dht/test_state.py",
          "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer")),
     Mutation(
         "api-cancel-ignored", "client/api/generation.py",

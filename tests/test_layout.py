@@ -73,6 +73,97 @@ def test_import_direction_checker_sees_violations(tmp_path):
     assert imported_packages(module, "protocol") == {"peer": 2, "client": 4, "protocol": 5, "swarm": 6}
 
 
+# Inside a package: which rooms (subpackages, or top-level modules) a subpackage may import besides itself.
+# A room not listed here is a top-level module of its package (a command, or the client's core), free within it.
+SWARM_HELPERS = {"swarm.runtime", "swarm.paths", "swarm.extras", "swarm.progress"}  # leaves: import only protocol
+CLIENT_ROOMS = {"client.api", "client.monitor", "client.training", "client.demo"}  # built on the client's core
+ROOMS = {
+    "swarm.trust": SWARM_HELPERS,
+    "swarm.models": SWARM_HELPERS,
+    "swarm.dht": SWARM_HELPERS | {"swarm.trust"},
+    "swarm.net": SWARM_HELPERS | {"swarm.trust"},
+    "swarm.training": SWARM_HELPERS | {"swarm.dht", "swarm.trust"},
+    **{helper: set() for helper in SWARM_HELPERS},
+    "client.api": {"client.core"},
+    "client.monitor": {"client.core"},
+    "client.training": {"client.core"},
+    "client.demo": {"client.core"} | CLIENT_ROOMS,
+    "client.core": set(),
+}
+
+
+def room_of(module: str) -> str:
+    """The room of a dotted module name: its subpackage ("swarm.dht.node" -> "swarm.dht"), or, for a top-level
+    module, itself ("swarm.placement"); every top-level module of client is one room, "client.core"."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return module
+    room = ".".join(parts[:2])
+    if parts[0] == "client" and room not in CLIENT_ROOMS:
+        return "client.core"
+    return room
+
+
+def imported_modules(path: Path) -> dict[str, int]:
+    """Dotted names of our modules a module imports (absolute imports; ours are all absolute) -> first line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES:
+                found.setdefault(name, node.lineno)
+    return found
+
+
+def room_violations(path: Path) -> list[str]:
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    room = room_of(module)
+    if room not in ROOMS:
+        return []
+    violations = []
+    for name, line in imported_modules(path).items():
+        if name.split(".")[0] != module.split(".")[0]:
+            continue  # across packages: test_import_direction's rule
+        other = room_of(name)
+        if other != room and other != room.split(".")[0] and other not in ROOMS[room]:
+            violations.append(f"{path.relative_to(REPO)}:{line} ({room}) imports {name} ({other})")
+    return violations
+
+
+@pytest.mark.parametrize("package", ["swarm", "client"])
+def test_subpackage_import_direction(package):
+    violations = [v for path in modules_of(package) for v in room_violations(path)]
+    assert not violations, "a subpackage imports a room its __init__ docstring does not allow:\n" + "\n".join(violations)
+
+
+def test_subpackage_checker_sees_violations(tmp_path, monkeypatch):
+    fake = tmp_path / "swarm" / "trust" / "x.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from swarm.dht.node import start_dht\nfrom swarm.runtime import within\nimport swarm.trust.identity\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert room_violations(fake) == ["swarm/trust/x.py:1 (swarm.trust) imports swarm.dht.node.start_dht (swarm.dht)"]
+    core = tmp_path / "client" / "model.py"
+    core.parent.mkdir()
+    core.write_text("from client.training.trainer import SwarmTrainer\n")
+    assert room_violations(core) == [
+        "client/model.py:1 (client.core) imports client.training.trainer.SwarmTrainer (client.training)"]
+
+
+def test_every_subpackage_says_what_it_holds_and_may_import():
+    for init in sorted(REPO.glob("*/*/__init__.py")):
+        if init.parts[-3] not in PACKAGES:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert doc, f"{init.relative_to(REPO)} needs a docstring mapping its modules"
+        assert "import" in doc, f"{init.relative_to(REPO)}'s docstring must say what the subpackage may import"
+
+
 EXPORTS = {
     "protocol": [
         "BadRequestError",
@@ -161,7 +252,7 @@ def test_cli_entry_point_imports_nothing_heavy():
 
 @pytest.mark.parametrize("module, args", [
     ("peer.cli", ["model", "--blocks", "0:2", "--train", "--transport", "p2p"]),
-    ("client.train_cli", ["model", "--local", "--batch-size", "4"]),
+    ("client.training.cli", ["model", "--local", "--batch-size", "4"]),
 ])
 def test_commands_check_their_flags_before_importing_anything_heavy(module, args):
     # a wrong flag is answered at once, not after seconds of loading torch, transformers and hivemind
@@ -177,7 +268,7 @@ def test_commands_check_their_flags_before_importing_anything_heavy(module, args
     ("swarm.status", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
     ("client.monitor.cli", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
     ("peer.cli", ["model"]),
-    ("client.train_cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+    ("client.training.cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
 ])
 def test_a_bad_swarm_key_file_is_refused_before_anything_heavy(module, args, tmp_path):
     bad = tmp_path / "swarm.key"

@@ -31,9 +31,9 @@ from bench import train_runs as tr
 from bench.plan import Plan
 from bench.proxy import DelayProxy, netem_available
 from bench.stats import Row, Summary, Target
-from client.local_swarm import LocalSwarm
-from swarm.checkpoint import load_config
-from swarm.default_model import resolve_default_model
+from client.demo.local_swarm import LocalSwarm
+from swarm.models.checkpoint import load_config
+from swarm.models.default_model import resolve_default_model
 from swarm.extras import EXTRAS, missing_modules
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class TrainSwarm:
                                f"{self.swarm.log_dir}")
         shapes = tr.stage_tensor_shapes(self.model, SPANS[0])
         s = self.small
-        # what a group's round carries (swarm/averaging.py): gradients in float64, weights and Adam's two
+        # what a group's round carries (swarm/training/averaging.py): gradients in float64, weights and Adam's two
         # statistics in float32
         tensors = [(shape, torch.float64) for shape in shapes] + [(shape, torch.float32) for shape in shapes] * 3
         bare, failed = tr.bare_allreduce_s(self.swarm.initial_peers, tensors, rounds=self.plan.repeats,

@@ -6,9 +6,9 @@ All in one fresh process (see `measure`), on one event loop (the client library'
           compute thread hop, encode) over a span that returns its input unchanged, and the client's decode;
           decode-step and prefill payloads go over the inference stream, the training payload over Forward
   p2p     hivemind's P2P unary call echoing the same tensor message (libp2p through the p2pd daemons)
-  libp2p  ours, through the peer's libp2p tunnel (swarm/tunnel.py): how clients reach a peer they cannot
+  libp2p  ours, through the peer's libp2p tunnel (swarm/net/tunnel.py): how clients reach a peer they cannot
           connect to; the same gRPC calls, over a local listener, a libp2p stream and the peer's tunnel
-  relay   ours through a relay (swarm/relay.py) between client and peer, as for a peer behind NAT
+  relay   ours through a relay (swarm/net/relay.py) between client and peer, as for a peer behind NAT
 The ratio is ours / bare per call; the target is at most 1.5x. A relayed decode step may add at most 2 ms to
 ours direct. All three libp2p nodes are in this process's machine, so loopback hides the relay's own link.
 """
@@ -36,8 +36,8 @@ from peer.cache import CacheBudget
 from peer.handler import HandlerLimits, PeerServicer
 from client.loop import BackgroundLoop
 from client.transport import ChannelPool, InferenceStream
-from swarm.relay import RelayService, register
-from swarm.tunnel import TunnelPool, TunnelServer, tunnel_address
+from swarm.net.relay import RelayService, register
+from swarm.net.tunnel import TunnelPool, TunnelServer, tunnel_address
 from bench.stats import Row, Summary, Target
 
 WIRE_TARGET = Target("ratio", "<=", 1.5, "<= 1.5x bare echo")

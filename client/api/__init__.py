@@ -8,6 +8,8 @@
 - text: incremental detokenizing and stop-string matching (pure); responses: OpenAI's response shapes
 - metrics: Prometheus metrics, one registry per app; config: ApiConfig; cli: the command
 - server: serving_in_background(app), uvicorn in a thread (benchmarks, tests, embedding programs)
+
+May import protocol, swarm and the client's core (model, decoding, ...); not client.training or client.demo.
 """
 
 from protocol.lazy import lazy_exports

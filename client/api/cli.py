@@ -14,7 +14,7 @@ import socket
 import sys
 
 from swarm.extras import require_extra
-from swarm.swarmkey import SWARM_KEY_HELP, load_optional
+from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
 API_KEY_ENV = "SWARMLM_API_KEY"
 
@@ -96,8 +96,8 @@ def _bind(host: str, port: int) -> socket.socket:
 def _model_path(args: argparse.Namespace):
     from pathlib import Path
 
-    from swarm.checkpoint import resolve_model_path
-    from swarm.default_model import DEFAULT_MODEL, resolve_default_model
+    from swarm.models.checkpoint import resolve_model_path
+    from swarm.models.default_model import DEFAULT_MODEL, resolve_default_model
     from swarm.paths import default_cache_dir
 
     if args.model == DEFAULT_MODEL and not Path(args.model).exists():

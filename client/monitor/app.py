@@ -1,4 +1,4 @@
-"""The monitor's HTTP server: the page (static/), `GET /api/state` (the document of swarm/state.py), `GET /health`.
+"""The monitor's HTTP server: the page (static/), `GET /api/state` (the document of swarm/dht/state.py), `GET /health`.
 
 The page is the same for every swarm; all swarm data reaches the browser as JSON, which the page's script turns
 into text nodes. A Content-Security-Policy allows only this server's own script and style as a second line of

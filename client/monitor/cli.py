@@ -12,7 +12,7 @@ import sys
 from client.monitor.config import MonitorConfig
 from swarm.extras import require_extra
 from swarm.status import check_initial_peers
-from swarm.swarmkey import SWARM_KEY_HELP, load_optional
+from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ async def _serve(initial_peers: list[str], config: MonitorConfig, swarm_key, soc
     import uvicorn  # the web stack and hivemind: only once the flags are known good
 
     from protocol.errors import SwarmError
-    from swarm.dht import stop_dht
+    from swarm.dht.node import stop_dht
     from swarm.runtime import wait_for_signal
     from swarm.status import join_swarm
     from client.monitor.app import create_app

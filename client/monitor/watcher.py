@@ -3,7 +3,7 @@
 A ping is an Info call carrying a random nonce, tried on the peer's addresses in the order a client dials them
 (client/routing.py); it counts only if the answer signs the nonce with the key the record's owner announced with,
 so a record pointing at someone else's server shows as "wrong key", and a crashed peer as "no answer" long before
-its record expires. Records come through swarm/directory.py, which skips whatever does not validate.
+its record expires. Records come through swarm/dht/directory.py, which skips whatever does not validate.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import hivemind
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import SwarmError
 from protocol.records import ServerInfo
-from swarm.identity import identity_challenge
-from swarm.snapshot import SwarmSnapshot
-from swarm.state import ANSWERED, NO_ANSWER, WRONG_KEY, Ping, build_state, read_state
-from swarm.swarmkey import SwarmKey
-from swarm.tunnel import TunnelPool
+from swarm.trust.identity import identity_challenge
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.dht.state import ANSWERED, NO_ANSWER, WRONG_KEY, Ping, build_state, read_state
+from swarm.trust.swarmkey import SwarmKey
+from swarm.net.tunnel import TunnelPool
 from client.monitor.config import MonitorConfig
 from client.routing import dial_candidates
 from client.transport import ChannelPool
@@ -41,7 +41,7 @@ class Watcher:
         self._p2p: hivemind.P2P | None = None
         self.pool = ChannelPool(_MAX_INFO_BYTES, TunnelPool(self._get_p2p), swarm_key=swarm_key)
         self.state: dict[str, Any] | None = None
-        """The latest document (swarm/state.py) and "error": why the latest refresh failed, else null."""
+        """The latest document (swarm/dht/state.py) and "error": why the latest refresh failed, else null."""
         self.refreshes = 0
 
     async def _get_p2p(self) -> hivemind.P2P:

@@ -13,12 +13,12 @@ from bench.stats import Row, Summary
 
 PEER_LOG = """\
 07:01:02 INFO peer.server: ONLINE: serving blocks 0:2 of bench-train-two at 127.0.0.1:4242
-07:01:05 INFO swarm.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.49s
+07:01:05 INFO swarm.training.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.49s
 07:01:05 INFO peer.training: update 1 of run 'two' applied (8 samples here, 2 group members)
-07:01:07 WARNING swarm.averaging: averaging with the group bench-train-two.train.two.0-2 failed (TimeoutError())
+07:01:07 WARNING swarm.training.averaging: averaging with the group bench-train-two.train.two.0-2 failed (TimeoutError())
 07:01:07 INFO peer.training: update 2 of run 'two' applied (8 samples here, 2 group members)
-07:01:09 INFO swarm.averaging: averaged with 1 members of bench-train-two.train.two.0-2 in 0.02s
-07:01:11 INFO swarm.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.31s
+07:01:09 INFO swarm.training.averaging: averaged with 1 members of bench-train-two.train.two.0-2 in 0.02s
+07:01:11 INFO swarm.training.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.31s
 07:01:11 INFO peer.training: update 3 of run 'two' applied (8 samples here, 2 group members)
 07:01:12 INFO peer.training: update 9 of run 'other' applied (8 samples here, 1 group members)
 """

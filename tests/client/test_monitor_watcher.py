@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import DHTUnavailableError, PeerUnavailableError
 from protocol.records import ModelRecord, ServerInfo, ServerState
-from swarm.snapshot import SwarmSnapshot
-from swarm.tunnel import tunnel_address
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import tunnel_address
 from client.monitor import watcher as watcher_module
 from client.monitor.config import MonitorConfig
 from client.monitor.watcher import Watcher

@@ -10,7 +10,7 @@ import pytest
 from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
 from protocol.errors import NoPeersError
 from protocol.records import ServerInfo, ServerState
-from swarm.snapshot import SwarmSnapshot
+from swarm.dht.snapshot import SwarmSnapshot
 
 
 def server(

@@ -414,7 +414,7 @@ class Swarm:
     def dht(self):
         """A client-mode DHT node joined through the bootstrap, started on first use."""
         if self._dht is None:
-            from swarm.dht import start_dht
+            from swarm.dht.node import start_dht
 
             assert self.initial_peers, "start_bootstrap() first"
             self._dht = start_dht(self.initial_peers, client_mode=True, swarm_key=self.swarm_key)
@@ -425,7 +425,7 @@ class Swarm:
 
     def snapshot(self, prefix: str, num_blocks: int | None = None):
         """The current SwarmSnapshot of a model; `num_blocks` from the model index when not given (None if absent)."""
-        from swarm.directory import fetch_models, fetch_snapshot
+        from swarm.dht.directory import fetch_models, fetch_snapshot
 
         if num_blocks is None:
             record = fetch_models(self.dht).get(prefix)

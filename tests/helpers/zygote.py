@@ -36,8 +36,8 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
-PRELOAD = ("swarm.cli", "swarm.bootstrap", "swarm.status", "peer.cli", "peer.server", "client.train_cli",
-           "client.export", "client.api.cli", "client.monitor.cli")
+PRELOAD = ("swarm.cli", "swarm.bootstrap", "swarm.status", "peer.cli", "peer.server", "client.training.cli",
+           "client.training.export", "client.api.cli", "client.monitor.cli")
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 30.0
 ORPHAN_EXIT_CODE = 255  # what a Forked reports when the zygote ended before it did

@@ -1,7 +1,7 @@
 """Bad requests against a live peer get typed errors naming the problem, and the peer keeps serving others.
 
 One peer serves the whole module, once reached directly (gRPC) and once through libp2p (`--transport p2p`, the
-same gRPC through swarm/tunnel.py). Every bad request goes through `Guard.refused`: it must fail with exactly the
+same gRPC through swarm/net/tunnel.py). Every bad request goes through `Guard.refused`: it must fail with exactly the
 expected error class, with the expected words in its message; right after it the witness, an inference session
 open on its own stream and channel for the whole module, takes its next step, whose output must match the local
 span, and the peer process must still be running. Where the bad request had a session, stream or channel of its
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from client.transport import ChannelPool, InferenceStream
-from swarm.tunnel import TunnelPool, tunnel_address
+from swarm.net.tunnel import TunnelPool, tunnel_address
 from peer.blocks import BlockSpan, load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
@@ -42,7 +42,7 @@ from protocol.errors import (
 )
 from protocol.packing import Packer
 from protocol.records import prefix_for_model
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
 
 NUM_LAYERS = 4
@@ -638,8 +638,8 @@ def test_cache_of_a_killed_client_is_freed(guard, tmp_path):
 import asyncio, sys
 from client.transport import ChannelPool, InferenceStream
 from protocol import swarmlm_pb2 as pb
-from swarm.dht import start_dht
-from swarm.tunnel import TunnelPool
+from swarm.dht.node import start_dht
+from swarm.net.tunnel import TunnelPool
 
 async def main():
     tunnels = TunnelPool(start_dht({guard.peer.initial_peers!r}, client_mode=True).replicate_p2p)

@@ -167,7 +167,7 @@ def test_a_process_killed_alone_takes_its_dht_process_and_p2pd_along(swarm):
 MODEL = "{model}"  # stands for the test model's folder
 BAD_ARGUMENTS = [
     # (command line, what the error must say); the training settings' own checks are unit-tested
-    # (tests/client/test_train_config.py): here, that the commands turn them into clear exits
+    # (tests/client/training/test_train_config.py): here, that the commands turn them into clear exits
     (["peer", MODEL, "--blocks", "5"], "expected START:END"),
     (["peer", MODEL, "--blocks", "3:1"], "0 <= start < end"),
     # detected only after the peer joined the DHT: its DHT process and p2pd must still go away

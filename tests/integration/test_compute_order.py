@@ -18,7 +18,7 @@ from client.transport import ChannelPool, InferenceStream
 from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.records import prefix_for_model
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
 from tests.helpers.requests import Witness, backward_request, end_stream, hidden
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.default_model import DEFAULT_MODEL
+from swarm.models.default_model import DEFAULT_MODEL
 from tests.helpers.processes import reaping_descendants
 
 pytestmark = pytest.mark.timeout(480)

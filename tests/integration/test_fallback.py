@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from protocol.records import prefix_for_model
-from swarm.tunnel import tunnel_address
+from swarm.net.tunnel import tunnel_address
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE
 

@@ -21,7 +21,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadRequestError, UnknownSessionError
 from protocol.records import prefix_for_model
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.generation import ActAfter, assert_same_generation, generate_with_logits
 from tests.helpers.models import HIDDEN_SIZE, VOCAB_SIZE
 from tests.helpers.peers import process_serving

@@ -2,7 +2,7 @@
 write timeouts. Each attack runs against a real peer process next to an honest "witness" session that must
 stay exact, and the peer must be left with the witness alone.
 
-The witness reaches the peer through libp2p (swarm/tunnel.py), so that the peer sees it come from another
+The witness reaches the peer through libp2p (swarm/net/tunnel.py), so that the peer sees it come from another
 address than the attacker's direct gRPC connection: each address has its own cache quota.
 """
 
@@ -31,8 +31,8 @@ from protocol.errors import (
 )
 from protocol.records import prefix_for_model
 from protocol.service import PeerStub
-from swarm.checkpoint import load_config
-from swarm.tunnel import TunnelPool, tunnel_address
+from swarm.models.checkpoint import load_config
+from swarm.net.tunnel import TunnelPool, tunnel_address
 from tests.helpers import requests
 from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
 from tests.helpers.requests import end_stream, forward_request, open_request

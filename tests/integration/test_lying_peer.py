@@ -120,8 +120,8 @@ def test_a_record_pointing_at_another_peers_server_is_an_impostor(lying, local):
     """A stranger announces the honest peer's endpoint under its own key, faster than anyone: the server there
     cannot sign the client's nonce with the stranger's key, so the client bans the stranger and stays exact."""
     from protocol.records import ModelRecord, ServerInfo
-    from swarm.dht import start_dht, stop_dht
-    from swarm.directory import announce
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.directory import announce
 
     prefix = prefix_for_model(str(lying.model_path))
     honest = lying.swarm.snapshot(prefix, NUM_LAYERS).servers[lying.honest_id]

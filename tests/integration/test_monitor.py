@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 
 from protocol.records import MODEL_INDEX_KEY, ModelRecord, block_key, prefix_for_model
-from swarm.dht import dht_result
-from swarm.swarmkey import SwarmKey
+from swarm.dht.node import dht_result
+from swarm.trust.swarmkey import SwarmKey
 from tests.helpers.browser import headless_chromium
 from tests.helpers.processes import Swarm
 

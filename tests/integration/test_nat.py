@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from protocol.records import prefix_for_model
-from swarm.dht import peer_ids_of
-from swarm.tunnel import tunnel_address
+from swarm.dht.node import peer_ids_of
+from swarm.net.tunnel import tunnel_address
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, make_tiny_llama
 from tests.helpers.netns import HOME_IP, PUBLIC_IP, leftover_namespaces, nat_network, unavailable_reason

@@ -26,11 +26,11 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import PeerUnavailableError, UnauthorizedError
 from protocol.records import ServerState, prefix_for_model
 from protocol.service import PeerStub, error_from_rpc
-from swarm.directory import fetch_models, fetch_snapshot
-from swarm.dht import dht_result, start_dht, stop_dht
-from swarm.rpcauth import SERVER_NAME
-from swarm.swarmkey import SwarmKey, create_key_file
-from swarm.tunnel import TunnelPool, tunnel_address
+from swarm.dht.directory import fetch_models, fetch_snapshot
+from swarm.dht.node import dht_result, start_dht, stop_dht
+from swarm.trust.rpcauth import SERVER_NAME
+from swarm.trust.swarmkey import SwarmKey, create_key_file
+from swarm.net.tunnel import TunnelPool, tunnel_address
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.processes import Swarm
 
@@ -93,7 +93,7 @@ def test_a_stranger_dht_node_cannot_join(private, stranger_key):
 
 def _stranger_dht(initial_peers, *, client_mode: bool) -> hivemind.DHT:
     """A DHT node without a key that goes on although nobody answered its pings, as an attacker's would."""
-    # forked as swarm/dht.py forks its nodes: with the garbage of gRPC calls made here frozen, not finalized there
+    # forked as swarm/dht/node.py forks its nodes: with the garbage of gRPC calls made here frozen, not finalized there
     gc.collect()
     gc.freeze()
     try:

@@ -1,4 +1,4 @@
-"""A peer that comes back under the same peer id (it keeps its key, swarm/identity.py) at another endpoint: a
+"""A peer that comes back under the same peer id (it keeps its key, swarm/trust/identity.py) at another endpoint: a
 client that had measured it dials its new endpoint, with no failure on the old one."""
 
 from __future__ import annotations

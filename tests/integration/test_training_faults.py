@@ -15,8 +15,8 @@ import signal
 import pytest
 
 from client import AutoDistributedModelForCausalLM
-from client.data import default_corpus
-from client.export import fetch_peer_weights
+from client.training.data import default_corpus
+from client.training.export import fetch_peer_weights
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import SwarmError
 from protocol.records import prefix_for_model

@@ -19,7 +19,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.packing import Packer
 from protocol.service import make_generic_handler
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE
 
 

@@ -14,7 +14,7 @@ import torch
 from peer.batching import DecodeBatcher, Member, forward_batch
 from peer.blocks import load_span
 from peer.compute import INFERENCE, ComputeQueue
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE, make_tiny
 
 RTOL = 1e-5  # of the largest |output|: batched and solo matmuls round differently, by ~1e-7 relative per layer

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from peer.blocks import load_span, rewind_cache
 from protocol.errors import BadRequestError
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import llama_config, qwen2_config, qwen3_config, save_random_model
 
 

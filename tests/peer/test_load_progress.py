@@ -12,7 +12,7 @@ import termios
 import torch
 
 from peer.blocks import load_span
-from swarm.checkpoint import load_config
+from swarm.models.checkpoint import load_config
 from tests.helpers.models import make_tiny_llama
 
 

@@ -9,7 +9,7 @@ import torch
 
 from peer.blocks import BlockSpan, load_span
 from peer.lora import LoraSettings, adapter_state, add_lora, layer_state, load_adapter_state, merged_layer_state
-from swarm.checkpoint import load_config, load_tensors
+from swarm.models.checkpoint import load_config, load_tensors
 from tests.helpers.models import CONFIGS, make_tiny
 
 # scale alpha / rank = 4: an export that forgot the scale, or applied it twice, is off by far more than 1e-5

@@ -6,7 +6,7 @@ import pytest
 
 from protocol.records import CLOCK_SKEW_S, MAX_JOINING_S, ServerInfo, ServerState
 from swarm.placement import block_throughputs, choose_span, should_move, swarm_bottleneck
-from swarm.snapshot import SwarmSnapshot
+from swarm.dht.snapshot import SwarmSnapshot
 
 
 def server(start: int, end: int, throughput: float, state: ServerState = ServerState.ONLINE) -> ServerInfo:

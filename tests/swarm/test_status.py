@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from protocol.records import ServerInfo, ServerState
-from swarm.snapshot import SwarmSnapshot
+from swarm.dht.snapshot import SwarmSnapshot
 from swarm.status import format_snapshot
 
 

@@ -1,0 +1,10 @@
+"""Training with the swarm: the trainer, its local reference, data, export and `swarmlm train`.
+
+- trainer: SwarmTrainer, pipelined synchronous training with the peers of a run
+- local: LocalTrainer, the same training in one process (the reference the swarm is checked against)
+- data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched
+- export: `swarmlm export`, the swarm's current weights as a Hugging Face checkpoint
+- cli: `swarmlm train`
+
+May import protocol, swarm and the client's core (model, sequence, config, ...); not client.demo or client.api.
+"""

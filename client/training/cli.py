@@ -1,0 +1,202 @@
+"""`swarmlm train MODEL ...`: train with the peers of a run (or alone with --local, the reference), on text files.
+
+Prints a progress bar (loss, tokens/s, each stage's update count), writes one JSON line per step with
+--log-json, and with --save keeps the trainer's state (embeddings, norm, head, optimizer, data position) so
+that a later run resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from protocol.errors import SwarmError
+from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
+from client.config import TrainConfig
+
+# torch, transformers and hivemind are imported once the flags are known good: a wrong one is answered at once
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.json"
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Train a model with the swarm's training peers.")
+    p.add_argument("model", help="checkpoint folder (the one the peers were started with)")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join through")
+    p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
+    p.add_argument("--local", action="store_true", help="train the whole model in this process: the reference")
+    p.add_argument("--data", help="a text file or a folder of them (default: the bundled Shakespeare plays)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step from this trainer (default: 8)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per request (default: 2)")
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="micro-batches in flight at once (default: 0, all of a step's)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default: 100)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="data order (default: 0)")
+    p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
+    p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
+    p.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT node listens on")
+    p.add_argument("--step-timeout", type=float, default=60.0, metavar="S",
+                   help="after a batch, how long to wait for the stages' update once no trainer adds samples to "
+                        "it; then the next batch adds to it (default: 60)")
+    add_averaging_arguments(p)
+    p.add_argument("--log-json", help="append one JSON line per step to this file")
+    p.add_argument("--save", metavar="DIR", help="save the trainer's state here after the run, and resume from it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(run_id=args.run_id, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                       max_in_flight=args.max_in_flight, optimizer=args.optimizer, lr=args.lr,
+                       weight_decay=args.weight_decay, averaging=averaging_from_args(args),
+                       step_timeout_s=args.step_timeout, host=args.host)
+
+
+def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None):
+    from transformers import AutoTokenizer
+
+    from client.training.data import Prefetcher, TokenBatches, default_corpus, text_files, tokenize_files
+
+    files = text_files(args.data) if args.data else default_corpus()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer of {model_path}: {exc}; the checkpoint folder must hold one") \
+            from None
+    tokens = tokenize_files(tokenizer, files)
+    batches = TokenBatches(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, state=state)
+    logger.info("data: %d files, %d tokens, %d sequences of %d", len(files), tokens.numel(), batches.num_chunks,
+                args.seq_len)
+    return Prefetcher(batches)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.seq_len < 2:
+        raise SystemExit(f"error: --steps must be >= 1 and --seq-len >= 2, got {args.steps}, {args.seq_len}")
+    if not args.local and not args.initial_peers:
+        raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
+    try:
+        config = config_from_args(args)
+        swarm_key = load_optional(args.swarm_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl+C: through the cleanup below
+    save = Path(args.save) if args.save else None
+    resumed = json.loads((save / STATE_FILE).read_text()) if save and (save / STATE_FILE).exists() else None
+    trainer = batches = model = None
+    from swarm.models.checkpoint import resolve_model_path
+
+    try:
+        model_path = resolve_model_path(args.model)
+        batches = load_batches(model_path, args, resumed["data"] if resumed else None)
+        trainer, model = _make_trainer(args, config, model_path, save if resumed else None, swarm_key)
+        _train(trainer, batches, args, first=resumed["step"] + 1 if resumed else 1)
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+    except (SwarmError, ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        if save is not None and trainer is not None and batches is not None:
+            _save(save, trainer, batches, args)
+        for closing in (batches, trainer, model):
+            if closing is not None:
+                (closing.shutdown if hasattr(closing, "shutdown") else closing.close)()
+    return 0
+
+
+def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | None, swarm_key=None):
+    import torch
+
+    if args.local:
+        from client.training.local import LocalTrainer
+
+        return LocalTrainer(resume or model_path, config), None
+    from client.model import AutoDistributedModelForCausalLM
+    from client.training.trainer import SwarmTrainer
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=args.initial_peers,
+                                                            dht_prefix=args.dht_prefix, dtype=torch.float32,
+                                                            swarm_key=swarm_key)
+    try:
+        if resume is not None:
+            from client.training.export import TRAINER_FILE
+
+            _load_local_parts(model, resume / TRAINER_FILE)
+        return SwarmTrainer(model, config), model
+    except BaseException:
+        model.shutdown()
+        raise
+
+
+def _train(trainer, batches, args, first: int) -> None:
+    from tqdm import tqdm
+
+    log = open(args.log_json, "a") if args.log_json else None
+    try:
+        bar = tqdm(range(first, first + args.steps), disable=args.no_progress, unit="step", file=sys.stderr)
+        for step in bar:
+            result = trainer.step(next(batches))
+            tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
+            epochs = " ".join(f"{s}-{e}:{n}" for (s, e), n in sorted(result.stage_epochs.items()))
+            bar.set_postfix_str(f"loss {result.loss:.4f}, {tokens_per_s:.0f} tok/s" + (f", updates {epochs}"
+                                                                                       if epochs else ""))
+            if log is not None:
+                log.write(json.dumps({"step": step, "loss": result.loss, "samples": result.samples,
+                                      "tokens_per_s": tokens_per_s}) + "\n")
+                log.flush()
+            if args.no_progress:
+                logger.info("step %d: loss %.4f, %.0f tokens/s %s", step, result.loss, tokens_per_s, epochs)
+            args.last_step = step
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _save(save: Path, trainer, batches, args) -> None:
+    """The trainer's part of the model and where the data stands; the peers save their own (--save-dir)."""
+    from safetensors.torch import save_file
+
+    from client.training.export import TRAINER_FILE
+    save.mkdir(parents=True, exist_ok=True)
+    if args.local:
+        trainer.save_pretrained(save)
+    else:
+        model = trainer.model
+        tensors = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
+                   "model.norm.weight": model.model.norm.weight, "lm_head.weight": model.lm_head.weight}
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            tensors.pop("lm_head.weight")
+        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(save / TRAINER_FILE))
+    step = getattr(args, "last_step", None)
+    if step is not None:
+        (save / STATE_FILE).write_text(json.dumps({"step": step, "data": batches.state_dict()}))
+    logger.info("saved the trainer's state to %s", save)
+
+
+def _load_local_parts(model, file: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
+        model.model.norm.weight.copy_(tensors["model.norm.weight"])
+        if "lm_head.weight" in tensors:
+            model.lm_head.weight.copy_(tensors["lm_head.weight"])

@@ -1,0 +1,166 @@
+"""The swarm's state as one JSON document: what `swarmlm status --json` prints and `swarmlm monitor` serves.
+
+`build_state` is a pure function of the model index and the snapshots read from the DHT (already validated by
+swarm/dht/directory.py, so every value in it fits protocol/records.py's bounds), plus, where the caller pinged the
+peers (the monitor does, through client/), what each ping found. `read_state` does the DHT reads.
+
+The document (SCHEMA_VERSION 1; a field is only ever added within a version):
+
+    {"schema_version": 1, "taken_at": unix time of the DHT read, "rtt_measured": whether peers were pinged,
+     "error": null, or why the latest read failed (the monitor then serves the previous one's data),
+     "models": [{"prefix", "repository", "num_blocks",
+                 "coverage": [ONLINE peers announcing block i, for each block],
+                 "answering": [of those, how many answered the ping] or null (not pinged),
+                 "gaps": [[start, end), ...] of blocks no usable peer serves (ONLINE and, when pinged, answering),
+                 "complete": no gap,
+                 "training": [{"run_id", "peers", "epoch_min", "epoch_max"}],
+                 "peers": [{"peer_id", "state" (ONLINE/JOINING/OFFLINE), "live", "start_block", "end_block",
+                            "throughput" (tokens/s), "cache_tokens_left", "dtype", "version", "endpoint",
+                            "transport" (direct/p2p), "relays", "relay", "reach" (how clients reach it, in words),
+                            "adapters", "run_id" ("" when frozen), "epoch", "samples", "expires_at",
+                            "ping": null (not pinged: not ONLINE, or no pings at all), or "answered",
+                                    "no answer" or "wrong key",
+                            "rtt_s": seconds or null}]}]}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.records import ModelRecord, ServerInfo, ServerState
+from swarm.dht.snapshot import SwarmSnapshot
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Ping:
+    """What pinging one peer (an Info call whose answer must prove the record owner's key) found."""
+
+    outcome: str
+    """"answered", "no answer" (unreachable, or too slow), or "wrong key" (the server there is not that peer)."""
+    rtt_s: float | None = None
+
+
+ANSWERED, NO_ANSWER, WRONG_KEY = "answered", "no answer", "wrong key"
+
+
+def describe_reach(info: ServerInfo) -> str:
+    """How clients reach the peer of a record: its gRPC endpoint, or libp2p (through which relays)."""
+    if info.transport == "direct":
+        return f"direct {info.endpoint}" + ("  relays for others" if info.relay else "")
+    if info.relays:
+        return f"behind NAT, via relay {', '.join(relay[:16] + '...' for relay in info.relays)}"
+    return "libp2p only"
+
+
+def block_ranges(blocks: list[int]) -> list[list[int]]:
+    """Sorted block numbers as [start, end) ranges of consecutive blocks."""
+    ranges: list[list[int]] = []
+    for block in blocks:
+        if ranges and ranges[-1][1] == block:
+            ranges[-1][1] = block + 1
+        else:
+            ranges.append([block, block + 1])
+    return ranges
+
+
+def _peer(peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot, live: bool, ping: Ping | None) -> dict[str, Any]:
+    return {
+        "peer_id": peer_id,
+        "state": ServerState(info.state).name,
+        "live": live,
+        "start_block": info.start_block,
+        "end_block": info.end_block,
+        "throughput": info.throughput,
+        "cache_tokens_left": info.cache_tokens_left,
+        "dtype": info.dtype,
+        "version": info.version,
+        "endpoint": info.endpoint,
+        "transport": info.transport,
+        "relays": list(info.relays),
+        "relay": info.relay,
+        "reach": describe_reach(info),
+        "adapters": list(info.adapters),
+        "run_id": info.run_id,
+        "epoch": info.epoch,
+        "samples": info.samples,
+        "expires_at": snapshot.expirations.get(peer_id),
+        "ping": None if ping is None else ping.outcome,
+        "rtt_s": None if ping is None else ping.rtt_s,
+    }
+
+
+def _training(servers: Mapping[str, ServerInfo]) -> list[dict[str, Any]]:
+    runs: dict[str, list[ServerInfo]] = {}
+    for info in servers.values():
+        if info.run_id:
+            runs.setdefault(info.run_id, []).append(info)
+    return [{"run_id": run_id, "peers": len(infos), "epoch_min": min(i.epoch for i in infos),
+             "epoch_max": max(i.epoch for i in infos)} for run_id, infos in sorted(runs.items())]
+
+
+def model_state(prefix: str, record: ModelRecord, snapshot: SwarmSnapshot,
+                pings: Mapping[str, Ping] | None = None) -> dict[str, Any]:
+    """One model's entry of the document; `pings` (peer id -> Ping) None when the peers were not pinged."""
+    online = snapshot.online()
+    coverage = [0] * snapshot.num_blocks
+    answering = None if pings is None else [0] * snapshot.num_blocks
+    for peer_id, info in online.items():
+        for block in range(info.start_block, min(info.end_block, snapshot.num_blocks)):
+            coverage[block] += 1
+            if answering is not None and (ping := pings.get(peer_id)) is not None and ping.outcome == ANSWERED:
+                answering[block] += 1
+    usable = coverage if answering is None else answering
+    gaps = block_ranges([block for block, count in enumerate(usable) if count == 0])
+    servers = sorted(snapshot.servers.items(), key=lambda item: (item[1].start_block, item[1].end_block, item[0]))
+    live = snapshot.live()
+    return {
+        "prefix": prefix,
+        "repository": record.repository,
+        "num_blocks": snapshot.num_blocks,
+        "coverage": coverage,
+        "answering": answering,
+        "gaps": gaps,
+        "complete": not gaps,
+        "training": _training(online),
+        "peers": [_peer(peer_id, info, snapshot, peer_id in live,
+                        pings.get(peer_id, Ping(NO_ANSWER)) if pings is not None and peer_id in online else None)
+                  for peer_id, info in servers],
+    }
+
+
+def build_state(models: Mapping[str, ModelRecord], snapshots: Mapping[str, SwarmSnapshot], *,
+                pings: Mapping[str, Ping] | None = None, taken_at: float | None = None) -> dict[str, Any]:
+    """The whole document (see the module's docstring) for the models that have a snapshot, sorted by prefix.
+
+    Args:
+        pings: peer id -> what pinging it found, for every ONLINE peer (one missing counts as no answer); None
+            when the peers were not pinged: then "answering", "ping" and "rtt_s" are null and gaps count records.
+        taken_at: unix time of the reads; now by default.
+    """
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "taken_at": time.time() if taken_at is None else taken_at,
+        "rtt_measured": pings is not None,
+        "error": None,
+        "models": [model_state(prefix, models[prefix], snapshots[prefix], pings)
+                   for prefix in sorted(models) if prefix in snapshots],
+    }
+
+
+def read_state(dht, only: str | None = None) -> tuple[dict[str, ModelRecord], dict[str, SwarmSnapshot]]:
+    """The model index and each model's snapshot, read from the DHT (`only`: that prefix alone).
+
+    Raises:
+        DHTUnavailableError: the DHT did not answer in time.
+    """
+    from swarm.dht.directory import fetch_models, fetch_snapshot  # hivemind: not for the pure part of this module
+
+    models = fetch_models(dht)
+    if only is not None:
+        models = {prefix: record for prefix, record in models.items() if prefix == only}
+    return models, {prefix: fetch_snapshot(dht, prefix, record.num_blocks) for prefix, record in models.items()}

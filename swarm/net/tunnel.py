@@ -1,0 +1,241 @@
+"""gRPC through libp2p streams: how clients reach a peer that they cannot connect to.
+
+Every peer serves `TUNNEL_PROTOCOL` on its DHT node's libp2p daemon: each stream opened to it is spliced to a new
+TCP connection to the peer's own gRPC server. A client reaches such a peer through a local TCP listener
+(`TunnelPool`): each connection gRPC opens to it becomes one libp2p stream, straight to the peer or through a
+relay (swarm/net/relay.py). So the Peer service, its messages, limits and errors are the same over both paths, and one
+HTTP/2 connection (one stream) carries all the calls of a channel; libp2p streams have no message size limit.
+
+A peer's address on this path is "p2p:<peer id>", or "p2p:<peer id>@<relay peer id>" through a relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import struct
+from typing import Awaitable, Callable
+
+import hivemind
+from hivemind.p2p import PeerID
+
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError, PeerUnavailableError, error_from_code
+
+logger = logging.getLogger(__name__)
+
+TUNNEL_PROTOCOL = "/swarmlm/1/tunnel"
+RELAY_PROTOCOL = "/swarmlm/1/relay"  # a stream to a relay, forwarded to a peer's tunnel (swarm/net/relay.py)
+TUNNEL_PREFIX = "p2p:"
+CHUNK_BYTES = 256 * 1024
+CONTROL_MAX_BYTES = 4096  # control messages (probe, relay registration and opening) are tiny
+OPEN_TIMEOUT_S = 10.0
+_LENGTH = struct.Struct(">I")
+
+
+# --- addresses ---
+
+
+def tunnel_address(peer_id: str, relay: str | None = None) -> str:
+    return f"{TUNNEL_PREFIX}{peer_id}" + (f"@{relay}" if relay else "")
+
+
+def is_tunnel(address: str) -> bool:
+    return address.startswith(TUNNEL_PREFIX)
+
+
+def describe_address(address: str) -> str:
+    """How a client reaches a peer at `address`, for people: "gRPC at host:port", "libp2p" or "libp2p via relay X"."""
+    if not is_tunnel(address):
+        return f"gRPC at {address}"
+    _, _, relay = address.removeprefix(TUNNEL_PREFIX).partition("@")
+    return f"libp2p via relay {relay}" if relay else "libp2p"
+
+
+def parse_tunnel_address(address: str) -> tuple[PeerID, PeerID | None]:
+    """(peer, relay or None) of a "p2p:..." address."""
+    peer, _, relay = address.removeprefix(TUNNEL_PREFIX).partition("@")
+    try:
+        return PeerID.from_base58(peer), PeerID.from_base58(relay) if relay else None
+    except Exception as exc:  # base58 or multihash errors
+        raise PeerUnavailableError(f"{address!r} is not a libp2p address of a peer") from exc
+
+
+# --- bytes between two streams ---
+
+
+def loopback_source(peer: PeerID) -> str:
+    """An address in 127.0.0.0/8 (all of it is loopback on Linux) that stands for `peer`."""
+    digest = hashlib.blake2b(peer.to_bytes(), digest_size=3).digest()
+    return "127." + ".".join(str(byte) for byte in digest[:2]) + f".{max(2, digest[2])}"
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy `reader` into `writer` until it ends; then end `writer` too."""
+    try:
+        while data := await reader.read(CHUNK_BYTES):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            if writer.can_write_eof():
+                writer.write_eof()
+            else:
+                writer.close()
+
+
+async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    """Carry bytes both ways between two streams until one side is done with both directions or breaks."""
+    try:
+        await asyncio.gather(pipe(a[0], b[1]), pipe(b[0], a[1]))
+    finally:
+        for writer in (a[1], b[1]):
+            writer.close()
+
+
+# --- control messages: a 4-byte length, then a protobuf message ---
+
+
+async def write_message(writer: asyncio.StreamWriter, message) -> None:
+    data = message.SerializeToString()
+    writer.write(_LENGTH.pack(len(data)) + data)
+    await writer.drain()
+
+
+async def read_message(reader: asyncio.StreamReader, cls, *, timeout_s: float = OPEN_TIMEOUT_S):
+    """The next control message, bounded in size and time; BadRequestError if it is not one."""
+    try:
+        (length,) = _LENGTH.unpack(await asyncio.wait_for(reader.readexactly(_LENGTH.size), timeout_s))
+        if length > CONTROL_MAX_BYTES:
+            raise BadRequestError(f"a {cls.__name__} of {length} bytes; the limit is {CONTROL_MAX_BYTES}")
+        data = await asyncio.wait_for(reader.readexactly(length), timeout_s)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise BadRequestError(f"the stream ended before a whole {cls.__name__}") from exc
+    except asyncio.TimeoutError:
+        raise BadRequestError(f"no {cls.__name__} within {timeout_s:g}s") from None
+    try:
+        return cls.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError
+        raise BadRequestError(f"not a {cls.__name__}: {exc}") from exc
+
+
+# --- the peer's side ---
+
+
+class TunnelServer:
+    """Splices every tunnel stream opened to `p2p` to a new connection to the gRPC server at `endpoint`."""
+
+    def __init__(self, p2p: hivemind.P2P, endpoint: str):
+        self.p2p, self.endpoint = p2p, endpoint
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(TUNNEL_PROTOCOL, self._handle)
+
+    async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            host, _, port = self.endpoint.rpartition(":")
+            # from an address of its own per remote peer, so that the gRPC server tells tunneled clients apart
+            # (each client address has its own cache quota, peer/cache.py)
+            source = (loopback_source(info.peer_id), 0) if host.startswith("127.") else None
+            try:
+                local = await asyncio.wait_for(asyncio.open_connection(host, int(port), local_addr=source),
+                                               OPEN_TIMEOUT_S)
+            except OSError:  # a system where only 127.0.0.1 is loopback: tunneled clients share one quota
+                local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)
+            await splice((reader, writer), local)
+        except (OSError, asyncio.TimeoutError) as exc:
+            logger.warning("a tunnel from %s could not reach this peer's gRPC server: %r", info.peer_id, exc)
+            writer.close()
+        finally:
+            self._tasks.discard(task)
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):  # the daemon may be gone already
+            await self.p2p.remove_binary_stream_handler(TUNNEL_PROTOCOL)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+# --- the client's side ---
+
+
+async def open_tunnel(p2p: hivemind.P2P, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A libp2p stream that reaches the gRPC server of the peer at `address` ("p2p:..."), maybe through its relay.
+
+    Raises:
+        PeerUnavailableError: the peer (or its relay) could not be reached, or the relay refused.
+    """
+    peer, relay = parse_tunnel_address(address)
+    try:
+        if relay is None:
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(peer, TUNNEL_PROTOCOL), OPEN_TIMEOUT_S)
+            return reader, writer
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL),
+                                                   OPEN_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise PeerUnavailableError(f"{address}: no libp2p stream within {OPEN_TIMEOUT_S:g}s") from None
+    except Exception as exc:  # the daemon's ControlFailure: no route, dial failed, no such protocol
+        raise PeerUnavailableError(f"{address}: cannot open a libp2p stream: {exc}") from exc
+    try:
+        await write_message(writer, pb.RelayOpen(peer_id=peer.to_base58()))
+        opened = await read_message(reader, pb.RelayOpened)
+    except (BadRequestError, ConnectionError, OSError) as exc:
+        writer.close()
+        raise PeerUnavailableError(f"{address}: the relay did not answer: {exc}") from exc
+    if opened.HasField("error"):
+        writer.close()
+        raise error_from_code(opened.error.code, f"relay {relay}: {opened.error.message}")
+    return reader, writer
+
+
+class TunnelPool:
+    """Local gRPC endpoints ("127.0.0.1:port") for peers reached through libp2p; lives on the client's loop."""
+
+    def __init__(self, get_p2p: Callable[[], Awaitable[hivemind.P2P]]):
+        self._get_p2p = get_p2p
+        self._servers: dict[str, tuple[asyncio.Server, str]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.failures: dict[str, str] = {}  # address -> why its latest stream could not be opened
+
+    async def local_endpoint(self, address: str) -> str:
+        """Where to point a gRPC channel for the peer at `address` ("p2p:..."); starts its listener once."""
+        if address not in self._servers:
+            parse_tunnel_address(address)  # a malformed address fails here, not on every connection
+            p2p = await self._get_p2p()
+            server = await asyncio.start_server(lambda r, w: self._connect(p2p, address, r, w), "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            self._servers[address] = (server, f"127.0.0.1:{port}")
+        return self._servers[address][1]
+
+    async def _connect(self, p2p, address: str, reader, writer) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            remote = await open_tunnel(p2p, address)
+            self.failures.pop(address, None)
+            await splice((reader, writer), remote)
+        except PeerUnavailableError as exc:
+            logger.info("%s", exc)
+            self.failures[address] = str(exc)
+            writer.close()  # gRPC sees the connection fail: UNAVAILABLE, a peer failure
+        except asyncio.CancelledError:  # closing the pool: asyncio's server would log a cancelled callback
+            writer.close()
+        finally:
+            self._tasks.discard(task)
+
+    async def close(self) -> None:
+        for server, _ in self._servers.values():
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._servers.clear()

@@ -1,0 +1,222 @@
+"""swarm.net.tunnel, swarm.net.relay and swarm.net.reachability against real hivemind DHT nodes and a real gRPC server.
+
+The gRPC server behind the tunnel runs an echo servicer (Info answers with its peer id, Forward returns its
+input), so that these tests need no model; the integration tests (test_generation's p2p peer, test_nat) run
+the real Peer service through the same paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import grpc
+import pytest
+import torch
+
+from client.transport import ChannelPool
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.errors import PeerUnavailableError
+from protocol.packing import Packer
+from protocol.service import make_generic_handler
+from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.net.reachability import ProbeService, check_endpoint, probe
+from swarm.net.relay import RelayService, register
+from swarm.net.tunnel import RELAY_PROTOCOL, TunnelPool, TunnelServer, tunnel_address
+
+MESSAGE_BYTES = 64 << 20
+
+
+class EchoServicer:
+    """The Peer service as far as these tests need it."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+
+    async def info(self, request, context):
+        return pb.InfoResponse(peer_id=self.peer_id)
+
+    async def forward(self, request, context):
+        hidden = decode_tensor(request.message.hidden_states, "hidden_states", request.payload)
+        packer = Packer()
+        return packer.pack(pb.ForwardResponse(hidden_states=packer.tensor(hidden.clone())))
+
+    backward = inference = state = None  # not called here
+
+
+async def serve_grpc(peer_id: str) -> tuple[grpc.aio.Server, str]:
+    options = [("grpc.max_receive_message_length", MESSAGE_BYTES), ("grpc.max_send_message_length", MESSAGE_BYTES)]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((make_generic_handler(EchoServicer(peer_id)),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def dhts():
+    """start(client_mode=False) -> a DHT node joined to the first one started; all stopped afterwards."""
+    started = []
+
+    def start(client_mode: bool = False):
+        started.append(start_dht(visible_maddrs(started[0]) if started else (), client_mode=client_mode))
+        return started[-1]
+
+    yield start
+    for dht in started:
+        stop_dht(dht)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 60))
+
+
+async def forward(pool: ChannelPool, address: str, hidden: torch.Tensor) -> torch.Tensor:
+    packer = Packer()
+    request = packer.pack(pb.ForwardRequest(hidden_states=packer.tensor(hidden)))
+    response = await pool.unary(address, "forward", request, 30.0)
+    return decode_tensor(response.message.hidden_states, "hidden_states", response.payload)
+
+
+def test_a_tunnel_carries_the_peer_service_and_messages_past_4_mib(dhts):
+    peer, client = dhts(), dhts(client_mode=True)
+
+    async def main():
+        server, endpoint = await serve_grpc(peer.peer_id.to_base58())
+        peer_p2p, client_p2p = await peer.replicate_p2p(), await client.replicate_p2p()
+        tunnel = TunnelServer(peer_p2p, endpoint)
+        await tunnel.start()
+        pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+        try:
+            address = tunnel_address(peer.peer_id.to_base58())
+            answer = await pool.unary(address, "info", pb.InfoRequest(), 10.0)
+            assert answer.peer_id == peer.peer_id.to_base58()
+            hidden = torch.randn(4, 512, 1024)  # 8 MiB: over the daemon's 4 MiB unary limit
+            assert torch.equal(await forward(pool, address, hidden), hidden)
+        finally:
+            await pool.close()
+            await tunnel.stop()
+            await server.stop(None)
+            await peer_p2p.shutdown()
+            await client_p2p.shutdown()
+
+    run(main())
+
+
+def test_a_relay_forwards_to_registered_peers_only(dhts):
+    relay, home, client = dhts(), dhts(client_mode=True), dhts(client_mode=True)
+
+    async def main():
+        server, endpoint = await serve_grpc(home.peer_id.to_base58())
+        relay_p2p, home_p2p, client_p2p = [await d.replicate_p2p() for d in (relay, home, client)]
+        now = [0.0]
+        service = RelayService(relay_p2p, ttl_s=60.0, clock=lambda: now[0])
+        tunnel = TunnelServer(home_p2p, endpoint)
+        await service.start()
+        await tunnel.start()
+        pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+        relay_id, home_id = relay.peer_id.to_base58(), home.peer_id.to_base58()
+        try:
+            with pytest.raises(PeerUnavailableError, match="is not registered with this relay"):
+                await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
+            assert await register(home_p2p, relay.peer_id) == 60.0
+            # from here on new pools: a new local listener each, so that gRPC neither reuses a connection it
+            # keeps for a while after its channel closed, nor waits out its reconnect backoff for the old one
+            await pool.close()
+            pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+            answer = await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
+            assert answer.peer_id == home_id
+            # a client cannot use the relay to reach anyone else, itself included
+            for other in (client.peer_id.to_base58(), relay_id):
+                with pytest.raises(PeerUnavailableError, match="is not registered"):
+                    await pool.unary(tunnel_address(other, relay_id), "info", pb.InfoRequest(), 10.0)
+            # a registration that is not renewed runs out
+            now[0] = 59.0
+            assert service.registered() == [home.peer_id]
+            now[0] = 61.0
+            assert service.registered() == []
+            await pool.close()
+            pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+            with pytest.raises(PeerUnavailableError, match="is not registered"):
+                await pool.unary(tunnel_address(home_id, relay_id), "info", pb.InfoRequest(), 10.0)
+        finally:
+            await pool.close()
+            for part in (tunnel, service):
+                await part.stop()
+            await server.stop(None)
+            for p2p in (relay_p2p, home_p2p, client_p2p):
+                await p2p.shutdown()
+
+    run(main())
+
+
+def test_a_relay_refuses_bad_openings_and_more_peers_than_it_takes(dhts):
+    relay, first, second = dhts(), dhts(client_mode=True), dhts(client_mode=True)
+
+    async def main():
+        relay_p2p, first_p2p, second_p2p = [await d.replicate_p2p() for d in (relay, first, second)]
+        service = RelayService(relay_p2p, max_peers=1)
+        await service.start()
+        try:
+            await register(first_p2p, relay.peer_id)
+            with pytest.raises(PeerUnavailableError, match="forwards to 1 peers already"):
+                await register(second_p2p, relay.peer_id)
+            for junk in [struct.pack(">I", 1 << 31), struct.pack(">I", 5) + b"\xff" * 5, b"\x00"]:
+                _, reader, writer = await second_p2p.call_binary_stream_handler(relay.peer_id, RELAY_PROTOCOL)
+                writer.write(junk)
+                await writer.drain()
+                if junk != b"\x00":  # an opening too long or unparseable: the relay says so and hangs up
+                    assert b"bad_request" in await asyncio.wait_for(reader.read(), 15)
+                writer.close()
+            assert await register(first_p2p, relay.peer_id) > 0  # and goes on serving
+        finally:
+            await service.stop()
+            for p2p in (relay_p2p, first_p2p, second_p2p):
+                await p2p.shutdown()
+
+    run(main())
+
+
+def test_a_probe_connects_only_to_the_address_it_comes_from():
+    async def main():
+        server, endpoint = await serve_grpc("me")
+        port = endpoint.rsplit(":", 1)[1]
+        try:
+            assert (await check_endpoint(endpoint, "me", "127.0.0.1")).reachable
+            answer = await check_endpoint(endpoint, "someone-else", "127.0.0.1")
+            assert not answer.reachable and "answered as me" in answer.detail
+            answer = await check_endpoint(f"10.9.8.7:{port}", "me", "127.0.0.1")
+            assert not answer.reachable and "is not the address this request came from" in answer.detail
+            assert not (await check_endpoint(endpoint, "me", None)).reachable  # relayed or unknown origin
+            for bad in ["127.0.0.1", "127.0.0.1:0", "127.0.0.1:99999", "a b:1", ""]:
+                assert not (await check_endpoint(bad, "me", "127.0.0.1")).reachable, bad
+        finally:
+            await server.stop(None)
+        answer = await check_endpoint(endpoint, "me", "127.0.0.1")  # nothing listens there now
+        assert not answer.reachable and "did not answer" in answer.detail
+
+    run(main())
+
+
+def test_a_peer_asks_its_neighbour_whether_it_can_be_reached(dhts):
+    neighbour, peer = dhts(), dhts()
+
+    async def main():
+        server, endpoint = await serve_grpc(peer.peer_id.to_base58())
+        neighbour_p2p, peer_p2p = await neighbour.replicate_p2p(), await peer.replicate_p2p()
+        service = ProbeService(neighbour_p2p)
+        await service.start()
+        try:
+            assert (await probe(peer_p2p, [neighbour.peer_id], endpoint)).reachable is True
+            result = await probe(peer_p2p, [neighbour.peer_id], "127.0.0.1:1")
+            assert result.reachable is False and "did not answer" in result.details[0]
+            # a neighbour that does not probe (no service) gives no answer, not a "no"
+            assert (await probe(neighbour_p2p, [peer.peer_id], endpoint)).reachable is None
+        finally:
+            await service.stop()
+            await server.stop(None)
+            await neighbour_p2p.shutdown()
+            await peer_p2p.shutdown()
+
+    run(main())

@@ -38,18 +38,26 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Benchmark the swarm on this machine against local references.")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default model, fewer settings (~2 min on 2 cores)")
-    mode.add_argument("--full", action="store_true", help="every scenario and model (the default, ~35 min, train_swarm ~18 of them)")
+    mode.add_argument(
+        "--full", action="store_true", help="every scenario and model (the default, ~35 min, train_swarm ~18 of them)"
+    )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="where peers and the reference compute")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--scenarios", type=_names, help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--configs", type=_names, help=f"comma-separated models among {','.join(MODELS)}")
     p.add_argument("--repeats", type=int, help="repeated runs per measurement (quick: 3, full: 5)")
     p.add_argument("--peer-threads", type=int, help="torch threads per peer process (default: as the reference)")
-    p.add_argument("--peer-omp-passive", action=argparse.BooleanOptionalAction, default=True,
-                   help="start peers with OMP_WAIT_POLICY=PASSIVE so idle peers do not spin on shared cores "
-                        "(default: on)")
-    p.add_argument("--reference-threads", type=int,
-                   help="torch threads of this process, the local reference's (default: torch's, all cores)")
+    p.add_argument(
+        "--peer-omp-passive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start peers with OMP_WAIT_POLICY=PASSIVE so idle peers do not spin on shared cores (default: on)",
+    )
+    p.add_argument(
+        "--reference-threads",
+        type=int,
+        help="torch threads of this process, the local reference's (default: torch's, all cores)",
+    )
     p.add_argument("--out", type=Path, help="results folder (default: bench/results/<timestamp>)")
     p.add_argument("--models-dir", type=Path, help="where random models are built once (default: CACHE/bench-models)")
     p.add_argument("--cache-dir", help="swarmlm cache holding the default model (default: ~/.cache/swarmlm)")
@@ -59,9 +67,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     plan = preset(quick=args.quick, device=args.device)
     changes = {}
-    for flag, field in (("dtype", "dtype"), ("scenarios", "scenarios"), ("configs", "configs"),
-                        ("repeats", "repeats"), ("peer_threads", "peer_threads"),
-                        ("reference_threads", "reference_threads")):
+    for flag, field in (
+        ("dtype", "dtype"),
+        ("scenarios", "scenarios"),
+        ("configs", "configs"),
+        ("repeats", "repeats"),
+        ("peer_threads", "peer_threads"),
+        ("reference_threads", "reference_threads"),
+    ):
         if getattr(args, flag) is not None:
             changes[field] = getattr(args, flag)
     changes["peer_omp_passive"] = args.peer_omp_passive
@@ -82,10 +95,17 @@ def _torch_threads() -> int:
 def _machine(plan: Plan) -> dict:
     import torch
 
-    info = {"cpus": cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "reference_threads": torch.get_num_threads(),
-            "peer_threads": plan.peer_threads, "device": plan.device, "dtype": plan.dtype,
-            "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    info = {
+        "cpus": cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "reference_threads": torch.get_num_threads(),
+        "peer_threads": plan.peer_threads,
+        "device": plan.device,
+        "dtype": plan.dtype,
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
     if plan.device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -100,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if plan.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu",
-              file=sys.stderr)
+        print(
+            "error: --device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu",
+            file=sys.stderr,
+        )
         return 2
     if plan.reference_threads:
         torch.set_num_threads(plan.reference_threads)
@@ -123,21 +145,25 @@ def run(args: argparse.Namespace) -> int:
     machine["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     elapsed = time.monotonic() - began
     header = {
-        "mode": "quick" if plan.quick else "full", "started": started.isoformat(timespec="seconds"),
-        "elapsed_s": elapsed, "machine": machine, "plan": dict(vars(plan)),
-        "models": descriptions, "errors": errors,
+        "mode": "quick" if plan.quick else "full",
+        "started": started.isoformat(timespec="seconds"),
+        "elapsed_s": elapsed,
+        "machine": machine,
+        "plan": dict(vars(plan)),
+        "models": descriptions,
+        "errors": errors,
         "summary": {
             "machine": f"{machine['cpus']} CPUs, torch {machine['torch']}, {plan.device} {plan.dtype}"
-                       + (f", {machine['gpu']}" if "gpu" in machine else ""),
+            + (f", {machine['gpu']}" if "gpu" in machine else ""),
             "threads": f"reference/client process {machine['reference_threads']}"
-                       + f" with OMP_WAIT_POLICY={OWN_OMP_POLICY or 'unset'}, each peer {plan.peer_threads}"
-                       + (" with OMP_WAIT_POLICY=PASSIVE" if plan.peer_omp_passive else ""),
+            + f" with OMP_WAIT_POLICY={OWN_OMP_POLICY or 'unset'}, each peer {plan.peer_threads}"
+            + (" with OMP_WAIT_POLICY=PASSIVE" if plan.peer_omp_passive else ""),
             "models": "; ".join(f"{k}: {v}" for k, v in descriptions.items()),
             "load average (1 min) at start/end": f"{_load(machine['load_average_at_start'])} / "
-                                                 f"{_load(machine['load_average_at_end'])}",
+            f"{_load(machine['load_average_at_end'])}",
             "elapsed": f"{elapsed:.0f} s",
         },
-        "notes": NOTES + [_memory_note(plan, rows)],
+        "notes": [*NOTES, _memory_note(plan, rows)],
     }
     from bench.report import write
 
@@ -151,16 +177,24 @@ def warn_missing_plots() -> bool:
     """Say before the scenarios run that no plots will be drawn without matplotlib; True if so."""
     missing = missing_modules(EXTRAS["bench"])
     if missing:
-        print(f"note: {', '.join(missing)} is not installed: the results get their tables and JSON but no plots; "
-              f"for plots: {install_hint('bench')}", file=sys.stderr, flush=True)
+        print(
+            f"note: {', '.join(missing)} is not installed: the results get their tables and JSON but no plots; "
+            f"for plots: {install_hint('bench')}",
+            file=sys.stderr,
+            flush=True,
+        )
     return bool(missing)
 
 
 def _memory_note(plan: Plan, rows) -> str:
-    note = (f"Peer memory target: RSS after decode <= its share of the weights + its KV cache + "
-            f"{plan.memory_overhead_mib:.0f} MiB fixed runtime overhead (Python, torch, transformers, gRPC server, "
-            f"hivemind DHT client)")
-    runtime = next((r.extra["runtime_only_process"]["rss_mib"] for r in rows if "runtime_only_process" in r.extra), None)
+    note = (
+        f"Peer memory target: RSS after decode <= its share of the weights + its KV cache + "
+        f"{plan.memory_overhead_mib:.0f} MiB fixed runtime overhead (Python, torch, transformers, gRPC server, "
+        f"hivemind DHT client)"
+    )
+    runtime = next(
+        (r.extra["runtime_only_process"]["rss_mib"] for r in rows if "runtime_only_process" in r.extra), None
+    )
     if runtime is not None:
         note += f"; a process that only imports that runtime holds {runtime:.0f} MiB"
     return note + "."
@@ -184,8 +218,11 @@ NOTES = [
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("SWARMLM_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=os.environ.get("SWARMLM_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     args = build_parser("python -m bench").parse_args(argv)
     if args.cache_dir is None:
         args.cache_dir = os.environ.get("SWARMLM_CACHE_DIR")

@@ -64,21 +64,24 @@ def measure_recovery(model: str, trials: int, tokens: int = 48, kill_at: int = 2
                             (hop,) = [s.hop for s in session.remote.spans if s.hop.start == half]
                             victim = _name_of(swarm, hop.peer_id)
                             swarm.kill(victim)
-                            swarm.start_peer(f"{victim}-{trial}", model, "--blocks", f"{half}:{num_blocks}",
-                                             *PEER_ARGS)  # replacement for the next trial
+                            swarm.start_peer(
+                                f"{victim}-{trial}", model, "--blocks", f"{half}:{num_blocks}", *PEER_ARGS
+                            )  # replacement for the next trial
                         began = time.perf_counter()
                         logits = remote(logits[:, -1:].argmax(-1)).logits
                         latencies.append(time.perf_counter() - began)
                     assert session.recoveries >= 1, "the kill was not noticed"
-                normal = statistics.median(latencies[:kill_at] + latencies[kill_at + 1:])
+                normal = statistics.median(latencies[:kill_at] + latencies[kill_at + 1 :])
                 recoveries.append(latencies[kill_at] - normal)
                 steps.append(normal)
                 time.sleep(6)  # let the replacement come ONLINE and the dead record expire from routes
         finally:
             remote.shutdown()
-    return {"trials": trials, "recovery_s": {"median": statistics.median(recoveries), "max": max(recoveries),
-                                             "all": recoveries},
-            "normal_step_s": statistics.median(steps)}
+    return {
+        "trials": trials,
+        "recovery_s": {"median": statistics.median(recoveries), "max": max(recoveries), "all": recoveries},
+        "normal_step_s": statistics.median(steps),
+    }
 
 
 def measure_churn(model: str, churn_s: float, kill_every_s: float, tokens: int = 32) -> dict:
@@ -93,8 +96,9 @@ def measure_churn(model: str, churn_s: float, kill_every_s: float, tokens: int =
             live.append((f"p{i}", (a, b)))
         swarm.wait_online(model, num_blocks)
         time.sleep(3)
-        remote = AutoDistributedModelForCausalLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                                wait_for_peers_s=60)
+        remote = AutoDistributedModelForCausalLM.from_pretrained(
+            model, initial_peers=swarm.initial_peers, wait_for_peers_s=60
+        )
 
         def generate_for(seconds: float) -> tuple[int, float]:
             produced, began = 0, time.monotonic()
@@ -116,7 +120,7 @@ def measure_churn(model: str, churn_s: float, kill_every_s: float, tokens: int =
                     swarm.kill(name)
                     kills[0] += 1
                     new = f"{name}-{kills[0]}"
-                    swarm.start_peer(new, model, "--blocks", "%d:%d" % span, *PEER_ARGS)
+                    swarm.start_peer(new, model, "--blocks", f"{span[0]}:{span[1]}", *PEER_ARGS)
                     live.append((new, span))
 
             failovers_before = remote.sequence.failovers
@@ -129,21 +133,31 @@ def measure_churn(model: str, churn_s: float, kill_every_s: float, tokens: int =
         finally:
             remote.shutdown()
     calm, churned = calm_tokens / calm_s, churn_tokens / churned_s
-    return {"calm_tokens_per_s": calm, "churn_tokens_per_s": churned, "lost_fraction": 1 - churned / calm,
-            "kills": kills[0], "failovers": failovers, "seconds_each": churn_s, "kill_every_s": kill_every_s}
+    return {
+        "calm_tokens_per_s": calm,
+        "churn_tokens_per_s": churned,
+        "lost_fraction": 1 - churned / calm,
+        "kills": kills[0],
+        "failovers": failovers,
+        "seconds_each": churn_s,
+        "kill_every_s": kill_every_s,
+    }
 
 
 def markdown(recovery: dict, churn: dict) -> str:
     r = recovery["recovery_s"]
-    return "\n".join([
-        "| metric | value |", "|---|---|",
-        f"| recovery after SIGKILL mid-generation (median, max over {recovery['trials']}) "
-        f"| {r['median'] * 1000:.0f} ms, {r['max'] * 1000:.0f} ms |",
-        f"| normal decode step (median) | {recovery['normal_step_s'] * 1000:.1f} ms |",
-        f"| tokens/s without churn | {churn['calm_tokens_per_s']:.1f} |",
-        f"| tokens/s with churn (a kill every {churn['kill_every_s']:.0f} s; {churn['kills']} kills, "
-        f"{churn['failovers']} failovers) | {churn['churn_tokens_per_s']:.1f} ({churn['lost_fraction'] * 100:.0f}% lost) |",
-    ])
+    return "\n".join(
+        [
+            "| metric | value |",
+            "|---|---|",
+            f"| recovery after SIGKILL mid-generation (median, max over {recovery['trials']}) "
+            f"| {r['median'] * 1000:.0f} ms, {r['max'] * 1000:.0f} ms |",
+            f"| normal decode step (median) | {recovery['normal_step_s'] * 1000:.1f} ms |",
+            f"| tokens/s without churn | {churn['calm_tokens_per_s']:.1f} |",
+            f"| tokens/s with churn (a kill every {churn['kill_every_s']:.0f} s; {churn['kills']} kills, "
+            f"{churn['failovers']} failovers) | {churn['churn_tokens_per_s']:.1f} ({churn['lost_fraction'] * 100:.0f}% lost) |",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

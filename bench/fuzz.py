@@ -55,9 +55,20 @@ def build_model(folder: Path) -> Path:
     """A tiny random Llama (hidden 64, GQA 4/2, 2 layers), seeded, saved as safetensors."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, initializer_range=0.2,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
     return folder
@@ -76,20 +87,33 @@ def valid_message(method: str, prefix: str, rng: random.Random, session_id: str 
     length = rng.choice([1, 3, 200])  # 200 tokens of float32 travel in the payload
     packer = Packer()
     if method in ("forward", "backward"):
-        fields = dict(span=span, hidden_states=packer.tensor(_hidden(length, rng.randrange(1 << 16))),
-                      position_ids=packer.tensor(torch.arange(length).unsqueeze(0)))
+        fields = dict(
+            span=span,
+            hidden_states=packer.tensor(_hidden(length, rng.randrange(1 << 16))),
+            position_ids=packer.tensor(torch.arange(length).unsqueeze(0)),
+        )
         if method == "backward":
             fields["grad_outputs"] = packer.tensor(_hidden(length, rng.randrange(1 << 16)))
             return packer.pack(pb.BackwardRequest(**fields))
         return packer.pack(pb.ForwardRequest(**fields))
     if method == "open":
-        return pb.InferenceRequest(open=pb.OpenSession(span=span, session_id=f"{session_id}-{rng.randrange(1 << 30)}",
-                                                       max_length=32, batch_size=1))
+        return pb.InferenceRequest(
+            open=pb.OpenSession(
+                span=span, session_id=f"{session_id}-{rng.randrange(1 << 30)}", max_length=32, batch_size=1
+            )
+        )
     if method == "step":
         length = min(length, 8)
-        return packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=session_id, hidden_states=packer.tensor(_hidden(length, rng.randrange(1 << 16))),
-            position_ids=packer.tensor(torch.arange(length).unsqueeze(0)), prefix_length=0)))
+        return packer.pack(
+            pb.InferenceRequest(
+                step=pb.InferenceStep(
+                    session_id=session_id,
+                    hidden_states=packer.tensor(_hidden(length, rng.randrange(1 << 16))),
+                    position_ids=packer.tensor(torch.arange(length).unsqueeze(0)),
+                    prefix_length=0,
+                )
+            )
+        )
     if method == "info":
         return pb.InfoRequest(param_digest=rng.random() < 0.5)
     return pb.StateRequest(span=span)
@@ -129,8 +153,9 @@ def _bend_tensor(message, rng: random.Random) -> str:
 
 def mutate(message, rng: random.Random) -> tuple[bytes, str]:
     """Serialized `message`, mutated one way (or, rarely, not at all); and the name of the mutation."""
-    kind = rng.choice(["flip", "truncate", "duplicate", "drop", "payloads", "varint", "splice", "tensor", "fields",
-                       "none"])
+    kind = rng.choice(
+        ["flip", "truncate", "duplicate", "drop", "payloads", "varint", "splice", "tensor", "fields", "none"]
+    )
     if kind == "tensor":
         inner = getattr(message, "message", message)
         done = _bend_tensor(inner, rng)
@@ -199,7 +224,7 @@ def _response_outcome(raw: bytes) -> tuple[str, str]:
 async def _ended(call) -> str:
     try:
         return f"{(await call.code()).name}: {await call.details()}"
-    except Exception as exc:  # noqa: BLE001 - only for the report
+    except Exception as exc:
         return repr(exc)
 
 
@@ -209,7 +234,7 @@ def _stream_outcome(raw, sent: bytes) -> tuple[str, str]:
         return _response_outcome(raw)
     try:
         closing = pb.InferenceRequest.FromString(sent).WhichOneof("kind") == "close"
-    except Exception:  # noqa: BLE001 - not parseable: it could not have been a close
+    except Exception:
         closing = False
     return ("ok", "closed") if closing else ("untyped", "the stream ended without an answer")
 
@@ -230,9 +255,17 @@ class Fuzz:
         pool = ChannelPool(1 << 26)
         try:
             honest = InferenceStream(pool, self.endpoint)
-            await honest.request(pb.InferenceRequest(open=pb.OpenSession(
-                span=pb.Span(model=self.prefix, start=0, end=LAYERS), session_id="honest", max_length=HONEST_LENGTH,
-                batch_size=1)), REQUEST_TIMEOUT_S)
+            await honest.request(
+                pb.InferenceRequest(
+                    open=pb.OpenSession(
+                        span=pb.Span(model=self.prefix, start=0, end=LAYERS),
+                        session_id="honest",
+                        max_length=HONEST_LENGTH,
+                        batch_size=1,
+                    )
+                ),
+                REQUEST_TIMEOUT_S,
+            )
             tokens = _hidden(HONEST_LENGTH, seed=1)
             expected = _stepwise(self.span, tokens)
             self.stream, stream_id, sent = None, None, 0
@@ -257,11 +290,19 @@ class Fuzz:
     async def _honest_step(self, honest: InferenceStream, tokens, expected) -> None:
         p = self.honest_steps % HONEST_LENGTH
         try:
-            response = await honest.request(pb.InferenceRequest(step=pb.InferenceStep(
-                session_id="honest", hidden_states=encode_tensor(tokens[:, p:p + 1]),
-                position_ids=encode_tensor(torch.tensor([[p]])), prefix_length=p)), REQUEST_TIMEOUT_S)
+            response = await honest.request(
+                pb.InferenceRequest(
+                    step=pb.InferenceStep(
+                        session_id="honest",
+                        hidden_states=encode_tensor(tokens[:, p : p + 1]),
+                        position_ids=encode_tensor(torch.tensor([[p]])),
+                        prefix_length=p,
+                    )
+                ),
+                REQUEST_TIMEOUT_S,
+            )
             got = decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload)
-            diff = (got - expected[:, p:p + 1]).abs().max().item()
+            diff = (got - expected[:, p : p + 1]).abs().max().item()
         except SwarmError as exc:
             self.honest_error = self.honest_error or f"step {self.honest_steps}: {exc}"
             diff = float("inf")
@@ -272,9 +313,16 @@ class Fuzz:
         """A raw inference stream with a session open on it, for mutated steps."""
         stream = channel.stream_stream(METHODS["Inference"].path)()
         session_id = f"fuzz-{self.rng.randrange(1 << 30)}"
-        await stream.write(pb.InferenceRequest(open=pb.OpenSession(
-            span=pb.Span(model=self.prefix, start=0, end=LAYERS), session_id=session_id, max_length=32,
-            batch_size=1)).SerializeToString())
+        await stream.write(
+            pb.InferenceRequest(
+                open=pb.OpenSession(
+                    span=pb.Span(model=self.prefix, start=0, end=LAYERS),
+                    session_id=session_id,
+                    max_length=32,
+                    batch_size=1,
+                )
+            ).SerializeToString()
+        )
         await asyncio.wait_for(stream.read(), REQUEST_TIMEOUT_S)
         return stream, session_id
 
@@ -323,8 +371,9 @@ def _stepwise(span, tokens: torch.Tensor) -> torch.Tensor:
     try:
         cache = span.new_cache()
         with torch.inference_mode():
-            return torch.cat([span(tokens[:, i:i + 1], None, torch.tensor([[i]]), cache, i)
-                              for i in range(tokens.shape[1])], dim=1)
+            return torch.cat(
+                [span(tokens[:, i : i + 1], None, torch.tensor([[i]]), cache, i) for i in range(tokens.shape[1])], dim=1
+            )
     finally:
         torch.set_num_threads(threads)
 
@@ -349,9 +398,28 @@ def run(count: int, minutes: float, seed: int, workdir: Path) -> dict:
     port = _free_port()
     with LocalSwarm(workdir / "logs") as swarm:
         swarm.start_bootstrap()
-        peer = swarm.start_peer("peer", str(model), "--blocks", f"0:{LAYERS}", "--port", str(port), "--transport",
-                                "direct", "--throughput", "100", "--num-threads", "1", "--max-message-mb", "4",
-                                "--cache-tokens", "2048", "--alloc-timeout", "0.5", "--session-timeout", "60")
+        peer = swarm.start_peer(
+            "peer",
+            str(model),
+            "--blocks",
+            f"0:{LAYERS}",
+            "--port",
+            str(port),
+            "--transport",
+            "direct",
+            "--throughput",
+            "100",
+            "--num-threads",
+            "1",
+            "--max-message-mb",
+            "4",
+            "--cache-tokens",
+            "2048",
+            "--alloc-timeout",
+            "0.5",
+            "--session-timeout",
+            "60",
+        )
         swarm.wait_online(str(model), LAYERS)
         rss_before = _rss_mib(peer.pid)
         fuzz = Fuzz(f"127.0.0.1:{port}", prefix, span, seed)
@@ -363,13 +431,20 @@ def run(count: int, minutes: float, seed: int, workdir: Path) -> dict:
         log_tail = swarm.tail("peer") if crashed else ""
     tally = fuzz.tally
     return {
-        "tried": dict(tally.tried), "total": sum(tally.tried.values()), "seconds": round(elapsed, 1),
+        "tried": dict(tally.tried),
+        "total": sum(tally.tried.values()),
+        "seconds": round(elapsed, 1),
         "outcomes": {f"{m}/{o}": n for (m, o), n in sorted(tally.outcomes.items())},
         "untyped": sum(n for (_, o), n in tally.outcomes.items() if o == "untyped"),
-        "untyped_examples": tally.untyped, "crashes": int(crashed), "crash_log": log_tail,
-        "rss_mib_before": rss_before, "rss_mib_after": rss_after,
-        "honest_steps": fuzz.honest_steps, "honest_max_abs_diff": fuzz.honest_max_diff,
-        "honest_exact": fuzz.honest_error is None and fuzz.honest_max_diff <= ATOL, "honest_error": fuzz.honest_error,
+        "untyped_examples": tally.untyped,
+        "crashes": int(crashed),
+        "crash_log": log_tail,
+        "rss_mib_before": rss_before,
+        "rss_mib_after": rss_after,
+        "honest_steps": fuzz.honest_steps,
+        "honest_max_abs_diff": fuzz.honest_max_diff,
+        "honest_exact": fuzz.honest_error is None and fuzz.honest_max_diff <= ATOL,
+        "honest_error": fuzz.honest_error,
     }
 
 
@@ -377,15 +452,19 @@ def report(result: dict) -> str:
     lines = [f"{'method':<10}{'tried':>8}{'ok':>8}{'typed':>8}{'untyped':>9}"]
     for method in METHOD_NAMES:
         o = result["outcomes"]
-        lines.append(f"{method:<10}{result['tried'].get(method, 0):>8}{o.get(f'{method}/ok', 0):>8}"
-                     f"{o.get(f'{method}/typed', 0):>8}{o.get(f'{method}/untyped', 0):>9}")
+        lines.append(
+            f"{method:<10}{result['tried'].get(method, 0):>8}{o.get(f'{method}/ok', 0):>8}"
+            f"{o.get(f'{method}/typed', 0):>8}{o.get(f'{method}/untyped', 0):>9}"
+        )
     rss = lambda v: "?" if v is None else f"{v:.0f} MiB"  # noqa: E731
-    lines += [f"{result['total']} requests in {result['seconds']} s; crashes {result['crashes']}, "
-              f"untyped {result['untyped']}; peer RSS {rss(result['rss_mib_before'])} before, "
-              f"{rss(result['rss_mib_after'])} after",
-              f"honest session: {result['honest_steps']} steps, max |diff| {result['honest_max_abs_diff']:.2e}, "
-              f"{'exact' if result['honest_exact'] else 'NOT EXACT'}"
-              + (f" ({result['honest_error']})" if result["honest_error"] else "")]
+    lines += [
+        f"{result['total']} requests in {result['seconds']} s; crashes {result['crashes']}, "
+        f"untyped {result['untyped']}; peer RSS {rss(result['rss_mib_before'])} before, "
+        f"{rss(result['rss_mib_after'])} after",
+        f"honest session: {result['honest_steps']} steps, max |diff| {result['honest_max_abs_diff']:.2e}, "
+        f"{'exact' if result['honest_exact'] else 'NOT EXACT'}"
+        + (f" ({result['honest_error']})" if result["honest_error"] else ""),
+    ]
     lines += [f"  untyped: {example}" for example in result["untyped_examples"]]
     if result["crash_log"]:
         lines.append(f"peer log:\n{result['crash_log']}")

@@ -12,20 +12,20 @@ import logging
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from client.demo.local_swarm import LocalSwarm, split_blocks
-from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
-from protocol import swarmlm_pb2 as pb
 from bench import memory
 from bench.models import BenchModel, load_reference
 from bench.plan import Plan
 from bench.proxy import DelayProxy
 from bench.train_runs import free_port
+from client.demo.local_swarm import LocalSwarm, split_blocks
+from client.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from protocol import swarmlm_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ModelRun:
         self.swarm = LocalSwarm(log_dir)
         self._reference: torch.nn.Module | None = None
 
-    def __enter__(self) -> "ModelRun":
+    def __enter__(self) -> ModelRun:
         self.swarm.__enter__()
         try:
             self.swarm.start_bootstrap()
@@ -103,21 +103,44 @@ class ModelRun:
 
     def _peer_args(self, prefix: str, start: int, end: int) -> list[str]:
         p = self.plan
-        return ["--blocks", f"{start}:{end}", "--num-threads", str(p.peer_threads), "--throughput", "1000",
-                "--dht-prefix", prefix, "--device", p.device, "--dtype", p.dtype,
-                "--cache-tokens", str(self.cache_tokens()), "--cache-dir", str(self.log_dir / "peer-cache")]
+        return [
+            "--blocks",
+            f"{start}:{end}",
+            "--num-threads",
+            str(p.peer_threads),
+            "--throughput",
+            "1000",
+            "--dht-prefix",
+            prefix,
+            "--device",
+            p.device,
+            "--dtype",
+            p.dtype,
+            "--cache-tokens",
+            str(self.cache_tokens()),
+            "--cache-dir",
+            str(self.log_dir / "peer-cache"),
+        ]
 
     def _start_peer(self, name: str, prefix: str, span: tuple[int, int], listen: tuple[str, ...] = ()) -> PeerStart:
         began = time.monotonic()
         # explicit either way: the local swarm defaults to PASSIVE, and this process's own policy is in os.environ
         env = {"OMP_WAIT_POLICY": "PASSIVE" if self.plan.peer_omp_passive else ""}  # "": libgomp's own policy
         child = self.swarm.start_peer(name, str(self.model.path), *self._peer_args(prefix, *span), *listen, env=env)
-        self.swarm.wait_online(str(self.model.path), self.model.num_blocks, [span], dht_prefix=prefix,
-                               timeout_s=_ONLINE_TIMEOUT_S)
+        self.swarm.wait_online(
+            str(self.model.path), self.model.num_blocks, [span], dht_prefix=prefix, timeout_s=_ONLINE_TIMEOUT_S
+        )
         startup = time.monotonic() - began
         gpu = memory.gpu_mib_by_pid().get(child.pid) if self.plan.device == "cuda" else None
-        return PeerStart(name, span, child.pid, startup, {"at ONLINE": memory.rss_mib(child.pid)},
-                         memory.children_rss_mib(child.pid), gpu)
+        return PeerStart(
+            name,
+            span,
+            child.pid,
+            startup,
+            {"at ONLINE": memory.rss_mib(child.pid)},
+            memory.children_rss_mib(child.pid),
+            gpu,
+        )
 
     @staticmethod
     def note_memory(split: Split, moment: str) -> None:
@@ -143,11 +166,20 @@ class ModelRun:
                     split.proxies.append(DelayProxy(f"127.0.0.1:{port}", 0.0))
                     listen = ("--port", str(port), "--announce-host", split.proxies[-1].start())
                 split.peers.append(self._start_peer(f"{prefix}-{i}", prefix, span, listen))
-                logger.info("%s: peer %d (blocks %d:%d) ONLINE after %.1fs", self.model.name, i, *span,
-                            split.peers[-1].startup_s)
+                logger.info(
+                    "%s: peer %d (blocks %d:%d) ONLINE after %.1fs",
+                    self.model.name,
+                    i,
+                    *span,
+                    split.peers[-1].startup_s,
+                )
             split.client = AutoDistributedModelForCausalLM.from_pretrained(
-                str(self.model.path), initial_peers=self.swarm.initial_peers, dht_prefix=prefix,
-                dtype=self.client_dtype, directory_refresh_s=3600.0)
+                str(self.model.path),
+                initial_peers=self.swarm.initial_peers,
+                dht_prefix=prefix,
+                dtype=self.client_dtype,
+                directory_refresh_s=3600.0,
+            )
             yield split
         finally:
             if split.client is not None:
@@ -184,9 +216,12 @@ class ModelRun:
 async def peer_infos(client) -> dict[str, pb.InfoResponse]:
     """Peer id -> Info answer of each online peer of the client's model (counters and timings since its start)."""
     snapshot = await client.sequence.snapshot(refresh=True)
-    return {peer_id: await client.sequence.pool.unary(client.sequence.paths.get(peer_id, info.endpoint), "info",
-                                                      pb.InfoRequest(), 10.0)
-            for peer_id, info in snapshot.online().items()}
+    return {
+        peer_id: await client.sequence.pool.unary(
+            client.sequence.paths.get(peer_id, info.endpoint), "info", pb.InfoRequest(), 10.0
+        )
+        for peer_id, info in snapshot.online().items()
+    }
 
 
 def sync_for(device: str):

@@ -88,8 +88,15 @@ def _profiled_round(client, prompt: torch.Tensor, steps: int, acc: dict) -> None
             peers_after = client._run(_peer_timings(client))
         for span in session.spans:
             peer_id = span.hop.peer_id
-            hop = acc["hops"].setdefault(peer_id, {"blocks": (span.hop.start, span.hop.end), "peer_steps": 0,
-                                                   **{k: 0.0 for k in PHASES}, "client": HopTimings()})
+            hop = acc["hops"].setdefault(
+                peer_id,
+                {
+                    "blocks": (span.hop.start, span.hop.end),
+                    "peer_steps": 0,
+                    **dict.fromkeys(PHASES, 0.0),
+                    "client": HopTimings(),
+                },
+            )
             then, now = peers_before.get(peer_id, pb.InfoResponse.StepTimings()), peers_after[peer_id]
             hop["peer_steps"] += now.steps - then.steps
             for phase in PHASES:
@@ -140,8 +147,14 @@ def measure(model_run: ModelRun, peers: int, steps: int, rounds: int) -> dict:
                 facade += decode_swarm(client, prompt, steps)[0]
                 for span, times in _local_blocks(reference, split.spans, prompt, tokens).items():
                     blocks.setdefault(span, []).extend(times)
-    return {"acc": acc, "local": local, "facade": facade, "blocks": blocks, "outside_cores": load.cores,
-            "spans": split.spans}
+    return {
+        "acc": acc,
+        "local": local,
+        "facade": facade,
+        "blocks": blocks,
+        "outside_cores": load.cores,
+        "spans": split.spans,
+    }
 
 
 def table(result: dict, title: str) -> str:
@@ -151,13 +164,19 @@ def table(result: dict, title: str) -> str:
     def ms(seconds: float, count: int = n) -> float:
         return 1e3 * seconds / max(1, count)
 
-    step, local, facade = ms(sum(acc["steps"])), ms(sum(result["local"]), len(result["local"])), \
-        ms(sum(result["facade"]), len(result["facade"]))
+    step, local, facade = (
+        ms(sum(acc["steps"])),
+        ms(sum(result["local"]), len(result["local"])),
+        ms(sum(result["facade"]), len(result["facade"])),
+    )
     hops = sorted(acc["hops"].values(), key=lambda h: h["blocks"])
     pack, check = sum(ms(h["client"].pack_s) for h in hops), sum(ms(h["client"].check_s) for h in hops)
     parts = [("client embed + head", ms(acc["embed_head"])), (f"client pack ({len(hops)} requests)", pack)]
-    per_hop = ["| hop | peer steps | client rpc | peer parse + wait + compute + reply | transport | "
-               "same blocks computed here |", "|---|---|---|---|---|---|"]
+    per_hop = [
+        "| hop | peer steps | client rpc | peer parse + wait + compute + reply | transport | "
+        "same blocks computed here |",
+        "|---|---|---|---|---|---|",
+    ]
     for hop in hops:
         name = f"hop {hop['blocks'][0]}:{hop['blocks'][1]}"
         peer = [ms(hop[phase], hop["peer_steps"]) for phase in PHASES]
@@ -165,21 +184,31 @@ def table(result: dict, title: str) -> str:
         parts += [(f"{name} peer {phase[:-2]}", value) for phase, value in zip(PHASES, peer)]
         parts.append((f"{name} transport", rpc - sum(peer)))
         here = 1e3 * statistics.fmean(result["blocks"][hop["blocks"]])
-        per_hop.append(f"| {name} | {hop['peer_steps']} | {rpc:.3f} | {sum(peer):.3f} | {rpc - sum(peer):.3f} | "
-                       f"{here:.3f} |")
+        per_hop.append(
+            f"| {name} | {hop['peer_steps']} | {rpc:.3f} | {sum(peer):.3f} | {rpc - sum(peer):.3f} | {here:.3f} |"
+        )
     parts.append((f"client check ({len(hops)} answers)", check))
     parts.append(("unaccounted (session bookkeeping, thread hand-offs)", step - sum(v for _, v in parts)))
     blocks_here = sum(1e3 * statistics.fmean(t) for t in result["blocks"].values())
-    lines = [f"## {title}", "",
-             f"{n} decode steps, batch 1; means in ms per step; other processes kept "
-             f"{result['outside_cores'] or 0:.2f} cores busy meanwhile.", "",
-             "| part of a decode step | ms | share of the step |", "|---|---|---|",
-             *(f"| {name} | {value:.3f} | {value / step:.1%} |" for name, value in parts),
-             f"| **swarm step, as timed above** | **{step:.3f}** | {step / local:.2f}x local |",
-             f"| swarm step through `model(token)` (as bench decode) | {facade:.3f} | {facade / local:.2f}x local |",
-             f"| **local HF model, whole step** | **{local:.3f}** | |",
-             f"| local HF model's blocks alone, as the peers compute them | {blocks_here:.3f} | |", "",
-             "Per hop (transport = client rpc - the peer's four phases):", "", *per_hop, ""]
+    lines = [
+        f"## {title}",
+        "",
+        f"{n} decode steps, batch 1; means in ms per step; other processes kept "
+        f"{result['outside_cores'] or 0:.2f} cores busy meanwhile.",
+        "",
+        "| part of a decode step | ms | share of the step |",
+        "|---|---|---|",
+        *(f"| {name} | {value:.3f} | {value / step:.1%} |" for name, value in parts),
+        f"| **swarm step, as timed above** | **{step:.3f}** | {step / local:.2f}x local |",
+        f"| swarm step through `model(token)` (as bench decode) | {facade:.3f} | {facade / local:.2f}x local |",
+        f"| **local HF model, whole step** | **{local:.3f}** | |",
+        f"| local HF model's blocks alone, as the peers compute them | {blocks_here:.3f} | |",
+        "",
+        "Per hop (transport = client rpc - the peer's four phases):",
+        "",
+        *per_hop,
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -207,23 +236,35 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.peers, args.steps, args.rounds) < 1:
         p.error("--peers, --steps and --rounds must be >= 1")
-    logging.basicConfig(level=os.environ.get("SWARMLM_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=os.environ.get("SWARMLM_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     from swarm.paths import default_cache_dir
 
     cache_dir = args.cache_dir or Path(os.environ.get("SWARMLM_CACHE_DIR") or default_cache_dir())
-    plan = preset(quick=True, device="cpu").replace(configs=(args.config,), decode_steps=args.steps,
-                                                    peer_threads=torch.get_num_threads())
-    model = models.resolve(args.config, models_dir=args.models_dir or cache_dir / "bench-models",
-                           cache_dir=cache_dir, dtype=plan.dtype, device=plan.device)
+    plan = preset(quick=True, device="cpu").replace(
+        configs=(args.config,), decode_steps=args.steps, peer_threads=torch.get_num_threads()
+    )
+    model = models.resolve(
+        args.config,
+        models_dir=args.models_dir or cache_dir / "bench-models",
+        cache_dir=cache_dir,
+        dtype=plan.dtype,
+        device=plan.device,
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="hop-profile-"))
     with ModelRun(model, plan, log_dir) as model_run:
         result = measure(model_run, args.peers, args.steps, args.rounds)
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    section = table(result, f"{args.config}, {args.peers} peers ({model.description}; run of {when}, "
-                            f"{os.cpu_count()} CPUs, torch {torch.__version__}, float32, {plan.peer_threads} "
-                            f"threads per peer and here, OMP_WAIT_POLICY here "
-                            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+    section = table(
+        result,
+        f"{args.config}, {args.peers} peers ({model.description}; run of {when}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, float32, {plan.peer_threads} "
+        f"threads per peer and here, OMP_WAIT_POLICY here "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')})",
+    )
     print(section)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_section(args.out, section)

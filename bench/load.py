@@ -33,7 +33,7 @@ def _ours_s() -> float:
 class OutsideLoad:
     """`with OutsideLoad() as load: ...` then `load.cores`: average cores used by others meanwhile."""
 
-    def __enter__(self) -> "OutsideLoad":
+    def __enter__(self) -> OutsideLoad:
         self._wall, self._busy, self._ours = time.monotonic(), _busy_s(), _ours_s()
         self.cores: float | None = None
         return self

@@ -50,8 +50,12 @@ def gpu_mib_by_pid() -> dict[int, float]:
     if shutil.which("nvidia-smi") is None:
         return {}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     usage = {}
@@ -65,8 +69,9 @@ def gpu_mib_by_pid() -> dict[int, float]:
 def probe(model_dir: Path, *, dtype: str, device: str, timeout_s: float = 600.0) -> dict:
     """Memory of a fresh process: `runtime_only` after importing the runtime, `model` once it holds the model."""
     command = [sys.executable, "-m", "bench.memory", str(model_dir), "--dtype", dtype, "--device", device]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout_s, cwd=Path(__file__).resolve().parents[1]
+    )
     if done.returncode != 0:
         raise RuntimeError(f"memory probe failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -78,16 +83,21 @@ def _main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    import torch
-    import transformers  # noqa: F401
     import grpc  # noqa: F401
     import hivemind  # noqa: F401
+    import torch
+    import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     pid = psutil.Process().pid
     found = {"runtime_only": {"rss_mib": rss_mib(pid), "peak_rss_mib": peak_rss_mib(pid)}}
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="sdpa").to(args.device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            args.model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        )
+        .to(args.device)
+        .eval()
+    )
     with torch.inference_mode():
         model(torch.ones(1, 16, dtype=torch.long, device=args.device))
     gpu = 0.0

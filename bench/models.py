@@ -23,17 +23,41 @@ from swarm.models.default_model import resolve_default_model
 logger = logging.getLogger(__name__)
 
 _SEED = 0
-_COMMON = dict(vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-               tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 RANDOM_SPECS: dict[str, dict] = {
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=4, **_COMMON),
-    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=16, **_COMMON),
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **_COMMON,
+    ),
+    "small": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        **_COMMON,
+    ),
     # the blocks of an 8B-class Llama (GQA 32/8), for GPU runs
-    "large": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
-                  num_key_value_heads=8, **_COMMON),
+    "large": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        **_COMMON,
+    ),
 }
 MODELS = ("default", *RANDOM_SPECS)
 """Names accepted by --configs."""
@@ -52,8 +76,10 @@ class BenchModel:
 
 
 def describe(config: PretrainedConfig) -> str:
-    return (f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-            f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}")
+    return (
+        f"{config.model_type}, hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads}/{config.num_key_value_heads} heads, vocab {config.vocab_size}"
+    )
 
 
 def _is_built(folder: Path, spec: dict) -> bool:
@@ -102,7 +128,9 @@ def resolve(name: str, *, models_dir: Path, cache_dir: Path, dtype: str, device:
 
 def load_reference(model: BenchModel, *, dtype: str, device: str) -> torch.nn.Module:
     """The whole model as a local Hugging Face model: same checkpoint folder, same dtype, same attention kernel."""
-    reference = AutoModelForCausalLM.from_pretrained(model.path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(
+        model.path, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    )
     return reference.to(device).eval()
 
 
@@ -115,4 +143,11 @@ def span_weight_bytes(reference: torch.nn.Module, start: int, end: int) -> int:
 def kv_bytes(config: PretrainedConfig, blocks: int, tokens: int, dtype: str) -> int:
     """KV-cache bytes of `tokens` tokens over `blocks` blocks."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * blocks * config.num_key_value_heads * head_dim * tokens * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return (
+        2
+        * blocks
+        * config.num_key_value_heads
+        * head_dim
+        * tokens
+        * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    )

@@ -16,9 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from client.demo.local_swarm import LocalSwarm
 from swarm.models.default_model import resolve_default_model
 from swarm.paths import default_cache_dir
-from client.demo.local_swarm import LocalSwarm
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 
@@ -46,9 +46,18 @@ def _browser(profile: Path, width: int, height: int):
 
     options = webdriver.ChromeOptions()
     options.binary_location = "/usr/bin/chromium"
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={width},{height}", f"--user-data-dir={profile}", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--hide-scrollbars"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        f"--user-data-dir={profile}",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--hide-scrollbars",
+    ):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(executable_path="/usr/bin/chromedriver"), options=options)
 
@@ -64,26 +73,53 @@ def main() -> int:
         swarm.start_bootstrap()
         for i, (start, end) in enumerate(SPANS):
             swarm.start_peer(f"peer{i}", model, "--blocks", f"{start}:{end}", "--update-period", "5")
-        swarm.start_peer("trainer-peer", model, "--blocks", "0:15", "--train", "--run-id", "demo",
-                         "--train-mode", "lora", "--update-period", "5")
-        swarm.wait_online(model, 30, SPANS + [(0, 15)], timeout_s=300)
+        swarm.start_peer(
+            "trainer-peer",
+            model,
+            "--blocks",
+            "0:15",
+            "--train",
+            "--run-id",
+            "demo",
+            "--train-mode",
+            "lora",
+            "--update-period",
+            "5",
+        )
+        swarm.wait_online(model, 30, [*SPANS, (0, 15)], timeout_s=300)
         swarm.start("monitor", "monitor", "--initial-peers", *swarm.initial_peers, "--port", "0", "--refresh-s", "1")
         log = swarm.log("monitor")
-        url = _wait("the monitor's address",
-                    lambda: (m := re.search(r"monitor: (http://\S+)", log.read_text())) and m.group(1), 60)
-        _wait("every peer to answer the monitor", lambda: (s := _state(url)) and s["models"] and all(
-            peer["ping"] == "answered" for peer in s["models"][0]["peers"]) and len(s["models"][0]["peers"]) == 4, 60)
+        url = _wait(
+            "the monitor's address",
+            lambda: (m := re.search(r"monitor: (http://\S+)", log.read_text())) and m.group(1),
+            60,
+        )
+        _wait(
+            "every peer to answer the monitor",
+            lambda: (
+                (s := _state(url))
+                and s["models"]
+                and all(peer["ping"] == "answered" for peer in s["models"][0]["peers"])
+                and len(s["models"][0]["peers"]) == 4
+            ),
+            60,
+        )
         swarm.kill("peer2")
         _wait("the gap of the killed peer", lambda: (s := _state(url)) and s["models"][0]["gaps"] == [[20, 30]], 60)
         driver = _browser(workdir / "chromium", args.width, 800)
         try:
             driver.get(url)
-            _wait("the page to draw the gap", lambda: driver.execute_script(
-                "return document.querySelectorAll('.coverage .cell.gap').length") == 10, 30, 0.3)
+            _wait(
+                "the page to draw the gap",
+                lambda: driver.execute_script("return document.querySelectorAll('.coverage .cell.gap').length") == 10,
+                30,
+                0.3,
+            )
             # the whole page and no more: the window's height is its frame plus the page's
             frame, page = driver.execute_script(
                 "return [window.outerHeight - window.innerHeight, "
-                "Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)]")
+                "Math.ceil(document.querySelector('footer').getBoundingClientRect().bottom)]"
+            )
             driver.set_window_size(args.width, frame + page)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(args.out)

@@ -78,8 +78,17 @@ class Plan:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("repeats", "decode_steps", "decode_prompt", "train_batch", "train_seq", "concurrency_steps",
-                     "wire_calls", "train_swarm_steps", "peer_threads"):
+        for name in (
+            "repeats",
+            "decode_steps",
+            "decode_prompt",
+            "train_batch",
+            "train_seq",
+            "concurrency_steps",
+            "wire_calls",
+            "train_swarm_steps",
+            "peer_threads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("peer_counts", "prefill_lengths", "concurrency_clients"):
@@ -93,7 +102,7 @@ class Plan:
     def needs_swarm(self) -> bool:
         return any(s in self.scenarios for s in MODEL_SCENARIOS)
 
-    def replace(self, **changes) -> "Plan":
+    def replace(self, **changes) -> Plan:
         return dataclasses.replace(self, **changes)
 
 
@@ -102,15 +111,29 @@ def preset(*, quick: bool, device: str) -> Plan:
     gpu = device == "cuda"
     if quick:
         return Plan(
-            configs=("default",), scenarios=QUICK_SCENARIOS, device=device, dtype="bfloat16" if gpu else "float32",
-            repeats=3, train_swarm_steps=12,
-            peer_counts=(3,), prefill_lengths=(128,), train_batch=2, train_seq=128,
-            concurrency_clients=(1, 2, 4, 8), concurrency_steps=8, wire_calls=30, quick=True,
+            configs=("default",),
+            scenarios=QUICK_SCENARIOS,
+            device=device,
+            dtype="bfloat16" if gpu else "float32",
+            repeats=3,
+            train_swarm_steps=12,
+            peer_counts=(3,),
+            prefill_lengths=(128,),
+            train_batch=2,
+            train_seq=128,
+            concurrency_clients=(1, 2, 4, 8),
+            concurrency_steps=8,
+            wire_calls=30,
+            quick=True,
             memory_overhead_mib=1024.0 if gpu else 450.0,
         )
     return Plan(
         configs=("default", "small", "tiny", "large") if gpu else ("default", "small", "tiny"),
-        device=device, dtype="bfloat16" if gpu else "float32", repeats=4, concurrency_steps=16, wire_calls=40,
+        device=device,
+        dtype="bfloat16" if gpu else "float32",
+        repeats=4,
+        concurrency_steps=16,
+        wire_calls=40,
         memory_overhead_mib=1024.0 if gpu else 450.0,
     )
 

@@ -27,12 +27,13 @@ def _swarm(workdir: Path, model: Path, num_blocks: int, key_file: str | None) ->
     swarm.start_bootstrap()
     spans = split_blocks(num_blocks, 2)
     for i, (start, end) in enumerate(spans):
-        swarm.start_peer(f"peer{i}", str(model), "--blocks", f"{start}:{end}", "--throughput", "1000",
-                         "--num-threads", "1")
+        swarm.start_peer(
+            f"peer{i}", str(model), "--blocks", f"{start}:{end}", "--throughput", "1000", "--num-threads", "1"
+        )
     swarm.wait_online(str(model), num_blocks, spans, timeout_s=180)
     client = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model), initial_peers=swarm.initial_peers,
-        swarm_key=None if key_file is None else SwarmKey.load(key_file))
+        str(model), initial_peers=swarm.initial_peers, swarm_key=None if key_file is None else SwarmKey.load(key_file)
+    )
     return swarm, client
 
 

@@ -68,7 +68,7 @@ class DelayProxy:
 
     @property
     def endpoint(self) -> str:
-        """"127.0.0.1:PORT" that clients dial instead of the target."""
+        """ "127.0.0.1:PORT" that clients dial instead of the target."""
         if self._endpoint is None:
             raise RuntimeError("DelayProxy is not listening; call start() first")
         return self._endpoint
@@ -249,6 +249,7 @@ def netem_available(timeout_s: float = 5.0) -> bool:
 
     try:
         return ok("ip", "netns", "add", namespace) and ok(
-            "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+            "ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"
+        )
     finally:
         ok("ip", "netns", "del", namespace)

@@ -62,15 +62,19 @@ def markdown(rows: list[Row], header: dict) -> str:
         lines += ["", f"## {TITLES.get(scenario, scenario)}", ""]
         loads = [r.extra.get("outside_load_cores") for r in group if r.extra.get("outside_load_cores") is not None]
         if loads:
-            lines += [f"Other processes on this machine kept {min(loads):.2f}-{max(loads):.2f} cores busy meanwhile.",
-                      ""]
+            lines += [
+                f"Other processes on this machine kept {min(loads):.2f}-{max(loads):.2f} cores busy meanwhile.",
+                "",
+            ]
         lines.append("| model | setting | metric | ours | reference | ratio | target | met |")
         lines.append("|---|---|---|---|---|---|---|---|")
         for row in group:
             reference = f"{_cell(row.reference)} ({row.reference_name})" if row.reference is not None else "-"
             ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
-            lines.append(f"| {row.config} | {row.variant} | {row.metric} ({row.unit}) | {_cell(row.ours)} | "
-                         f"{reference} | {ratio} | {row.target.text if row.target else '-'} | {_met(row)} |")
+            lines.append(
+                f"| {row.config} | {row.variant} | {row.metric} ({row.unit}) | {_cell(row.ours)} | "
+                f"{reference} | {ratio} | {row.target.text if row.target else '-'} | {_met(row)} |"
+            )
         notes = list(dict.fromkeys(note for row in group for note in row.extra.get("notes", ())))
         if notes:
             lines += [""] + [f"- {note}" for note in notes]
@@ -106,17 +110,36 @@ def plot(rows: list[Row], out_dir: Path) -> list[Path]:
             xs = range(len(metric_rows))
             width = 0.38
             ours = [r.ours for r in metric_rows]
-            ax.bar([x - width / 2 for x in xs], [s.median for s in ours], width, label="ours",
-                   yerr=_errors(ours), capsize=3)
+            ax.bar(
+                [x - width / 2 for x in xs],
+                [s.median for s in ours],
+                width,
+                label="ours",
+                yerr=_errors(ours),
+                capsize=3,
+            )
             refs = [r.reference for r in metric_rows]
             if any(ref is not None for ref in refs):
                 names = sorted({r.reference_name for r in metric_rows if r.reference is not None})
-                ax.bar([x + width / 2 for x in xs], [ref.median if ref else 0 for ref in refs], width,
-                       label=" / ".join(names), yerr=_errors(refs), capsize=3)
+                ax.bar(
+                    [x + width / 2 for x in xs],
+                    [ref.median if ref else 0 for ref in refs],
+                    width,
+                    label=" / ".join(names),
+                    yerr=_errors(refs),
+                    capsize=3,
+                )
             bounds = [(x, r.target.bound) for x, r in zip(xs, metric_rows) if r.target and r.target.on == "value"]
             if bounds:
-                ax.scatter([x for x, _ in bounds], [b for _, b in bounds], marker="_", s=900, color="black",
-                           label="target bound", zorder=3)
+                ax.scatter(
+                    [x for x, _ in bounds],
+                    [b for _, b in bounds],
+                    marker="_",
+                    s=900,
+                    color="black",
+                    label="target bound",
+                    zorder=3,
+                )
             ax.set_xticks(list(xs))
             ax.set_xticklabels(labels, fontsize=7)
             ax.set_title(f"{TITLES.get(scenario, scenario)}: {metric}", fontsize=10)

@@ -27,18 +27,30 @@ def random_swarm(rng: random.Random, peers: int, blocks: int) -> tuple[SwarmSnap
         length = rng.randint(max(1, blocks // 16), max(2, blocks // 3))
         start = rng.randrange(0, blocks - length + 1)
         servers[f"peer{i:04d}"] = ServerInfo(
-            state=ServerState.ONLINE, start_block=start, end_block=start + length,
+            state=ServerState.ONLINE,
+            start_block=start,
+            end_block=start + length,
             throughput=rng.lognormvariate(6.0, 1.0),  # tokens/s through the whole span; median ~400
-            cache_tokens_left=8192, dtype="float32", version="1", endpoint=f"10.0.{i // 250}.{i % 250}:5000",
+            cache_tokens_left=8192,
+            dtype="float32",
+            version="1",
+            endpoint=f"10.0.{i // 250}.{i % 250}:5000",
         )
         rtts[f"peer{i:04d}"] = rng.uniform(0.002, 0.150)  # 2 ms (same rack) to 150 ms (other continent)
     # make sure every block is served, as in a usable swarm
     for block in range(blocks):
         if not any(s.start_block <= block < s.end_block for s in servers.values()):
             pid = f"filler{block:04d}"
-            servers[pid] = ServerInfo(state=ServerState.ONLINE, start_block=block, end_block=block + 1,
-                                      throughput=100.0, cache_tokens_left=8192, dtype="float32", version="1",
-                                      endpoint=f"10.1.0.{block % 250}:5000")
+            servers[pid] = ServerInfo(
+                state=ServerState.ONLINE,
+                start_block=block,
+                end_block=block + 1,
+                throughput=100.0,
+                cache_tokens_left=8192,
+                dtype="float32",
+                version="1",
+                endpoint=f"10.1.0.{block % 250}:5000",
+            )
             rtts[pid] = rng.uniform(0.002, 0.150)
     return SwarmSnapshot(num_blocks=blocks, servers=servers), rtts
 
@@ -93,13 +105,16 @@ def run_all(peer_counts: list[int], blocks: int, trials: int, noise: float, seed
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| peers | blocks | chosen / best latency (median, max) | greedy / best (median) | planning ms (median, max) | hops |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| peers | blocks | chosen / best latency (median, max) | greedy / best (median) | planning ms (median, max) | hops |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['peers']} | {r['blocks']} | {r['chosen_over_best']['median']:.3f}, {r['chosen_over_best']['max']:.3f} "
             f"| {r['greedy_over_best']['median']:.2f} | {r['planning_ms']['median']:.1f}, {r['planning_ms']['max']:.1f} "
-            f"| {r['hops']['median']:.0f} |")
+            f"| {r['hops']['median']:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import models
 from bench.harness import ModelRun
@@ -45,17 +45,25 @@ class _Collector:
             return
         finally:
             self.bar.update(1)
-        logger.info("%s done in %.1fs (other processes kept %.2f cores busy)", what, time.monotonic() - began,
-                    load.cores or 0.0)
+        logger.info(
+            "%s done in %.1fs (other processes kept %.2f cores busy)", what, time.monotonic() - began, load.cores or 0.0
+        )
         for row in found:
             row.extra.setdefault("outside_load_cores", load.cores)
         self.rows += found
 
 
 def _wire(plan: Plan, model: models.BenchModel) -> list[Row]:
-    results = wire.measure(model.config.hidden_size, plan.dtype, train_batch=plan.train_batch,
-                           train_seq=plan.train_seq, calls=plan.wire_calls, repeats=plan.repeats,
-                           threads=plan.peer_threads, omp_passive=plan.peer_omp_passive)
+    results = wire.measure(
+        model.config.hidden_size,
+        plan.dtype,
+        train_batch=plan.train_batch,
+        train_seq=plan.train_seq,
+        calls=plan.wire_calls,
+        repeats=plan.repeats,
+        threads=plan.peer_threads,
+        omp_passive=plan.peer_omp_passive,
+    )
     return wire.rows_from(model.name, model.config.hidden_size, plan.dtype, results)
 
 
@@ -78,8 +86,12 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                     if "decode" in wanted:
                         out.attempt(f"{name}/decode", lambda: decode.run(model_run, split))
                         model_run.note_memory(split, "after decode")
-                    for scenario, module in (("prefill", prefill), ("train", train), ("concurrency", concurrency),
-                                             ("api", api)):
+                    for scenario, module in (
+                        ("prefill", prefill),
+                        ("train", train),
+                        ("concurrency", concurrency),
+                        ("api", api),
+                    ):
                         if scenario in wanted and full:
                             out.attempt(f"{name}/{scenario}", lambda: module.run(model_run, split))
                             model_run.note_memory(split, f"after {scenario}")
@@ -99,8 +111,9 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                 out.errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {log_dir})")
 
 
-def _train_swarm(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path, out: _Collector,
-                 descriptions: dict) -> None:
+def _train_swarm(
+    plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path, out: _Collector, descriptions: dict
+) -> None:
     """Each part of train_swarm under `attempt`, so that one failing part does not hide the others."""
     try:
         with train_swarm.TrainSwarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir) as bench:
@@ -120,8 +133,9 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
         per_model = plan.needs_swarm or "wire" in plan.scenarios
         for name in plan.configs if per_model else ():
             try:
-                model = models.resolve(name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype,
-                                       device=plan.device)
+                model = models.resolve(
+                    name, models_dir=models_dir, cache_dir=cache_dir, dtype=plan.dtype, device=plan.device
+                )
             except Exception as exc:
                 logger.error("model %s unavailable:\n%s", name, traceback.format_exc())
                 out.errors.append(f"{name}: model unavailable: {type(exc).__name__}: {exc}")
@@ -136,8 +150,9 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
                     logger.error("%s: %s", name, traceback.format_exc())
                     out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
         if "train_swarm" in plan.scenarios:
-            _train_swarm(plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out,
-                         descriptions=descriptions)
+            _train_swarm(
+                plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out, descriptions=descriptions
+            )
     finally:
         out.bar.close()
     return out.rows, out.errors, descriptions

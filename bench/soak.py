@@ -87,23 +87,38 @@ class SoakConfig:
         if not self.seconds > 0:
             raise ValueError(f"seconds must be positive, got {self.seconds}")
         if self.peers < 3 or self.clients < 1 or self.prompts < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"peers must be >= 3 and clients, prompts, max_new_tokens >= 1, got {self.peers}, "
-                             f"{self.clients}, {self.prompts}, {self.max_new_tokens}")
+            raise ValueError(
+                f"peers must be >= 3 and clients, prompts, max_new_tokens >= 1, got {self.peers}, "
+                f"{self.clients}, {self.prompts}, {self.max_new_tokens}"
+            )
         low, high = self.kill_every_s
         if not 0 < low <= high:
             raise ValueError(f"kill_every_s must be 0 < MIN <= MAX, got {self.kill_every_s}")
         if self.bad_rate_per_s < 0 or not self.rss_every_s > 0 or self.cache_tokens < 64:
-            raise ValueError(f"bad_rate_per_s must be >= 0, rss_every_s > 0 and cache_tokens >= 64, got "
-                             f"{self.bad_rate_per_s}, {self.rss_every_s}, {self.cache_tokens}")
+            raise ValueError(
+                f"bad_rate_per_s must be >= 0, rss_every_s > 0 and cache_tokens >= 64, got "
+                f"{self.bad_rate_per_s}, {self.rss_every_s}, {self.cache_tokens}"
+            )
 
 
 def build_model(folder: Path) -> Path:
     """A tiny random Llama (hidden 64, GQA 4/2, 4 layers), seeded, with weights large enough for diverse tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, initializer_range=0.2,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
     return folder
@@ -143,10 +158,28 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
     greedy, sampled = make_references(model_path, config)
     phases["references"] = time.monotonic()
     spans = overlapping_spans(model_config.num_hidden_layers, config.peers)
-    peer_args = ["--transport", "direct", "--throughput", "100", "--num-threads", "1", "--cache-tokens",
-                 str(config.cache_tokens), "--cache-dir", str(workdir / "cache"), "--update-period", "10"]
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "SWARMLM_LOG_LEVEL": "INFO"}
+    peer_args = [
+        "--transport",
+        "direct",
+        "--throughput",
+        "100",
+        "--num-threads",
+        "1",
+        "--cache-tokens",
+        str(config.cache_tokens),
+        "--cache-dir",
+        str(workdir / "cache"),
+        "--update-period",
+        "10",
+    ]
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "SWARMLM_LOG_LEVEL": "INFO",
+    }
     rng = random.Random(config.seed)  # the victims
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -162,18 +195,35 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
             threads[-1].start()
             for i in range(config.clients):
                 cases = sampled if i == 1 else greedy  # the second client samples: one per process (see soak_clients)
-                clients.append(Client(f"client{i}", str(model_path), swarm.initial_peers, cases,
-                                      max_new_tokens=config.max_new_tokens, stop=stop, options=CLIENT_OPTIONS))
-            traffic = BadTraffic(fleet, prefix_for_model(str(model_path)), model_config.hidden_size,
-                                 model_config.max_position_embeddings, config.seed)
+                clients.append(
+                    Client(
+                        f"client{i}",
+                        str(model_path),
+                        swarm.initial_peers,
+                        cases,
+                        max_new_tokens=config.max_new_tokens,
+                        stop=stop,
+                        options=CLIENT_OPTIONS,
+                    )
+                )
+            traffic = BadTraffic(
+                fleet,
+                prefix_for_model(str(model_path)),
+                model_config.hidden_size,
+                model_config.max_position_embeddings,
+                config.seed,
+            )
             began = phases["starting clients"] = time.monotonic()
             deadline = began + config.seconds
             for client in clients:
                 client.deadline = deadline
                 client.start()
             if config.bad_rate_per_s > 0:
-                threads.append(threading.Thread(
-                    target=lambda: asyncio.run(traffic.run(config.bad_rate_per_s, deadline, stop)), daemon=True))
+                threads.append(
+                    threading.Thread(
+                        target=lambda: asyncio.run(traffic.run(config.bad_rate_per_s, deadline, stop)), daemon=True
+                    )
+                )
                 threads[-1].start()
             _churn(fleet, rng, config.kill_every_s, deadline, stop)
             for client in clients:
@@ -201,8 +251,9 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
     return result
 
 
-def _churn(fleet: Fleet, rng: random.Random, every_s: tuple[float, float], deadline: float,
-           stop: threading.Event) -> None:
+def _churn(
+    fleet: Fleet, rng: random.Random, every_s: tuple[float, float], deadline: float, stop: threading.Event
+) -> None:
     """Stop a peer at random intervals until `deadline`, SIGKILL and SIGTERM in turn (SIGKILL first).
 
     Two stops in four (a SIGKILL and a SIGTERM) take a peer with open sessions when one can go, so that sessions
@@ -252,8 +303,10 @@ def _check_leaks(fleet: Fleet, cache_tokens: int) -> dict:
         connections = _connections_to(ports)
     starting = [s.current.name for s in fleet.slots if s.current not in online]
     by_port = {i.port: i for i in fleet.incarnations()}
-    open_to = [f"{c.laddr.port} -> {by_port[c.raddr.port].name} ({by_port[c.raddr.port].ended or 'running'})"
-               for c in connections]
+    open_to = [
+        f"{c.laddr.port} -> {by_port[c.raddr.port].name} ({by_port[c.raddr.port].ended or 'running'})"
+        for c in connections
+    ]
     return {"peers": peers, "tcp_connections": len(connections), "open_to": open_to, "starting": starting}
 
 
@@ -267,12 +320,17 @@ async def _infos(online: list[Incarnation], cache_tokens: int, wait_s: float = L
             for incarnation in online:
                 try:
                     info = await pool.unary(incarnation.endpoint, "info", pb.InfoRequest(), 5.0)
-                    found[incarnation.name] = dict(peer=incarnation.name, open_sessions=info.open_sessions,
-                                                   cache_tokens_left=info.cache_tokens_left, cache_tokens=cache_tokens)
+                    found[incarnation.name] = dict(
+                        peer=incarnation.name,
+                        open_sessions=info.open_sessions,
+                        cache_tokens_left=info.cache_tokens_left,
+                        cache_tokens=cache_tokens,
+                    )
                 except SwarmError as exc:
                     found[incarnation.name] = dict(peer=incarnation.name, error=str(exc)[:300])
-            clean = all(p.get("open_sessions") == 0 and p.get("cache_tokens_left") == cache_tokens
-                        for p in found.values())
+            clean = all(
+                p.get("open_sessions") == 0 and p.get("cache_tokens_left") == cache_tokens for p in found.values()
+            )
             if clean or time.monotonic() > deadline:
                 return list(found.values())
             await asyncio.sleep(1.0)
@@ -281,8 +339,11 @@ async def _infos(online: list[Incarnation], cache_tokens: int, wait_s: float = L
 
 
 def _connections_to(ports: set[int]) -> list:
-    return [c for c in psutil.Process().net_connections("tcp")
-            if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED]
+    return [
+        c
+        for c in psutil.Process().net_connections("tcp")
+        if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
+    ]
 
 
 # --- figures ---
@@ -295,18 +356,27 @@ def rss_figures(incarnation: Incarnation) -> dict:
     (buffers and allocator pools reach their working size), which is what a leak would keep going.
     """
     samples = incarnation.rss_mib
-    figures = dict(peer=incarnation.name, span=f"{incarnation.span[0]}:{incarnation.span[1]}",
-                   ended=incarnation.ended or "running", samples=len(samples))
+    figures = dict(
+        peer=incarnation.name,
+        span=f"{incarnation.span[0]}:{incarnation.span[1]}",
+        ended=incarnation.ended or "running",
+        samples=len(samples),
+    )
     if not samples:
         return figures
     t0 = samples[0][0]
     points = [((t - t0) / 60, v) for t, v in samples]
     values = [v for _, v in samples]
     half = points[-1][0] / 2
-    figures.update(first_mib=round(values[0], 1), last_mib=round(values[-1], 1), max_mib=round(max(values), 1),
-                   minutes=round(points[-1][0], 2), slope_mib_per_min=_slope(points),
-                   late_slope_mib_per_min=_slope([p for p in points if p[0] >= half], MIN_SLOPE_MINUTES / 2),
-                   series=[(round(t * 60, 1), round(v, 1)) for t, v in points])  # (seconds since its first, MiB)
+    figures.update(
+        first_mib=round(values[0], 1),
+        last_mib=round(values[-1], 1),
+        max_mib=round(max(values), 1),
+        minutes=round(points[-1][0], 2),
+        slope_mib_per_min=_slope(points),
+        late_slope_mib_per_min=_slope([p for p in points if p[0] >= half], MIN_SLOPE_MINUTES / 2),
+        series=[(round(t * 60, 1), round(v, 1)) for t, v in points],
+    )  # (seconds since its first, MiB)
     return figures
 
 
@@ -318,8 +388,16 @@ def _slope(points: list[tuple[float, float]], min_minutes: float = MIN_SLOPE_MIN
     return round(sum((t - mean_t) * (v - mean_v) for t, v in points) / var, 2)
 
 
-def _summary(config: SoakConfig, model_path: Path, spans, fleet: Fleet, clients: list[Client], traffic: BadTraffic,
-             leaks: dict, elapsed: float) -> dict:
+def _summary(
+    config: SoakConfig,
+    model_path: Path,
+    spans,
+    fleet: Fleet,
+    clients: list[Client],
+    traffic: BadTraffic,
+    leaks: dict,
+    elapsed: float,
+) -> dict:
     errors = [(c.name, began, ended, what) for c in clients for began, ended, what in c.tally.errors]
     # an error is a loss unless some block had no ONLINE peer while that generation ran (the churn avoids it)
     lost = [e for e in errors if not any(e[1] - 1.0 <= t <= e[2] for t in fleet.uncovered_at)]
@@ -332,34 +410,61 @@ def _summary(config: SoakConfig, model_path: Path, spans, fleet: Fleet, clients:
     leaked = sessions + max(0, cache) + channels + leaks["tcp_connections"] + unchecked
     outcomes = dict(traffic.tally.outcomes)
     result = {
-        "config": {**asdict(config), "model": str(model_path)}, "seconds": round(elapsed, 1),
+        "config": {**asdict(config), "model": str(model_path)},
+        "seconds": round(elapsed, 1),
         "spans": [f"{a}:{b}" for a, b in spans],
         "generations": {
-            "completed": sum(c.tally.completed for c in clients), "wrong": sum(c.tally.wrong for c in clients),
-            "lost": lost_count, "errors_while_uncovered": len(errors) - len(lost),
+            "completed": sum(c.tally.completed for c in clients),
+            "wrong": sum(c.tally.wrong for c in clients),
+            "lost": lost_count,
+            "errors_while_uncovered": len(errors) - len(lost),
             "greedy": sum(c.tally.completed for c in clients if not c.tally.sampling),
             "sampled": sum(c.tally.completed for c in clients if c.tally.sampling),
-            "failovers": sum(c.tally.failovers for c in clients), "recoveries": sum(c.tally.recoveries for c in clients),
+            "failovers": sum(c.tally.failovers for c in clients),
+            "recoveries": sum(c.tally.recoveries for c in clients),
             "hung_clients": [c.name for c in clients if c.tally.hung],
             "mismatches": [m for c in clients for m in c.tally.mismatches],
-            "lost_errors": [f"{name} at {began - _fleet_start(fleet):.1f}s: {what}" for name, began, _, what in lost][:10],
+            "lost_errors": [f"{name} at {began - _fleet_start(fleet):.1f}s: {what}" for name, began, _, what in lost][
+                :10
+            ],
         },
-        "churn": {"kills": dict(fleet.kills), "incarnations": len(fleet.incarnations()),
-                  "crashes": len(fleet.crashes), "crash_logs": {i.name: i.crash_log for i in fleet.crashes},
-                  "uncovered_polls": len(fleet.uncovered_at)},
-        "traffic": {"sent": sum(outcomes.values()), "outcomes": outcomes,
-                    "by_kind": {f"{k}/{o}": n for (k, o), n in sorted(traffic.tally.by_kind.items())},
-                    "untyped_examples": traffic.tally.untyped},
+        "churn": {
+            "kills": dict(fleet.kills),
+            "incarnations": len(fleet.incarnations()),
+            "crashes": len(fleet.crashes),
+            "crash_logs": {i.name: i.crash_log for i in fleet.crashes},
+            "uncovered_polls": len(fleet.uncovered_at),
+        },
+        "traffic": {
+            "sent": sum(outcomes.values()),
+            "outcomes": outcomes,
+            "by_kind": {f"{k}/{o}": n for (k, o), n in sorted(traffic.tally.by_kind.items())},
+            "untyped_examples": traffic.tally.untyped,
+        },
         "rss": [rss_figures(i) for i in fleet.incarnations()],
-        "leaks": {"sessions": sessions, "cache_tokens": cache, "client_channels": channels,
-                  "tcp_connections": leaks["tcp_connections"], "connections_open_to": leaks["open_to"],
-                  "peers_unchecked": unchecked, "peers": peers,
-                  "peers_starting": leaks["starting"]},
+        "leaks": {
+            "sessions": sessions,
+            "cache_tokens": cache,
+            "client_channels": channels,
+            "tcp_connections": leaks["tcp_connections"],
+            "connections_open_to": leaks["open_to"],
+            "peers_unchecked": unchecked,
+            "peers": peers,
+            "peers_starting": leaks["starting"],
+        },
     }
-    result["missed"] = [name for name, bad in [
-        ("wrong", result["generations"]["wrong"]), ("lost", lost_count), ("leaked", leaked),
-        ("crashes", len(fleet.crashes)), ("untyped", outcomes.get("untyped", 0)),
-        ("nothing completed", result["generations"]["completed"] == 0)] if bad]
+    result["missed"] = [
+        name
+        for name, bad in [
+            ("wrong", result["generations"]["wrong"]),
+            ("lost", lost_count),
+            ("leaked", leaked),
+            ("crashes", len(fleet.crashes)),
+            ("untyped", outcomes.get("untyped", 0)),
+            ("nothing completed", result["generations"]["completed"] == 0),
+        ]
+        if bad
+    ]
     return result
 
 
@@ -393,9 +498,13 @@ def report(result: dict) -> str:
         if not r["samples"]:
             lines.append(f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{0:>9}")
             continue
-        slope, late = (("-" if v is None else f"{v:+.1f}") for v in (r["slope_mib_per_min"], r["late_slope_mib_per_min"]))
-        lines.append(f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{r['samples']:>9}{r['first_mib']:>8.0f}"
-                     f"{r['last_mib']:>8.0f}{r['max_mib']:>8.0f}{r['minutes']:>7.1f}{slope:>9}{late:>7}")
+        slope, late = (
+            ("-" if v is None else f"{v:+.1f}") for v in (r["slope_mib_per_min"], r["late_slope_mib_per_min"])
+        )
+        lines.append(
+            f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{r['samples']:>9}{r['first_mib']:>8.0f}"
+            f"{r['last_mib']:>8.0f}{r['max_mib']:>8.0f}{r['minutes']:>7.1f}{slope:>9}{late:>7}"
+        )
     lines += [f"  wrong: {m}" for m in g["mismatches"]] + [f"  lost: {e}" for e in g["lost_errors"]]
     lines += [f"  hung client: {name}" for name in g["hung_clients"]]
     lines += [f"  untyped answer: {u}" for u in t["untyped_examples"]]
@@ -417,15 +526,25 @@ def main(argv: list[str] | None = None) -> int:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float, default=10.0, help="how long to soak (default: 10)")
     length.add_argument("--seconds", type=float, help="how long to soak, in seconds instead")
-    p.add_argument("--model", help="a checkpoint folder, or `default` for the built-in default model "
-                                   "(default: a tiny random Llama built in a temporary folder)")
+    p.add_argument(
+        "--model",
+        help="a checkpoint folder, or `default` for the built-in default model "
+        "(default: a tiny random Llama built in a temporary folder)",
+    )
     p.add_argument("--peers", type=int, default=4, help="peers at once, >= 3 (default: 4)")
     p.add_argument("--clients", type=int, default=3, help="client threads, one of them sampling (default: 3)")
-    p.add_argument("--kill-every", type=float, nargs=2, default=(5.0, 12.0), metavar=("MIN_S", "MAX_S"),
-                   help="seconds between peer stops, drawn in this range (default: 5 12)")
+    p.add_argument(
+        "--kill-every",
+        type=float,
+        nargs=2,
+        default=(5.0, 12.0),
+        metavar=("MIN_S", "MAX_S"),
+        help="seconds between peer stops, drawn in this range (default: 5 12)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generation (default: 24)")
-    p.add_argument("--prompts", type=int, default=6, help="prompts per kind (greedy, sampled), reused in turn "
-                                                         "(default: 6)")
+    p.add_argument(
+        "--prompts", type=int, default=6, help="prompts per kind (greedy, sampled), reused in turn (default: 6)"
+    )
     p.add_argument("--bad-rate", type=float, default=3.0, help="malformed requests per second (default: 3)")
     p.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, churn and mutations (default: 0)")
@@ -433,11 +552,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = p.parse_args(argv)
     try:
-        config = SoakConfig(seconds=args.seconds if args.seconds is not None else 60 * args.minutes,
-                            model=args.model, peers=args.peers, clients=args.clients,
-                            kill_every_s=tuple(args.kill_every), max_new_tokens=args.max_new_tokens,
-                            prompts=args.prompts,
-                            bad_rate_per_s=args.bad_rate, rss_every_s=args.rss_every, seed=args.seed)
+        config = SoakConfig(
+            seconds=args.seconds if args.seconds is not None else 60 * args.minutes,
+            model=args.model,
+            peers=args.peers,
+            clients=args.clients,
+            kill_every_s=tuple(args.kill_every),
+            max_new_tokens=args.max_new_tokens,
+            prompts=args.prompts,
+            bad_rate_per_s=args.bad_rate,
+            rss_every_s=args.rss_every,
+            seed=args.seed,
+        )
     except ValueError as exc:
         p.error(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

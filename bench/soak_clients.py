@@ -74,14 +74,24 @@ class ClientTally:
 class Client(threading.Thread):
     """Generates `cases` in turn until `deadline` (monotonic, set before `start()`) or `stop`, then shuts down."""
 
-    def __init__(self, name: str, model_path: str, initial_peers: list[str], cases: list[Case], *,
-                 max_new_tokens: int, stop: threading.Event, options: dict):
+    def __init__(
+        self,
+        name: str,
+        model_path: str,
+        initial_peers: list[str],
+        cases: list[Case],
+        *,
+        max_new_tokens: int,
+        stop: threading.Event,
+        options: dict,
+    ):
         super().__init__(name=name, daemon=True)  # daemon: a hung client must not keep the run from ending
         self.cases, self.max_new_tokens, self.stop = cases, max_new_tokens, stop
         self.deadline = float("inf")
         self.tally = ClientTally(name, sampling=cases[0].seed is not None)
-        self.model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=initial_peers,
-                                                                    dtype=torch.float32, **options)
+        self.model = AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=initial_peers, dtype=torch.float32, **options
+        )
 
     def run(self) -> None:
         tally, turn = self.tally, 0
@@ -92,7 +102,7 @@ class Client(threading.Thread):
                 began = time.monotonic()
                 try:
                     got = generate(self.model, case, self.max_new_tokens)
-                except Exception as exc:  # noqa: BLE001 - every error reaching the caller is counted
+                except Exception as exc:
                     tally.errors.append((began, time.monotonic(), f"{type(exc).__name__}: {exc}"[:500]))
                     logger.warning("%s: generation failed: %s", self.name, exc)
                     continue
@@ -100,8 +110,10 @@ class Client(threading.Thread):
                 if got != case.expected:
                     tally.wrong += 1
                     if len(tally.mismatches) < MAX_EXAMPLES:
-                        tally.mismatches.append(f"prompt {list(case.prompt)} seed {case.seed}: got {list(got)}, "
-                                                f"expected {list(case.expected)}")
+                        tally.mismatches.append(
+                            f"prompt {list(case.prompt)} seed {case.seed}: got {list(got)}, "
+                            f"expected {list(case.expected)}"
+                        )
         finally:
             self.close()
 

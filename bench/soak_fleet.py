@@ -36,7 +36,7 @@ def overlapping_spans(num_blocks: int, peers: int) -> list[tuple[int, int]]:
     half, quarter, three_quarters = num_blocks // 2, max(1, num_blocks // 4), max(1, (3 * num_blocks + 3) // 4)
     spans = [(0, half), (half, num_blocks)]
     if peers == 3:
-        return spans + [(0, num_blocks)]
+        return [*spans, (0, num_blocks)]
     extra = [(0, three_quarters), (quarter, num_blocks), (0, half), (half, num_blocks)]
     spans += [extra[i % len(extra)] for i in range(peers - 2)]
     for block in range(num_blocks):
@@ -83,8 +83,15 @@ class Slot:
 class Fleet:
     """The slots, their incarnations and the coverage of the blocks, thread-safe."""
 
-    def __init__(self, swarm: LocalSwarm, model: str, num_blocks: int, spans: list[tuple[int, int]],
-                 peer_args: list[str], env: dict[str, str]):
+    def __init__(
+        self,
+        swarm: LocalSwarm,
+        model: str,
+        num_blocks: int,
+        spans: list[tuple[int, int]],
+        peer_args: list[str],
+        env: dict[str, str],
+    ):
         self.swarm, self.model, self.num_blocks = swarm, model, num_blocks
         self.peer_args, self.env = peer_args, env
         self.slots = [Slot(i, span) for i, span in enumerate(spans)]
@@ -104,8 +111,16 @@ class Fleet:
     def _start(self, slot: Slot) -> Incarnation:
         name = f"peer{slot.index}.{len(slot.incarnations)}"
         port = free_port()
-        child = self.swarm.start_peer(name, self.model, "--blocks", f"{slot.span[0]}:{slot.span[1]}",
-                                      "--port", str(port), *self.peer_args, env=self.env)
+        child = self.swarm.start_peer(
+            name,
+            self.model,
+            "--blocks",
+            f"{slot.span[0]}:{slot.span[1]}",
+            "--port",
+            str(port),
+            *self.peer_args,
+            env=self.env,
+        )
         incarnation = Incarnation(name, slot.span, port, child.pid, time.monotonic())
         slot.incarnations.append(incarnation)
         return incarnation

@@ -65,7 +65,8 @@ class BadTraffic:
                     target = self.rng.choice(targets)
                     if target.endpoint not in channels:
                         channels[target.endpoint] = grpc.aio.insecure_channel(
-                            target.endpoint, options=[("grpc.max_send_message_length", 1 << 26)])
+                            target.endpoint, options=[("grpc.max_send_message_length", 1 << 26)]
+                        )
                     await self.one(channels[target.endpoint], target)
                 await asyncio.sleep(self.rng.expovariate(rate_per_s))
         finally:
@@ -90,25 +91,43 @@ class BadTraffic:
         return pb.Span(model=self.prefix, start=target.span[0], end=target.span[1])
 
     def _hidden(self, length: int) -> torch.Tensor:
-        return torch.randn(1, length, self.hidden_size, generator=torch.Generator().manual_seed(self.rng.getrandbits(32)))
+        return torch.randn(
+            1, length, self.hidden_size, generator=torch.Generator().manual_seed(self.rng.getrandbits(32))
+        )
 
     def _stateless(self, method: str, target: Incarnation, hidden: torch.Tensor):
         packer, length = Packer(), hidden.shape[1]
-        fields = dict(span=self._span(target), hidden_states=packer.tensor(hidden),
-                      position_ids=packer.tensor(torch.arange(length).unsqueeze(0)))
+        fields = dict(
+            span=self._span(target),
+            hidden_states=packer.tensor(hidden),
+            position_ids=packer.tensor(torch.arange(length).unsqueeze(0)),
+        )
         if method == "backward":
             return packer.pack(pb.BackwardRequest(**fields, grad_outputs=packer.tensor(self._hidden(length))))
         return packer.pack(pb.ForwardRequest(**fields))
 
     def _open(self, target: Incarnation, max_length: int = 32) -> pb.InferenceRequest:
-        return pb.InferenceRequest(open=pb.OpenSession(span=self._span(target), session_id=f"bad-{self.rng.getrandbits(40)}",
-                                                       max_length=max_length, batch_size=1))
+        return pb.InferenceRequest(
+            open=pb.OpenSession(
+                span=self._span(target),
+                session_id=f"bad-{self.rng.getrandbits(40)}",
+                max_length=max_length,
+                batch_size=1,
+            )
+        )
 
     def _step(self, session_id: str, length: int):
         packer = Packer()
-        return packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=session_id, hidden_states=packer.tensor(self._hidden(length)),
-            position_ids=packer.tensor(torch.arange(length).unsqueeze(0)), prefix_length=0)))
+        return packer.pack(
+            pb.InferenceRequest(
+                step=pb.InferenceStep(
+                    session_id=session_id,
+                    hidden_states=packer.tensor(self._hidden(length)),
+                    position_ids=packer.tensor(torch.arange(length).unsqueeze(0)),
+                    prefix_length=0,
+                )
+            )
+        )
 
     async def _send(self, channel: grpc.aio.Channel, target: Incarnation, kind: str) -> tuple[str, str]:
         if kind in ("forward", "backward"):
@@ -169,7 +188,7 @@ def _ended(sent: bytes, code: grpc.StatusCode, details: str) -> tuple[str, str]:
         return "churned", f"{code.name}: {details}"
     try:
         closing = pb.InferenceRequest.FromString(sent).WhichOneof("kind") == "close"
-    except Exception:  # noqa: BLE001 - not parseable: it could not have been a close
+    except Exception:
         closing = False
     return ("ok", "closed") if closing else ("untyped", f"the stream ended without an answer ({code.name}: {details})")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -31,15 +31,22 @@ class Summary:
     n: int
 
     @classmethod
-    def of(cls, samples: list[float]) -> "Summary":
+    def of(cls, samples: list[float]) -> Summary:
         if not samples:
             raise ValueError("no samples to summarize")
-        return cls(statistics.median(samples), percentile(samples, 10), percentile(samples, 90),
-                   min(samples), max(samples), len(samples))
+        return cls(
+            statistics.median(samples),
+            percentile(samples, 10),
+            percentile(samples, 90),
+            min(samples),
+            max(samples),
+            len(samples),
+        )
 
-    def scaled(self, factor: float) -> "Summary":
-        return Summary(self.median * factor, self.p10 * factor, self.p90 * factor, self.min * factor,
-                       self.max * factor, self.n)
+    def scaled(self, factor: float) -> Summary:
+        return Summary(
+            self.median * factor, self.p10 * factor, self.p90 * factor, self.min * factor, self.max * factor, self.n
+        )
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,27 @@ from swarm.models.default_model import resolve_default_model
 logger = logging.getLogger(__name__)
 
 TRAIN_MODEL = "train-small"
-TRAIN_SPEC = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, tie_word_embeddings=True, initializer_range=0.02,
-                  max_position_embeddings=2048, rms_norm_eps=1e-5)
+TRAIN_SPEC = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+)
 """The random Llama of the fidelity runs; its vocabulary is the default model's tokenizer's (49152)."""
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "added_tokens.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 _ROUND = re.compile(r"averaged with (\d+) members of (\S+) in ([0-9.]+)s")
 _ONLINE = "ONLINE: serving blocks"
 _UPDATE = re.compile(r"update (\d+) of run '([^']*)' applied")
@@ -50,9 +65,17 @@ def build_train_model(models_dir: Path, cache_dir: Path, seed: int = 0) -> Path:
 
     source = resolve_default_model(cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    spec = {"name": TRAIN_MODEL, "seed": seed, "tokenizer": source.name,
-            "config": {**TRAIN_SPEC, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-                       "eos_token_id": tokenizer.eos_token_id}}
+    spec = {
+        "name": TRAIN_MODEL,
+        "seed": seed,
+        "tokenizer": source.name,
+        "config": {
+            **TRAIN_SPEC,
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+    }
     folder = models_dir / TRAIN_MODEL
     marker = folder / "bench-spec.json"
     if marker.is_file() and json.loads(marker.read_text()) == spec and any(folder.glob("*.safetensors")):
@@ -96,13 +119,32 @@ class TrainSettings:
     """A round not done in this long falls back to local gradients."""
 
     def averaging_args(self) -> list[str]:
-        return ["--matchmaking-time", f"{self.matchmaking_time_s:g}", "--averaging-timeout",
-                f"{self.averaging_timeout_s:g}"]
+        return [
+            "--matchmaking-time",
+            f"{self.matchmaking_time_s:g}",
+            "--averaging-timeout",
+            f"{self.averaging_timeout_s:g}",
+        ]
 
     def args(self, *, seed: int = 0, batch_size: int | None = None, max_in_flight: int = 0) -> list[str]:
-        return ["--seq-len", str(self.seq_len), "--batch-size", str(batch_size or self.batch_size),
-                "--micro-batch-size", str(self.micro_batch_size), "--steps", str(self.steps), "--lr", f"{self.lr:g}",
-                "--seed", str(seed), "--max-in-flight", str(max_in_flight), "--no-progress", *self.averaging_args()]
+        return [
+            "--seq-len",
+            str(self.seq_len),
+            "--batch-size",
+            str(batch_size or self.batch_size),
+            "--micro-batch-size",
+            str(self.micro_batch_size),
+            "--steps",
+            str(self.steps),
+            "--lr",
+            f"{self.lr:g}",
+            "--seed",
+            str(seed),
+            "--max-in-flight",
+            str(max_in_flight),
+            "--no-progress",
+            *self.averaging_args(),
+        ]
 
 
 def free_port() -> int:
@@ -115,10 +157,21 @@ def peer_name(prefix: str, index: int) -> str:
     return f"{prefix}-peer{index}"
 
 
-def start_training_peers(swarm: LocalSwarm, model: Path, num_blocks: int, *, prefix: str, run_id: str,
-                         spans: list[tuple[int, int]], target_batch: int, settings: TrainSettings, threads: int,
-                         device: str, ports: list[tuple[int, str]] | None = None,
-                         online_timeout_s: float = 240.0) -> list[str]:
+def start_training_peers(
+    swarm: LocalSwarm,
+    model: Path,
+    num_blocks: int,
+    *,
+    prefix: str,
+    run_id: str,
+    spans: list[tuple[int, int]],
+    target_batch: int,
+    settings: TrainSettings,
+    threads: int,
+    device: str,
+    ports: list[tuple[int, str]] | None = None,
+    online_timeout_s: float = 240.0,
+) -> list[str]:
     """Start a training peer per span (all at once) and wait until all are ONLINE; returns their names.
 
     `ports`, one (port, announced "host:port") per span, puts each peer behind a proxy that clients dial.
@@ -127,11 +180,33 @@ def start_training_peers(swarm: LocalSwarm, model: Path, num_blocks: int, *, pre
     for i, (start, end) in enumerate(spans):
         name = peer_name(prefix, i)
         listen = ["--port", str(ports[i][0]), "--announce-host", ports[i][1]] if ports else []
-        swarm.start_peer(name, str(model), "--blocks", f"{start}:{end}", "--dht-prefix", prefix,
-                         "--num-threads", str(threads), "--throughput", "1000", "--device", device,
-                         "--dtype", "float32", "--cache-dir", str(swarm.log_dir / "peer-cache"), *listen,
-                         "--train", "--run-id", run_id, "--lr", f"{settings.lr:g}",
-                         "--target-batch-size", str(target_batch), *settings.averaging_args())
+        swarm.start_peer(
+            name,
+            str(model),
+            "--blocks",
+            f"{start}:{end}",
+            "--dht-prefix",
+            prefix,
+            "--num-threads",
+            str(threads),
+            "--throughput",
+            "1000",
+            "--device",
+            device,
+            "--dtype",
+            "float32",
+            "--cache-dir",
+            str(swarm.log_dir / "peer-cache"),
+            *listen,
+            "--train",
+            "--run-id",
+            run_id,
+            "--lr",
+            f"{settings.lr:g}",
+            "--target-batch-size",
+            str(target_batch),
+            *settings.averaging_args(),
+        )
         names.append(name)
     deadline = time.monotonic() + online_timeout_s
     swarm.wait_online(str(model), num_blocks, sorted(set(spans)), dht_prefix=prefix, timeout_s=online_timeout_s)
@@ -193,8 +268,14 @@ def stage_tensor_shapes(model: Path, span: tuple[int, int]) -> list[tuple[int, .
     return shapes
 
 
-def bare_allreduce_s(initial_peers: list[str], tensors: list[tuple[tuple[int, ...], torch.dtype]], *, rounds: int,
-                     matchmaking_time_s: float, averaging_timeout_s: float) -> tuple[list[float], int]:
+def bare_allreduce_s(
+    initial_peers: list[str],
+    tensors: list[tuple[tuple[int, ...], torch.dtype]],
+    *,
+    rounds: int,
+    matchmaking_time_s: float,
+    averaging_timeout_s: float,
+) -> tuple[list[float], int]:
     """Seconds of each averager's step() over `rounds` successful rounds of two bare averagers, and the failed ones.
 
     `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
@@ -213,11 +294,19 @@ def bare_allreduce_s(initial_peers: list[str], tensors: list[tuple[tuple[int, ..
         prefix = f"bench_bare_allreduce_{get_dht_time():.0f}"
         for _ in range(2):
             dhts.append(start_dht(initial_peers))
-            averagers.append(DecentralizedAverager(
-                [torch.randn(shape, dtype=dtype) for shape, dtype in tensors], dhts[-1], prefix=prefix, start=True,
-                min_group_size=2,
-                min_matchmaking_time=matchmaking_time_s, request_timeout=0.5, allreduce_timeout=averaging_timeout_s,
-                shutdown_timeout=2))
+            averagers.append(
+                DecentralizedAverager(
+                    [torch.randn(shape, dtype=dtype) for shape, dtype in tensors],
+                    dhts[-1],
+                    prefix=prefix,
+                    start=True,
+                    min_group_size=2,
+                    min_matchmaking_time=matchmaking_time_s,
+                    request_timeout=0.5,
+                    allreduce_timeout=averaging_timeout_s,
+                    shutdown_timeout=2,
+                )
+            )
         find_s = min(averaging_timeout_s, 3 * matchmaking_time_s)  # as a training group gives up finding its own
         times: list[float] = []
         failed, warm = 0, False
@@ -230,8 +319,10 @@ def bare_allreduce_s(initial_peers: list[str], tensors: list[tuple[tuple[int, ..
             warm = warm or None not in took
             if len(times) >= 2 * rounds:
                 return times, failed
-        raise RuntimeError(f"bare averagers completed {len(times) // 2} of {rounds} rounds "
-                           f"({'after' if warm else 'and no'} warm-up round); see the log for hivemind's errors")
+        raise RuntimeError(
+            f"bare averagers completed {len(times) // 2} of {rounds} rounds "
+            f"({'after' if warm else 'and no'} warm-up round); see the log for hivemind's errors"
+        )
     finally:
         if threading.current_thread() is threading.main_thread() and handler is not None:
             signal.signal(signal.SIGINT, handler)
@@ -264,6 +355,7 @@ def _both_step(averagers, find_s: float, averaging_timeout_s: float) -> list[flo
 
 
 # --- reading logs (pure) ---
+
 
 def read_steps(path: Path) -> list[dict]:
     """The per-step records of a `swarmlm train --log-json` file."""

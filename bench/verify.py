@@ -44,8 +44,9 @@ def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[flo
         for i, (a, b) in enumerate([(0, half), (0, half), (half, num_blocks), (half, num_blocks)]):
             swarm.start_peer(f"p{i}", model, "--blocks", f"{a}:{b}", *PEER_ARGS)
         swarm.wait_online(model, num_blocks, [(0, half), (half, num_blocks)])
-        client = AutoDistributedModelForCausalLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                                verify_seed=0)
+        client = AutoDistributedModelForCausalLM.from_pretrained(
+            model, initial_peers=swarm.initial_peers, verify_seed=0
+        )
         checker = client.sequence.spot_checks
         try:
             _wait_for_peers(client, 4)
@@ -60,8 +61,9 @@ def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[flo
                         began = time.perf_counter()
                         step(client, ids)
                         seconds[fraction].append(time.perf_counter() - began)
-                        checked[fraction] = (checked.get(fraction, 0) + checker.stats.verified
-                                             + checker.stats.unverifiable - before)
+                        checked[fraction] = (
+                            checked.get(fraction, 0) + checker.stats.verified + checker.stats.unverifiable - before
+                        )
             stats = checker.stats
         finally:
             client.shutdown()
@@ -70,13 +72,19 @@ def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[flo
     base = mean_s[0.0]
     full = base / mean_s[1.0] if 1.0 in mean_s else None
     return {
-        "model": model, "blocks": num_blocks, "batch": batch, "seq": seq, "repeats": repeats,
+        "model": model,
+        "blocks": num_blocks,
+        "batch": batch,
+        "seq": seq,
+        "repeats": repeats,
         "hops_per_step": 4,  # two forward hops, two backward hops
         "tokens_per_s": {str(f): tokens / s for f, s in mean_s.items()},
         "ratio_to_unchecked": {str(f): base / s for f, s in mean_s.items()},
         "expected_ratio": {str(f): 1 / (1 + f * (1 / full - 1)) for f in fractions} if full else {},
         "hops_checked": {str(f): n for f, n in checked.items()},
-        "mismatches": stats.mismatches, "unverifiable": stats.unverifiable, "caught": stats.caught,
+        "mismatches": stats.mismatches,
+        "unverifiable": stats.unverifiable,
+        "caught": stats.caught,
         "seconds": {str(f): s for f, s in seconds.items()},
     }
 
@@ -91,13 +99,17 @@ def _wait_for_peers(client, count: int, timeout_s: float = 120.0) -> None:
 
 
 def markdown(result: dict) -> str:
-    rows = ["| verify_fraction | tokens/s | ratio to 0 | expected from fraction 1 | hops checked |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| verify_fraction | tokens/s | ratio to 0 | expected from fraction 1 | hops checked |",
+        "|---|---|---|---|---|",
+    ]
     hops = result["repeats"] * result["hops_per_step"]
     for f, tps in result["tokens_per_s"].items():
         expected = result["expected_ratio"].get(f)
-        rows.append(f"| {f} | {tps:.0f} | {result['ratio_to_unchecked'][f]:.3f} | "
-                    f"{'' if expected is None else f'{expected:.3f}'} | {result['hops_checked'][f]} of {hops} |")
+        rows.append(
+            f"| {f} | {tps:.0f} | {result['ratio_to_unchecked'][f]:.3f} | "
+            f"{'' if expected is None else f'{expected:.3f}'} | {result['hops_checked'][f]} of {hops} |"
+        )
     return "\n".join(rows)
 
 

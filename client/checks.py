@@ -83,18 +83,27 @@ def check_positions(positions: torch.Tensor | None, *, batch: int, seq: int, max
     if positions.numel() and positions.min() < 0:
         raise BadRequestError(f"position_ids must be >= 0, got {int(positions.min())}")
     if max_positions is not None and positions.numel() and positions.max() >= max_positions:
-        raise BadRequestError(f"position_ids must lie in [0, {max_positions}) (the model's positions), "
-                              f"got up to {int(positions.max())}")
+        raise BadRequestError(
+            f"position_ids must lie in [0, {max_positions}) (the model's positions), got up to {int(positions.max())}"
+        )
 
 
-def check_inputs(hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, *,
-                 hidden_size: int | None, max_positions: int | None, prefix_length: int = 0) -> None:
+def check_inputs(
+    hidden: torch.Tensor,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    *,
+    hidden_size: int | None,
+    max_positions: int | None,
+    prefix_length: int = 0,
+) -> None:
     """What a peer checks of a forward, backward or inference step's inputs; `mask` covers the prefix too."""
     check_hidden(hidden, hidden_size=hidden_size)
     batch, seq = hidden.shape[:2]
     if max_positions is not None and prefix_length + seq > max_positions:
-        raise SequenceTooLongError(f"{prefix_length + seq} tokens exceed the model's {max_positions} positions; "
-                                   f"send a shorter sequence")
+        raise SequenceTooLongError(
+            f"{prefix_length + seq} tokens exceed the model's {max_positions} positions; send a shorter sequence"
+        )
     check_mask(mask, batch=batch, length=prefix_length + seq)
     check_positions(positions, batch=batch, seq=seq, max_positions=max_positions)
 
@@ -118,8 +127,10 @@ def check_size(message, max_bytes: int) -> None:
     """A request over this client's message limit would be refused by its own gRPC channel."""
     size = message_bytes(message)
     if size > max_bytes:
-        raise MessageTooLargeError(f"a request of {size} bytes exceeds this client's max_message_bytes "
-                                   f"{max_bytes}; send fewer tokens or a smaller batch per request")
+        raise MessageTooLargeError(
+            f"a request of {size} bytes exceeds this client's max_message_bytes "
+            f"{max_bytes}; send fewer tokens or a smaller batch per request"
+        )
 
 
 # --- a peer's answers ---
@@ -135,15 +146,17 @@ def blame(error: BaseException, peer: str, *, training: bool = False) -> BaseExc
     if isinstance(error, StaleEpochError) and training:
         return error
     if isinstance(error, (BadRequestError, NoPeersError)):
-        fault = PeerFaultError(f"peer {peer} refused a request that passed this client's checks "
-                               f"({error.code}: {error})")
+        fault = PeerFaultError(
+            f"peer {peer} refused a request that passed this client's checks ({error.code}: {error})"
+        )
         fault.__cause__ = error
         return fault
     return error
 
 
-def tensor_answer(message, field: str, payload: memoryview, *, peer: str, shape: tuple[int, ...],
-                  dtype: torch.dtype) -> torch.Tensor:
+def tensor_answer(
+    message, field: str, payload: memoryview, *, peer: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """`message.field` decoded, if it is a finite `dtype` tensor of `shape`; else PeerFaultError."""
     if not message.HasField(field):
         raise PeerFaultError(f"peer {peer} answered without {field}")
@@ -160,8 +173,9 @@ def tensor_answer(message, field: str, payload: memoryview, *, peer: str, shape:
     return tensor
 
 
-def unary_answer(received: Received, field: str, *, peer: str, shape: tuple[int, ...],
-                 dtype: torch.dtype) -> torch.Tensor:
+def unary_answer(
+    received: Received, field: str, *, peer: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """The one tensor of a Forward or Backward answer, checked."""
     return tensor_answer(received.message, field, received.payload, peer=peer, shape=shape, dtype=dtype)
 
@@ -174,12 +188,15 @@ def opened_answer(received: Received, *, peer: str, session_id: str, max_length:
         raise PeerFaultError(f"peer {peer} answered an open with {kind or 'an empty message'}, expected opened")
     opened = response.opened
     if opened.session_id != session_id or opened.max_length != max_length:
-        raise PeerFaultError(f"peer {peer} opened session {opened.session_id!r} of max_length {opened.max_length}, "
-                             f"asked for {session_id!r} of {max_length}")
+        raise PeerFaultError(
+            f"peer {peer} opened session {opened.session_id!r} of max_length {opened.max_length}, "
+            f"asked for {session_id!r} of {max_length}"
+        )
 
 
-def step_answer(received: Received, *, peer: str, shape: tuple[int, ...], dtype: torch.dtype, step_id: int,
-                position: int) -> torch.Tensor:
+def step_answer(
+    received: Received, *, peer: str, shape: tuple[int, ...], dtype: torch.dtype, step_id: int, position: int
+) -> torch.Tensor:
     """An inference step must be answered by `step` with this step's id, the cache at `position`, and the
     hidden states checked as `tensor_answer` does."""
     response: pb.InferenceResponse = received.message
@@ -190,6 +207,7 @@ def step_answer(received: Received, *, peer: str, shape: tuple[int, ...], dtype:
     if step.step_id != step_id:
         raise PeerFaultError(f"peer {peer} answered step {step.step_id}, expected step {step_id}")
     if step.position != position:
-        raise PeerFaultError(f"peer {peer} says its cache holds {step.position} tokens after this step, "
-                             f"expected {position}")
+        raise PeerFaultError(
+            f"peer {peer} says its cache holds {step.position} tokens after this step, expected {position}"
+        )
     return tensor_answer(step, "hidden_states", received.payload, peer=peer, shape=shape, dtype=dtype)

@@ -55,19 +55,28 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
-            raise ValueError(f"swarm_key must be a SwarmKey (swarm.trust.swarmkey.SwarmKey.load(FILE)), got "
-                             f"{type(self.swarm_key).__name__}")
+            raise ValueError(
+                f"swarm_key must be a SwarmKey (swarm.trust.swarmkey.SwarmKey.load(FILE)), got "
+                f"{type(self.swarm_key).__name__}"
+            )
         if not self.initial_peers:
-            raise ValueError("initial_peers is empty; pass the bootstrap node's multiaddr, e.g. /ip4/.../tcp/.../p2p/...")
-        for name in ("request_timeout_s", "connect_timeout_s", "directory_refresh_s", "max_message_bytes",
-                     "max_channels"):
+            raise ValueError(
+                "initial_peers is empty; pass the bootstrap node's multiaddr, e.g. /ip4/.../tcp/.../p2p/..."
+            )
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "directory_refresh_s",
+            "max_message_bytes",
+            "max_channels",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_retries", "retry_delay_s", "wait_for_peers_s", "min_session_lifetime_s", "forward_min_rtt_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.forward_steps not in (True, False, "auto"):
-            raise ValueError(f"forward_steps must be True, False or \"auto\", got {self.forward_steps!r}")
+            raise ValueError(f'forward_steps must be True, False or "auto", got {self.forward_steps!r}')
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
 
@@ -97,8 +106,11 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a positive multiple of micro_batch_size "
-                             f"({self.micro_batch_size})")
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a positive multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
         if self.max_in_flight < 0 or not self.step_timeout_s > 0:
-            raise ValueError(f"max_in_flight must be >= 0 and step_timeout_s > 0, got {self.max_in_flight}, "
-                             f"{self.step_timeout_s}")
+            raise ValueError(
+                f"max_in_flight must be >= 0 and step_timeout_s > 0, got {self.max_in_flight}, {self.step_timeout_s}"
+            )

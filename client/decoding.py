@@ -23,8 +23,13 @@ def lm_head_batcher(model, max_wait_s: float = 0.0) -> HeadBatcher:
     return HeadBatcher(lambda hidden: model.lm_head(model.model.norm(hidden)), max_wait_s)
 
 
-def decode_tokens(model, heads: HeadBatcher, prompt_ids: list[int], max_new_tokens: int,
-                  pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Iterator[int]:
+def decode_tokens(
+    model,
+    heads: HeadBatcher,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Iterator[int]:
     """Yield up to `max_new_tokens` tokens after `prompt_ids`; `pick(ids [1, length], logits [1, vocab])` gives the
     next token [1]. Closing the iterator closes the session on every peer. Call from a thread other than the
     client's event loop (each step blocks until the peers have answered)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -16,14 +16,14 @@ from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, Pr
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from protocol.errors import BadRequestError, ModelNotFoundError
-from protocol.records import check_prefix, prefix_for_model
-from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
-from swarm.dht.node import start_dht, stop_dht
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteBlocks, RemoteSequence
 from client.session import InferenceSession
+from protocol.errors import BadRequestError, ModelNotFoundError
+from protocol.records import check_prefix, prefix_for_model
+from swarm.dht.node import start_dht, stop_dht
+from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class _LocalParts(nn.Module):
 class ClientSession:
     """What `inference_session()` yields: the position reached and the server-side sessions behind it."""
 
-    def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
+    def __init__(self, model: DistributedModelForCausalLM, max_length: int):
         self.model, self.max_length = model, max_length
         self.remote: InferenceSession | None = None  # opened at the first step, when the batch size is known
         self.token_ids: torch.Tensor | None = None  # tokens already sent, to recognise a repeated prefix
@@ -96,7 +96,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dht_prefix: str | None = None,
         dtype: torch.dtype | str = "auto",
         **client_options,
-    ) -> "DistributedModelForCausalLM":
+    ) -> DistributedModelForCausalLM:
         """Load embeddings, final norm and LM head of `model`, and join the swarm serving its blocks.
 
         Args:
@@ -135,9 +135,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def _connect(self, options: ClientConfig, prefix: str) -> None:
         self._loop = BackgroundLoop()
         self._dht = start_dht(options.initial_peers, client_mode=True, swarm_key=options.swarm_key)
-        self.sequence = RemoteSequence(self._dht, prefix, self.config.num_hidden_layers, options,
-                                       hidden_size=self.config.hidden_size,
-                                       max_positions=self.config.max_position_embeddings)
+        self.sequence = RemoteSequence(
+            self._dht,
+            prefix,
+            self.config.num_hidden_layers,
+            options,
+            hidden_size=self.config.hidden_size,
+            max_positions=self.config.max_position_embeddings,
+        )
 
     def _run(self, coro):
         return self._loop.run(coro)
@@ -157,7 +162,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             self._loop.close()
             self._loop = None
 
-    def __enter__(self) -> "DistributedModelForCausalLM":
+    def __enter__(self) -> DistributedModelForCausalLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -272,4 +277,3 @@ class AutoDistributedModelForCausalLM:
     @staticmethod
     def from_pretrained(model: str, **kwargs) -> DistributedModelForCausalLM:
         return DistributedModelForCausalLM.from_pretrained(model, **kwargs)
-

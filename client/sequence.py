@@ -29,20 +29,20 @@ from dataclasses import dataclass, replace
 import hivemind
 import torch
 
+from client import checks, verify
+from client.config import ClientConfig
+from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
+from client.transport import ChannelPool
+from client.verify import Computed, SpotChecker
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import parse_dtype
 from protocol.errors import BadRequestError, NoPeersError, SwarmError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
-from swarm.trust.identity import identity_challenge
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.net.tunnel import TunnelPool, is_tunnel
-from client import checks, verify
-from client.config import ClientConfig
-from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
-from client.transport import ChannelPool
-from client.verify import Computed, SpotChecker
+from swarm.trust.identity import identity_challenge
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class BanList:
     each time its ban ran out.
     """
 
-    def __init__(self, base_s: float, clock: Callable[[], float] = time.monotonic,
-                 half_life_s: float = _STRIKES_HALF_LIFE_S):
+    def __init__(
+        self, base_s: float, clock: Callable[[], float] = time.monotonic, half_life_s: float = _STRIKES_HALF_LIFE_S
+    ):
         if not half_life_s > 0:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         self.base_s, self.clock, self.half_life_s = base_s, clock, half_life_s
@@ -130,22 +131,35 @@ class BanList:
         now = self.clock()
         if expirations is None:
             return {peer for peer, until in self._until.items() if until > now}
-        return {peer for peer, until in self._until.items()
-                if until > now or expirations.get(peer, -math.inf) <= self._last_record.get(peer, math.inf)}
+        return {
+            peer
+            for peer, until in self._until.items()
+            if until > now or expirations.get(peer, -math.inf) <= self._last_record.get(peer, math.inf)
+        }
 
 
 class RemoteSequence:
     """Blocks [0, num_blocks) of a model as served by the swarm. Its coroutines run on the client's loop."""
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, num_blocks: int, config: ClientConfig,
-                 run_id: str | None = None, *, hidden_size: int | None = None, max_positions: int | None = None):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        prefix: str,
+        num_blocks: int,
+        config: ClientConfig,
+        run_id: str | None = None,
+        *,
+        hidden_size: int | None = None,
+        max_positions: int | None = None,
+    ):
         self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
         self.run_id = run_id  # when set, only peers that train this run are used
         # the model's, to check inputs as the peers will (None: not checked here)
         self.hidden_size, self.max_positions = hidden_size, max_positions
         self._p2p: hivemind.P2P | None = None
-        self.pool = ChannelPool(config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels,
-                                swarm_key=config.swarm_key)
+        self.pool = ChannelPool(
+            config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels, swarm_key=config.swarm_key
+        )
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -158,8 +172,9 @@ class RemoteSequence:
         # same id (its key is kept) at another endpoint is measured afresh, not dialed at its old address
         self._measured_at: dict[str, tuple[str, ...]] = {}
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
-        self.spot_checks = SpotChecker(config.verify_fraction, self._ban_wrong_result,
-                                       random.Random(config.verify_seed))
+        self.spot_checks = SpotChecker(
+            config.verify_fraction, self._ban_wrong_result, random.Random(config.verify_seed)
+        )
 
     async def p2p(self) -> hivemind.P2P:
         """This client's handle on its DHT node's libp2p daemon, for peers reached through libp2p."""
@@ -175,15 +190,18 @@ class RemoteSequence:
             began = time.monotonic()
             snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
             if self.run_id is not None:
-                snapshot = replace(snapshot, servers={pid: info for pid, info in snapshot.servers.items()
-                                                      if info.run_id == self.run_id})
+                snapshot = replace(
+                    snapshot,
+                    servers={pid: info for pid, info in snapshot.servers.items() if info.run_id == self.run_id},
+                )
             self._snapshot = snapshot
             self._snapshot_at = time.monotonic()
             self.bans.observe(self._snapshot.expirations, read_at=began)
         return self._snapshot
 
-    async def plan(self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0,
-                   refresh: bool = False) -> list[RouteHop]:
+    async def plan(
+        self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0, refresh: bool = False
+    ) -> list[RouteHop]:
         """A route for blocks [start, end); waits up to `wait_for_peers_s` for the swarm to cover them."""
         deadline = time.monotonic() + self.config.wait_for_peers_s
         delay = self.config.retry_delay_s
@@ -193,16 +211,24 @@ class RemoteSequence:
             try:
                 if inference:
                     await self.measure_rtts(snapshot)
-                    hops = plan_inference_route(snapshot, start, end, client_rtt_s=self.rtts,
-                                                banned=self.bans.banned(snapshot.expirations),
-                                                min_cache_tokens=min_cache_tokens, model_name=self.prefix)
+                    hops = plan_inference_route(
+                        snapshot,
+                        start,
+                        end,
+                        client_rtt_s=self.rtts,
+                        banned=self.bans.banned(snapshot.expirations),
+                        min_cache_tokens=min_cache_tokens,
+                        model_name=self.prefix,
+                    )
                 else:
-                    hops = plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations),
-                                              model_name=self.prefix)
+                    hops = plan_forward_route(
+                        snapshot, start, end, banned=self.bans.banned(snapshot.expirations), model_name=self.prefix
+                    )
                     await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
                     if {hop.peer_id for hop in hops} & self.bans.banned():  # an impostor among them: plan again
-                        hops = plan_forward_route(snapshot, start, end, model_name=self.prefix,
-                                                  banned=self.bans.banned(snapshot.expirations))
+                        hops = plan_forward_route(
+                            snapshot, start, end, model_name=self.prefix, banned=self.bans.banned(snapshot.expirations)
+                        )
                 return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
             except NoPeersError as exc:
                 if time.monotonic() + delay > deadline:
@@ -214,16 +240,21 @@ class RemoteSequence:
             delay = min(delay * 2, 5.0)
             refresh = True
 
-    async def measure_rtts(self, snapshot: SwarmSnapshot, timeout_s: float = 1.0,
-                           only: Collection[str] | None = None) -> None:
+    async def measure_rtts(
+        self, snapshot: SwarmSnapshot, timeout_s: float = 1.0, only: Collection[str] | None = None
+    ) -> None:
         """Ping (an Info call) every ONLINE peer not measured yet (or those of `only`) on each of its addresses in
         turn; the first that answers is its path. One that does not answer gets `timeout_s`."""
-        unknown = [(pid, info) for pid, info in snapshot.online().items()
-                   if (only is None or pid in only) and not self._measured(pid, info)]
+        unknown = [
+            (pid, info)
+            for pid, info in snapshot.online().items()
+            if (only is None or pid in only) and not self._measured(pid, info)
+        ]
         await asyncio.gather(*(self._find_path(pid, info, timeout_s, snapshot) for pid, info in unknown))
 
-    async def _find_path(self, peer_id: str, info: ServerInfo, timeout_s: float,
-                         snapshot: SwarmSnapshot | None = None) -> str:
+    async def _find_path(
+        self, peer_id: str, info: ServerInfo, timeout_s: float, snapshot: SwarmSnapshot | None = None
+    ) -> str:
         """The first of the peer's addresses where the answer to a ping proves the peer's key (swarm/trust/identity.py).
 
         A server at an announced endpoint that cannot sign the nonce with the key of the record's owner is not
@@ -244,8 +275,9 @@ class RemoteSequence:
                 await self.pool.drop(address)
                 continue
             rtt = time.perf_counter() - began
-            if snapshot is None or not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),
-                                                       answer.identity_proof):
+            if snapshot is None or not snapshot.verify(
+                peer_id, identity_challenge(nonce, peer_id), answer.identity_proof
+            ):
                 impostors.append(address)
                 await self.pool.drop(address)
                 continue
@@ -256,8 +288,12 @@ class RemoteSequence:
         self.rtts[peer_id] = timeout_s
         if impostors:
             length_s = self.bans.ban(peer_id)
-            logger.warning("the server at %s does not hold the key of peer %s, whose record announces it: banned "
-                           "for %.0fs", ", ".join(impostors), peer_id, length_s)
+            logger.warning(
+                "the server at %s does not hold the key of peer %s, whose record announces it: banned for %.0fs",
+                ", ".join(impostors),
+                peer_id,
+                length_s,
+            )
         return candidates[0]
 
     def _measured(self, peer_id: str, info: ServerInfo) -> bool:
@@ -283,8 +319,9 @@ class RemoteSequence:
 
     async def report_failure(self, hop: RouteHop, error: BaseException) -> None:
         length_s = self.bans.ban(hop.peer_id)
-        logger.warning("peer %s (blocks %d:%d) failed, banned for %.0fs: %s", hop.peer_id, hop.start, hop.end,
-                       length_s, error)
+        logger.warning(
+            "peer %s (blocks %d:%d) failed, banned for %.0fs: %s", hop.peer_id, hop.start, hop.end, length_s, error
+        )
         self.rtts.pop(hop.peer_id, None)  # measure it (and find its path) afresh if it comes back
         self.paths.pop(hop.peer_id, None)
         self.failovers += 1
@@ -299,46 +336,64 @@ class RemoteSequence:
 
     def check_inputs(self, hidden: torch.Tensor, mask, positions, prefix_length: int = 0) -> None:
         """Raise BadRequestError for inputs a peer would refuse, before anything is sent."""
-        checks.check_inputs(hidden, mask, positions, hidden_size=self.hidden_size, max_positions=self.max_positions,
-                            prefix_length=prefix_length)
+        checks.check_inputs(
+            hidden,
+            mask,
+            positions,
+            hidden_size=self.hidden_size,
+            max_positions=self.max_positions,
+            prefix_length=prefix_length,
+        )
 
     async def _call_forward(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
-        request = packer.pack(pb.ForwardRequest(
-            span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-            hidden_states=packer.tensor(hidden.to(dtype)),
-            attention_mask=packer.optional(mask),
-            position_ids=packer.optional(positions),
-            backward_id=backward_id,
-        ))
+        request = packer.pack(
+            pb.ForwardRequest(
+                span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+                hidden_states=packer.tensor(hidden.to(dtype)),
+                attention_mask=packer.optional(mask),
+                position_ids=packer.optional(positions),
+                backward_id=backward_id,
+            )
+        )
         checks.check_size(request, self.config.max_message_bytes)
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
         output = checks.unary_answer(response, "hidden_states", peer=describe(hop), shape=hidden.shape, dtype=dtype)
         return output.to(hidden.dtype)
 
-    async def _call_backward(self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str,
-                             training: TrainingTag | None = None) -> torch.Tensor:
+    async def _call_backward(
+        self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str, training: TrainingTag | None = None
+    ) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
         run_id, epoch = (training.run_id, training.epochs.get((hop.start, hop.end), 0)) if training else ("", 0)
-        request = packer.pack(pb.BackwardRequest(
-            run_id=run_id,
-            epoch=epoch,
-            span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-            hidden_states=packer.tensor(inputs.to(dtype)),
-            grad_outputs=packer.tensor(grad.to(dtype)),
-            attention_mask=packer.optional(mask),
-            position_ids=packer.optional(positions),
-            backward_id=backward_id,
-        ))
+        request = packer.pack(
+            pb.BackwardRequest(
+                run_id=run_id,
+                epoch=epoch,
+                span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+                hidden_states=packer.tensor(inputs.to(dtype)),
+                grad_outputs=packer.tensor(grad.to(dtype)),
+                attention_mask=packer.optional(mask),
+                position_ids=packer.optional(positions),
+                backward_id=backward_id,
+            )
+        )
         checks.check_size(request, self.config.max_message_bytes)
         response = await self.pool.unary(hop.endpoint, "backward", request, self.config.request_timeout_s)
         grad_inputs = checks.unary_answer(response, "grad_inputs", peer=describe(hop), shape=inputs.shape, dtype=dtype)
         return grad_inputs.to(grad.dtype)
 
-    async def forward(self, hidden: torch.Tensor, mask, positions, start: int = 0, end: int | None = None,
-                      keep_for_backward: bool = False) -> tuple[torch.Tensor, list[HopRecord]]:
+    async def forward(
+        self,
+        hidden: torch.Tensor,
+        mask,
+        positions,
+        start: int = 0,
+        end: int | None = None,
+        keep_for_backward: bool = False,
+    ) -> tuple[torch.Tensor, list[HopRecord]]:
         """Run blocks [start, end); return the outputs and what each hop was sent (for backward).
 
         With `keep_for_backward`, peers are asked to keep their activations until the backward, which then
@@ -362,7 +417,7 @@ class RemoteSequence:
                 except Exception as exc:
                     error = checks.blame(exc, describe(hop))
                     if not is_retriable(error) or attempt >= self.config.max_retries:
-                        raise error
+                        raise error from exc
                     await self.report_failure(hop, error)
                     await self.backoff(attempt)
                     attempt, refresh = attempt + 1, True
@@ -375,8 +430,15 @@ class RemoteSequence:
         self.last_route = [record.hop for record in records]
         return hidden, records
 
-    async def backward(self, grad: torch.Tensor, records: list[HopRecord], mask, positions,
-                       training: TrainingTag | None = None, done: list | None = None) -> torch.Tensor:
+    async def backward(
+        self,
+        grad: torch.Tensor,
+        records: list[HopRecord],
+        mask,
+        positions,
+        training: TrainingTag | None = None,
+        done: list | None = None,
+    ) -> torch.Tensor:
         """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output.
 
         With `training`, peers add their parameter gradients to their run's next update; `done` then receives
@@ -388,15 +450,23 @@ class RemoteSequence:
             grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)
         return grad
 
-    async def _backward_hop(self, record: HopRecord, grad, mask, positions, attempt: int,
-                            training: TrainingTag | None = None, done: list | None = None) -> torch.Tensor:
+    async def _backward_hop(
+        self,
+        record: HopRecord,
+        grad,
+        mask,
+        positions,
+        attempt: int,
+        training: TrainingTag | None = None,
+        done: list | None = None,
+    ) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
         try:
             grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
         except Exception as exc:
             error = checks.blame(exc, describe(hop), training=training is not None)
             if not is_retriable(error) or attempt >= self.config.max_retries:
-                raise error
+                raise error from exc
             await self.report_failure(hop, error)
             await self.backoff(attempt)
         else:
@@ -426,8 +496,14 @@ class RemoteSequence:
         """A route over blocks [start, end) avoiding `excluded`, now (no waiting); None if there is none."""
         try:
             snapshot = await self.snapshot()
-            hops = plan_forward_route(snapshot, start, end, banned=self.bans.banned(snapshot.expirations) | excluded,
-                                      rng=self.spot_checks.rng, model_name=self.prefix)
+            hops = plan_forward_route(
+                snapshot,
+                start,
+                end,
+                banned=self.bans.banned(snapshot.expirations) | excluded,
+                rng=self.spot_checks.rng,
+                model_name=self.prefix,
+            )
         except SwarmError as exc:  # NoPeersError, or the directory could not be read: the caller's work goes on
             logger.debug("no route to check blocks %d:%d on: %s", start, end, exc)
             return None
@@ -446,11 +522,13 @@ class RemoteSequence:
             return None
 
     def _computed(self, value: torch.Tensor, route: list[RouteHop], records: list | None = None) -> Computed:
-        return Computed(value, tuple(hop.peer_id for hop in route), tuple(self.hop_dtype(hop) for hop in route),
-                        records or [])
+        return Computed(
+            value, tuple(hop.peer_id for hop in route), tuple(self.hop_dtype(hop) for hop in route), records or []
+        )
 
-    async def _spot_check_forward(self, record: HopRecord, output: torch.Tensor, mask,
-                                  positions) -> tuple[torch.Tensor, list[HopRecord]]:
+    async def _spot_check_forward(
+        self, record: HopRecord, output: torch.Tensor, mask, positions
+    ) -> tuple[torch.Tensor, list[HopRecord]]:
         """`record`'s hop computed again elsewhere; the output to use and the records of the route it came from."""
         hop = record.hop
 
@@ -462,12 +540,14 @@ class RemoteSequence:
             done = None if route is None else await verify.forward_on(route, record.inputs, forward)
             return None if done is None else self._computed(done[0], route, [HopRecord(*sent) for sent in done[1]])
 
-        chosen = await self.spot_checks.check("forward", (hop.start, hop.end),
-                                              self._computed(output, [hop], [record]), recompute)
+        chosen = await self.spot_checks.check(
+            "forward", (hop.start, hop.end), self._computed(output, [hop], [record]), recompute
+        )
         return chosen.value, chosen.records
 
-    async def _spot_check_backward(self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask,
-                                   positions) -> torch.Tensor:
+    async def _spot_check_backward(
+        self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask, positions
+    ) -> torch.Tensor:
         """`record`'s backward computed again elsewhere; the gradient to use."""
         hop = record.hop
 
@@ -482,8 +562,9 @@ class RemoteSequence:
             done = None if route is None else await verify.backward_on(route, record.inputs, grad, forward, backward)
             return None if done is None else self._computed(done, route)
 
-        chosen = await self.spot_checks.check("backward", (hop.start, hop.end), self._computed(grad_inputs, [hop]),
-                                              recompute)
+        chosen = await self.spot_checks.check(
+            "backward", (hop.start, hop.end), self._computed(grad_inputs, [hop]), recompute
+        )
         return chosen.value
 
     async def close(self) -> None:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, PeerUnavailableError, SequenceTooLongError, SessionExpiredError
-from protocol.packing import Packer
 from client import checks
 from client.routing import RouteHop
 from client.sequence import RemoteSequence, describe, is_retriable
 from client.transport import InferenceStream
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError, PeerUnavailableError, SequenceTooLongError, SessionExpiredError
+from protocol.packing import Packer
 from swarm.runtime import within
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,10 @@ class InferenceSession:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         if sequence.max_positions is not None and max_length > sequence.max_positions:
-            raise SequenceTooLongError(f"max_length {max_length} exceeds the model's {sequence.max_positions} "
-                                       f"positions; open the session with a smaller max_length")
+            raise SequenceTooLongError(
+                f"max_length {max_length} exceeds the model's {sequence.max_positions} "
+                f"positions; open the session with a smaller max_length"
+            )
         if batch_size < 1:
             raise BadRequestError(f"batch_size must be >= 1, got {batch_size}")
         self.sequence, self.max_length, self.batch_size = sequence, max_length, batch_size
@@ -95,13 +97,20 @@ class InferenceSession:
     async def _open(self, hop: RouteHop) -> SpanSession:
         stream = InferenceStream(self.sequence.pool, hop.endpoint)
         session_id, push_token = uuid.uuid4().hex, secrets.token_bytes(16)
-        request = pb.InferenceRequest(open=pb.OpenSession(
-            span=pb.Span(model=self.sequence.prefix, start=hop.start, end=hop.end), session_id=session_id,
-            max_length=self.max_length, batch_size=self.batch_size,
-            alloc_timeout_s=self.sequence.config.connect_timeout_s, push_token=push_token))
+        request = pb.InferenceRequest(
+            open=pb.OpenSession(
+                span=pb.Span(model=self.sequence.prefix, start=hop.start, end=hop.end),
+                session_id=session_id,
+                max_length=self.max_length,
+                batch_size=self.batch_size,
+                alloc_timeout_s=self.sequence.config.connect_timeout_s,
+                push_token=push_token,
+            )
+        )
         try:
             response = await stream.request(
-                request, self.sequence.config.connect_timeout_s + self.sequence.config.request_timeout_s)
+                request, self.sequence.config.connect_timeout_s + self.sequence.config.request_timeout_s
+            )
             checks.opened_answer(response, peer=describe(hop), session_id=session_id, max_length=self.max_length)
         except BaseException:
             await stream.close()
@@ -109,8 +118,9 @@ class InferenceSession:
         return SpanSession(hop, stream, session_id, push_token=push_token)
 
     async def _open_route(self, start: int, end: int, refresh: bool) -> list[SpanSession]:
-        route = await self.sequence.plan(start, end, inference=True, min_cache_tokens=self.cache_tokens,
-                                         refresh=refresh)
+        route = await self.sequence.plan(
+            start, end, inference=True, min_cache_tokens=self.cache_tokens, refresh=refresh
+        )
         opened: list[SpanSession] = []
         try:
             for hop in route:
@@ -120,7 +130,7 @@ class InferenceSession:
                     error = checks.blame(exc, describe(hop))
                     if is_retriable(error):
                         await self.sequence.report_failure(hop, error)
-                    raise error
+                    raise error from exc
         except BaseException:
             for span in opened:
                 await span.stream.close()
@@ -149,10 +159,13 @@ class InferenceSession:
         if config.forward_steps is False or not self.sequence.forwards(first.hop):
             return chain
         dtype = self.sequence.hop_dtype(first.hop)
-        for span in self.spans[index + 1:]:
+        for span in self.spans[index + 1 :]:
             if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
                 break
-            if config.forward_steps == "auto" and self.sequence.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s:
+            if (
+                config.forward_steps == "auto"
+                and self.sequence.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s
+            ):
                 break  # near this client: sending it the step directly is as fast, and costs the peers less
             chain.append(span)
         return chain
@@ -165,20 +178,35 @@ class InferenceSession:
         ids = [next(self._step_ids) for _ in chain]
         began = time.perf_counter()
         packer = Packer()
-        request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-            session_id=chain[0].session_id, hidden_states=packer.tensor(hidden.to(dtype)),
-            attention_mask=packer.optional(mask), position_ids=packer.optional(positions),
-            prefix_length=prefix_length, step_id=ids[0],
-            next=[pb.NextHop(endpoint=s.hop.endpoint, session_id=s.session_id, push_token=s.push_token, step_id=i)
-                  for s, i in zip(chain[1:], ids[1:])])))
+        request = packer.pack(
+            pb.InferenceRequest(
+                step=pb.InferenceStep(
+                    session_id=chain[0].session_id,
+                    hidden_states=packer.tensor(hidden.to(dtype)),
+                    attention_mask=packer.optional(mask),
+                    position_ids=packer.optional(positions),
+                    prefix_length=prefix_length,
+                    step_id=ids[0],
+                    next=[
+                        pb.NextHop(endpoint=s.hop.endpoint, session_id=s.session_id, push_token=s.push_token, step_id=i)
+                        for s, i in zip(chain[1:], ids[1:])
+                    ],
+                )
+            )
+        )
         checks.check_size(request, config.max_message_bytes)
         outputs: list[torch.Tensor] = []
         sent = time.perf_counter()
         try:
             await within(chain[0].stream.send(request), config.request_timeout_s)
         except asyncio.TimeoutError:
-            raise _HopFailed(0, PeerUnavailableError(f"peer {describe(chain[0].hop)} did not take a step within "
-                                                     f"{config.request_timeout_s:.1f}s"), outputs) from None
+            raise _HopFailed(
+                0,
+                PeerUnavailableError(
+                    f"peer {describe(chain[0].hop)} did not take a step within {config.request_timeout_s:.1f}s"
+                ),
+                outputs,
+            ) from None
         except Exception as exc:
             raise _HopFailed(0, exc, outputs) from exc
         position = prefix_length + hidden.shape[1]
@@ -186,8 +214,14 @@ class InferenceSession:
             try:
                 response = await self._answer(span, ids[k], chain[k - 1] if k else None, ids[k - 1] if k else 0)
                 answered = time.perf_counter()
-                output = checks.step_answer(response, peer=describe(span.hop), shape=hidden.shape, dtype=dtype,
-                                            step_id=ids[k], position=position)
+                output = checks.step_answer(
+                    response,
+                    peer=describe(span.hop),
+                    shape=hidden.shape,
+                    dtype=dtype,
+                    step_id=ids[k],
+                    position=position,
+                )
             except Exception as exc:
                 for later, step_id in zip(chain[k:], ids[k:]):  # answers to them may still come: skip those
                     later.stale.add(step_id)
@@ -229,8 +263,10 @@ class InferenceSession:
                     previous = None
                     continue
                 if said.WhichOneof("kind") == "forward_failed" and said.forward_failed.step_id == previous_id:
-                    raise PeerUnavailableError(f"peer {describe(previous.hop)} could not push the step on to "
-                                               f"{describe(span.hop)}: {said.forward_failed.message}")
+                    raise PeerUnavailableError(
+                        f"peer {describe(previous.hop)} could not push the step on to "
+                        f"{describe(span.hop)}: {said.forward_failed.message}"
+                    )
                 continue  # about an earlier step
             received = answer.result()
             message = received.message
@@ -259,12 +295,17 @@ class InferenceSession:
                         await self.sequence.report_failure(span.hop, error)
                     for opened in replacements:
                         await opened.stream.close()
-                    raise error
+                    raise error from exc
         self.spans[index : index + 1] = replacements
         self.recoveries += 1
         self.sequence.recoveries += 1
-        logger.info("span %d:%d now served by %s (replayed %d tokens)", old.hop.start, old.hop.end,
-                    ", ".join(s.hop.peer_id[-8:] for s in replacements), self.position)
+        logger.info(
+            "span %d:%d now served by %s (replayed %d tokens)",
+            old.hop.start,
+            old.hop.end,
+            ", ".join(s.hop.peer_id[-8:] for s in replacements),
+            self.position,
+        )
 
     async def _recover(self, index: int, attempt: int) -> int:
         """Replace span `index`, retrying with back-off; returns the attempts used so far."""
@@ -301,7 +342,8 @@ class InferenceSession:
         if self.position + new > self.max_length:
             raise SequenceTooLongError(
                 f"{self.position} tokens so far + {new} new exceed the session's max_length {self.max_length}; "
-                f"open the session with a larger max_length")
+                f"open the session with a larger max_length"
+            )
         self.sequence.check_inputs(hidden, mask, positions, prefix_length=self.position)
         if mask is not None and bool(mask.all()) and self.mask is None:
             mask = None  # no padding: the peers assume a full mask, and it need not travel

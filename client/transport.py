@@ -16,10 +16,10 @@ import grpc
 from protocol.errors import PeerUnavailableError, SwarmError, error_from_code
 from protocol.packing import Received
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
-from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
-from swarm.runtime import within
-from swarm.trust.swarmkey import SwarmKey
 from swarm.net.tunnel import TunnelPool, is_tunnel
+from swarm.runtime import within
+from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
+from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,13 @@ class ChannelPool:
     With `swarm_key` (a private swarm) channels are TLS to a member of that swarm and every call carries its tag.
     """
 
-    def __init__(self, max_message_bytes: int, tunnels: TunnelPool | None = None, max_channels: int = 64,
-                 swarm_key: SwarmKey | None = None):
+    def __init__(
+        self,
+        max_message_bytes: int,
+        tunnels: TunnelPool | None = None,
+        max_channels: int = 64,
+        swarm_key: SwarmKey | None = None,
+    ):
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self.tunnels, self.max_channels = tunnels, max_channels
@@ -60,8 +65,9 @@ class ChannelPool:
             target = endpoint
             if is_tunnel(endpoint):
                 if self.tunnels is None:
-                    raise PeerUnavailableError(f"peer {endpoint} is reached only through libp2p, which this client "
-                                               f"was not given (no DHT node)")
+                    raise PeerUnavailableError(
+                        f"peer {endpoint} is reached only through libp2p, which this client was not given (no DHT node)"
+                    )
                 target = await self.tunnels.local_endpoint(endpoint)
             if endpoint not in self._stubs:  # another request may have opened it meanwhile
                 channel = open_channel(target, self._options, self.auth)
@@ -155,7 +161,8 @@ class InferenceStream:
                 if self._closed:
                     raise PeerUnavailableError(f"peer {self.endpoint}: the inference stream is closed")
                 self._call = (await self.pool.stub_for(self.endpoint)).inference(
-                    metadata=call_metadata(self.pool.auth, "inference"))
+                    metadata=call_metadata(self.pool.auth, "inference")
+                )
                 self.pool.hold(self.endpoint)  # until close(): the stream keeps its channel open
                 self._reader = asyncio.ensure_future(self._read_all(self._call))
             await self._call.write(request)

@@ -138,15 +138,24 @@ class SpotChecker:
         third = await recompute(frozenset(first.peers + second.peers))
         if third is None:
             self.stats.unresolved += 1
-            logger.warning("spot check: %s differs between %s and %s (max |difference| %.3g, rtol %g) and no "
-                           "third peer serves them; nobody banned, %s's answer kept", blocks, _who(first),
-                           _who(second), diff_12, rtol, _who(first))
+            logger.warning(
+                "spot check: %s differs between %s and %s (max |difference| %.3g, rtol %g) and no "
+                "third peer serves them; nobody banned, %s's answer kept",
+                blocks,
+                _who(first),
+                _who(second),
+                diff_12,
+                rtol,
+                _who(first),
+            )
             return first
         rtol = max(rtol, rtol_for(*third.dtypes, third.value.dtype))
         first_third, second_third = agree(first.value, third.value, rtol), agree(second.value, third.value, rtol)
-        diffs = (f"max |difference| {diff_12:.3g} between {_who(first)} and {_who(second)}, "
-                 f"{difference(first.value, third.value)[0]:.3g} between {_who(first)} and {_who(third)}, "
-                 f"{difference(second.value, third.value)[0]:.3g} between {_who(second)} and {_who(third)}")
+        diffs = (
+            f"max |difference| {diff_12:.3g} between {_who(first)} and {_who(second)}, "
+            f"{difference(first.value, third.value)[0]:.3g} between {_who(first)} and {_who(third)}, "
+            f"{difference(second.value, third.value)[0]:.3g} between {_who(second)} and {_who(third)}"
+        )
         if second_third and not first_third:
             self._outvoted(first, blocks, diffs)
             return second
@@ -154,28 +163,44 @@ class SpotChecker:
             self._outvoted(second, blocks, diffs)
             return first
         self.stats.unresolved += 1
-        logger.warning("spot check: %s, no two-against-one majority (%s; rtol %g); nobody banned, %s's answer kept",
-                       blocks, diffs, rtol, _who(first))
+        logger.warning(
+            "spot check: %s, no two-against-one majority (%s; rtol %g); nobody banned, %s's answer kept",
+            blocks,
+            diffs,
+            rtol,
+            _who(first),
+        )
         return first
 
     def _outvoted(self, liar: Computed, blocks: str, diffs: str) -> None:
         if len(set(liar.peers)) != 1:
-            logger.warning("spot check: %s, a route of several peers (%s) was outvoted (%s); nobody banned, since "
-                           "it is not known which of them lied", blocks, _who(liar), diffs)
+            logger.warning(
+                "spot check: %s, a route of several peers (%s) was outvoted (%s); nobody banned, since "
+                "it is not known which of them lied",
+                blocks,
+                _who(liar),
+                diffs,
+            )
             return
         peer = liar.peers[0]
         length_s = self.ban(peer, WRONG_RESULT_BAN_S)
         self.stats.caught.append(peer)
-        logger.warning("spot check: peer %s computed a wrong %s, outvoted two to one (%s); banned for %.0fs",
-                       peer, blocks, diffs, length_s)
+        logger.warning(
+            "spot check: peer %s computed a wrong %s, outvoted two to one (%s); banned for %.0fs",
+            peer,
+            blocks,
+            diffs,
+            length_s,
+        )
 
 
 def _who(computed: Computed) -> str:
     return "+".join(computed.peers)
 
 
-async def forward_on(route: list[RouteHop], inputs: torch.Tensor, forward: CallForward
-                     ) -> tuple[torch.Tensor, list[tuple[RouteHop, torch.Tensor]]] | None:
+async def forward_on(
+    route: list[RouteHop], inputs: torch.Tensor, forward: CallForward
+) -> tuple[torch.Tensor, list[tuple[RouteHop, torch.Tensor]]] | None:
     """`inputs` through `route`: the output and what each hop was sent; None if a hop failed."""
     hidden, sent = inputs, []
     for hop in route:
@@ -186,8 +211,9 @@ async def forward_on(route: list[RouteHop], inputs: torch.Tensor, forward: CallF
     return hidden, sent
 
 
-async def backward_on(route: list[RouteHop], inputs: torch.Tensor, grad: torch.Tensor, forward: CallForward,
-                      backward: CallBackward) -> torch.Tensor | None:
+async def backward_on(
+    route: list[RouteHop], inputs: torch.Tensor, grad: torch.Tensor, forward: CallForward, backward: CallBackward
+) -> torch.Tensor | None:
     """The gradient w.r.t. `inputs` of `route`, given `grad` w.r.t. its output; None if a hop failed.
 
     A route of several hops first runs the forward of all but its last, for the inputs of each.

@@ -11,8 +11,8 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -31,8 +31,12 @@ class Kept:
 
     def matches(self, blocks, hidden: torch.Tensor, mask, positions) -> bool:
         """Whether this graph computed exactly the forward a backward request describes."""
-        return (self.blocks == blocks and _equal(self.inputs.detach(), hidden) and _equal(self.mask, mask)
-                and _equal(self.positions, positions))
+        return (
+            self.blocks == blocks
+            and _equal(self.inputs.detach(), hidden)
+            and _equal(self.mask, mask)
+            and _equal(self.positions, positions)
+        )
 
 
 def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

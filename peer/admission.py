@@ -8,8 +8,8 @@ caller's to split (MessageTooLargeError); a full queue is the peer's state, not 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from protocol.errors import MessageTooLargeError, OverloadedError, SequenceTooLongError
 
@@ -43,30 +43,35 @@ class Admission:
         limits = self.limits
         if prefix_length + new_tokens > self.max_positions:
             raise SequenceTooLongError(
-                f"{prefix_length} cached + {new_tokens} new tokens exceed the model's {self.max_positions} "
-                f"positions")
+                f"{prefix_length} cached + {new_tokens} new tokens exceed the model's {self.max_positions} positions"
+            )
         tokens = batch * new_tokens
         if tokens > limits.max_request_tokens:
             raise MessageTooLargeError(
                 f"a request of {batch} x {new_tokens} = {tokens} tokens exceeds this peer's limit of "
-                f"{limits.max_request_tokens} (--max-request-tokens); split it into smaller requests")
+                f"{limits.max_request_tokens} (--max-request-tokens); split it into smaller requests"
+            )
         cost = tokens * (prefix_length + new_tokens)
         if cost > limits.max_attention_cost:
             raise MessageTooLargeError(
                 f"a request of {batch} x {new_tokens} new tokens attending to {prefix_length + new_tokens} costs "
                 f"{cost} token pairs of attention, over this peer's limit of {limits.max_attention_cost} "
-                f"(--max-attention-cost); send shorter sequences or smaller batches")
+                f"(--max-attention-cost); send shorter sequences or smaller batches"
+            )
 
     @contextlib.contextmanager
     def admit(self, tokens: int, nbytes: int) -> Iterator[None]:
         """Count a request as queued for the body; OverloadedError if the queue is full (never when it is empty)."""
         limits = self.limits
-        if self.queued_requests and (self.queued_tokens + tokens > limits.max_queued_tokens
-                                     or self.queued_bytes + nbytes > limits.max_queued_bytes):
+        if self.queued_requests and (
+            self.queued_tokens + tokens > limits.max_queued_tokens
+            or self.queued_bytes + nbytes > limits.max_queued_bytes
+        ):
             raise OverloadedError(
                 f"this peer is busy: {self.queued_requests} requests of {self.queued_tokens} tokens and "
                 f"{self.queued_bytes / 2**20:.1f} MiB are queued (limits {limits.max_queued_tokens} tokens, "
-                f"{limits.max_queued_bytes / 2**20:.0f} MiB); use another peer or retry later")
+                f"{limits.max_queued_bytes / 2**20:.0f} MiB); use another peer or retry later"
+            )
         self.queued_tokens += tokens
         self.queued_bytes += nbytes
         self.queued_requests += 1

@@ -20,8 +20,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,17 @@ def padding_mask(lengths: torch.Tensor, implementation: str, dtype: torch.dtype)
     return torch.zeros(allowed.shape, dtype=dtype, device=lengths.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def forward_batch(span: BlockSpan, hidden: list[torch.Tensor], positions: list[torch.Tensor],
-                  caches: list[DynamicCache], blocks: tuple[int, int]) -> list[torch.Tensor]:
+def forward_batch(
+    span: BlockSpan,
+    hidden: list[torch.Tensor],
+    positions: list[torch.Tensor],
+    caches: list[DynamicCache],
+    blocks: tuple[int, int],
+) -> list[torch.Tensor]:
     """One decode step of several sessions over `blocks`: hidden[i] is [b_i, 1, hidden], positions[i] [b_i, 1]."""
     start, end = blocks
-    types = span.types[start - span.start:end - span.start]
-    layers = span.layers[start - span.start:end - span.start]
+    types = span.types[start - span.start : end - span.start]
+    layers = span.layers[start - span.start : end - span.start]
     device = span.device
     rows = [h.shape[0] for h in hidden]
     states = torch.cat(hidden).to(device)
@@ -91,14 +97,21 @@ def forward_batch(span: BlockSpan, hidden: list[torch.Tensor], positions: list[t
     masks = {}
     for kind in set(types):
         first = start + types.index(kind)  # every layer of a kind holds as many tokens as the first
-        lengths = torch.tensor([stored_tokens(c, first) + 1 for c, r in zip(caches, rows) for _ in range(r)],
-                               device=device)
+        lengths = torch.tensor(
+            [stored_tokens(c, first) + 1 for c, r in zip(caches, rows) for _ in range(r)], device=device
+        )
         masks[kind] = padding_mask(lengths, span.config._attn_implementation, states.dtype)
     view = BatchCache(caches, rows)
     position_embeddings = span.rotary(states, position_ids)
     for layer, kind in zip(layers, types):
-        states = layer(states, attention_mask=masks[kind], position_ids=position_ids, cache=view, use_cache=True,
-                       position_embeddings=position_embeddings)
+        states = layer(
+            states,
+            attention_mask=masks[kind],
+            position_ids=position_ids,
+            cache=view,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
     return list(states.split(rows))
 
 
@@ -127,9 +140,15 @@ class Member:
 class DecodeBatcher:
     """Collects decode steps by blocks and runs each group as one batch on the compute thread."""
 
-    def __init__(self, compute: ComputeQueue, span: Callable[[], BlockSpan | None], max_batch_tokens: int, *,
-                 expected: Callable[[tuple[int, int]], dict[str, float]] = lambda blocks: {},
-                 max_wait_s: float = 0.1):
+    def __init__(
+        self,
+        compute: ComputeQueue,
+        span: Callable[[], BlockSpan | None],
+        max_batch_tokens: int,
+        *,
+        expected: Callable[[tuple[int, int]], dict[str, float]] = lambda blocks: {},
+        max_wait_s: float = 0.1,
+    ):
         """`expected(blocks)`: session id -> when (time.monotonic()) its next decode step on `blocks` is due."""
         self.compute, self.span, self.max_batch_tokens = compute, span, max_batch_tokens
         self.expected, self.max_wait_s = expected, max_wait_s
@@ -208,7 +227,7 @@ class DecodeBatcher:
                     break
                 taken.append(member)
                 rows += member.rows
-            self._waiting[blocks] = waiting[len(taken):]
+            self._waiting[blocks] = waiting[len(taken) :]
         return taken
 
     def _compute(self, blocks: tuple[int, int]) -> list[Member]:
@@ -229,8 +248,13 @@ class DecodeBatcher:
             try:
                 if span is None:
                     raise RuntimeError("this peer is moving to other blocks")
-                outputs = forward_batch(span, [m.hidden for m in members], [m.positions for m in members],
-                                        [m.cache for m in members], blocks)
+                outputs = forward_batch(
+                    span,
+                    [m.hidden for m in members],
+                    [m.positions for m in members],
+                    [m.cache for m in members],
+                    blocks,
+                )
             except Exception as exc:
                 logger.warning("a batch of %d decode steps failed (%r); computing each alone", len(members), exc)
                 for member in members:
@@ -251,8 +275,9 @@ class DecodeBatcher:
             rewind_cache(member.cache, member.prefix_length)  # some layers of the failed batch may have grown
             if span is None:
                 raise RuntimeError("this peer is moving to other blocks")
-            member.output = span(member.hidden, None, member.positions, member.cache, member.prefix_length,
-                                 blocks=blocks)
+            member.output = span(
+                member.hidden, None, member.positions, member.cache, member.prefix_length, blocks=blocks
+            )
         except Exception as exc:
             member.error = exc
             try:

@@ -7,8 +7,8 @@ built on the meta device and filled with only their tensors, so a peer never hol
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -132,7 +132,8 @@ def rewind_cache(cache: DynamicCache, length: int) -> None:
         except RuntimeError as exc:
             raise BadRequestError(
                 f"cannot go back to {length} tokens: a sliding-window layer keeps only its last "
-                f"{getattr(layer, 'sliding_window', '?')} tokens; replay the sequence in a new session") from exc
+                f"{getattr(layer, 'sliding_window', '?')} tokens; replay the sequence in a new session"
+            ) from exc
 
 
 def load_span(
@@ -148,11 +149,17 @@ def load_span(
     tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
     layers = []
     total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    with progress(total=total_bytes, desc=f"loading blocks {start}:{end}", unit="B", unit_scale=True,
-                  unit_divisor=1024, leave=False) as bar:
+    with progress(
+        total=total_bytes,
+        desc=f"loading blocks {start}:{end}",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+    ) as bar:
         for i in range(start, end):
             prefix = f"{LAYER_PREFIX}{i}."
-            state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
             with torch.device("meta"):
                 layer = layer_cls(config, layer_idx=i)
             missing = set(layer.state_dict()) - set(state)

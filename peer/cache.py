@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from protocol.errors import CacheFullError
 
@@ -57,8 +57,11 @@ class CacheBudget:
                 raise CacheFullError(
                     f"no room for {tokens} cache tokens after waiting {timeout_s:.1f}s "
                     f"({self.tokens_left} of {self.max_tokens} left"
-                    + (f"; your address holds {mine} of its quota {self.source_quota}"
-                       if self.source_quota < self.max_tokens and mine + tokens > self.source_quota else "")
+                    + (
+                        f"; your address holds {mine} of its quota {self.source_quota}"
+                        if self.source_quota < self.max_tokens and mine + tokens > self.source_quota
+                        else ""
+                    )
                     + "); try again later or another peer"
                 ) from None
             self.used_tokens += tokens

@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import logging
 
+from peer.admission import WorkLimits
+from peer.config import DTYPE_CHOICES, TRAIN_MODES, TRANSPORTS, PeerConfig, TrainingConfig
 from protocol.errors import SwarmError
 from swarm.runtime import run_until_signal, wait_for_signal
-from peer.admission import WorkLimits
-from peer.config import DTYPE_CHOICES, TRANSPORTS, PeerConfig
-from peer.config import TRAIN_MODES, TrainingConfig
 from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
@@ -38,35 +37,66 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
-    p.add_argument("--announce-host", metavar="HOST[:PORT]",
-                   help="announce this address instead of the one listened on (port forwarding, a proxy)")
+    p.add_argument(
+        "--announce-host",
+        metavar="HOST[:PORT]",
+        help="announce this address instead of the one listened on (port forwarding, a proxy)",
+    )
     p.add_argument("--dht-port", type=int, default=0, help="DHT port (default: a free one)")
-    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
-                   help="how clients reach this peer: direct (gRPC), p2p (gRPC through libp2p streams, through a "
-                        "relay from behind NAT), or auto: direct if a neighbour can connect to it, else p2p "
-                        "(default: auto)")
-    p.add_argument("--relay", action="store_true",
-                   help="also forward streams to peers behind NAT (for a peer that others can connect to)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=TRANSPORTS,
+        help="how clients reach this peer: direct (gRPC), p2p (gRPC through libp2p streams, through a "
+        "relay from behind NAT), or auto: direct if a neighbour can connect to it, else p2p "
+        "(default: auto)",
+    )
+    p.add_argument(
+        "--relay",
+        action="store_true",
+        help="also forward streams to peers behind NAT (for a peer that others can connect to)",
+    )
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
     p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
     p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
     p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
-    p.add_argument("--activation-cache-mb", type=float, default=1024.0,
-                   help="memory for forward activations kept for their backward, in MiB; 0 recomputes the "
-                        "forward in every backward (default: 1024)")
+    p.add_argument(
+        "--activation-cache-mb",
+        type=float,
+        default=1024.0,
+        help="memory for forward activations kept for their backward, in MiB; 0 recomputes the "
+        "forward in every backward (default: 1024)",
+    )
     p.add_argument("--update-period", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
-    p.add_argument("--rebalance-period", type=float, default=60.0, metavar="S",
-                   help="how often a peer without --blocks considers moving (default: 60, randomised)")
-    p.add_argument("--balance-margin", type=float, default=0.15,
-                   help="move only for a bottleneck gain above this fraction (default: 0.15)")
+    p.add_argument(
+        "--rebalance-period",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how often a peer without --blocks considers moving (default: 60, randomised)",
+    )
+    p.add_argument(
+        "--balance-margin",
+        type=float,
+        default=0.15,
+        help="move only for a bottleneck gain above this fraction (default: 0.15)",
+    )
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--throughput", type=float, help="announce this many tokens/s instead of measuring")
     p.add_argument("--cache-dir", help="where measurements and the peer's key are kept (default: ~/.cache/swarmlm)")
-    p.add_argument("--identity", metavar="FILE",
-                   help="the peer's key file, created if missing (default: a free one under CACHE_DIR/identity)")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, metavar="N",
-                   help="tokens of one inference forward: concurrent sessions' decode steps are batched up to it, "
-                        "a longer prefill runs in chunks of it between them (default: 2048)")
+    p.add_argument(
+        "--identity",
+        metavar="FILE",
+        help="the peer's key file, created if missing (default: a free one under CACHE_DIR/identity)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="tokens of one inference forward: concurrent sessions' decode steps are batched up to it, "
+        "a longer prefill runs in chunks of it between them (default: 2048)",
+    )
     add_limit_arguments(p)
     add_training_arguments(p)
     return p
@@ -74,26 +104,65 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     w, d = p.add_argument_group("limits (what one client may ask of this peer)"), WorkLimits()
-    w.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens, metavar="N",
-                   help=f"tokens (batch x new tokens) in one request (default: {d.max_request_tokens})")
-    w.add_argument("--max-attention-cost", type=int, default=d.max_attention_cost, metavar="N",
-                   help=f"batch x new tokens x attended tokens of one request (default: {d.max_attention_cost})")
-    w.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens, metavar="N",
-                   help=f"tokens of the requests waiting for compute; beyond, new ones are refused at once "
-                        f"(default: {d.max_queued_tokens})")
-    w.add_argument("--max-queued-mb", type=float, default=d.max_queued_bytes / 2**20, metavar="MB",
-                   help=f"input MiB of the requests waiting for compute (default: {d.max_queued_bytes // 2**20})")
-    w.add_argument("--session-lifetime", type=float, default=3600.0, metavar="S",
-                   help="close a session this long after it opened, however active (default: 3600)")
-    w.add_argument("--max-cache-share", type=float, default=0.5, metavar="F",
-                   help="share of --cache-tokens that one client address may hold (default: 0.5)")
-    w.add_argument("--write-timeout", type=float, default=30.0, metavar="S",
-                   help="close a session whose client does not read a response for this long (default: 30)")
+    w.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=d.max_request_tokens,
+        metavar="N",
+        help=f"tokens (batch x new tokens) in one request (default: {d.max_request_tokens})",
+    )
+    w.add_argument(
+        "--max-attention-cost",
+        type=int,
+        default=d.max_attention_cost,
+        metavar="N",
+        help=f"batch x new tokens x attended tokens of one request (default: {d.max_attention_cost})",
+    )
+    w.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=d.max_queued_tokens,
+        metavar="N",
+        help=f"tokens of the requests waiting for compute; beyond, new ones are refused at once "
+        f"(default: {d.max_queued_tokens})",
+    )
+    w.add_argument(
+        "--max-queued-mb",
+        type=float,
+        default=d.max_queued_bytes / 2**20,
+        metavar="MB",
+        help=f"input MiB of the requests waiting for compute (default: {d.max_queued_bytes // 2**20})",
+    )
+    w.add_argument(
+        "--session-lifetime",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="close a session this long after it opened, however active (default: 3600)",
+    )
+    w.add_argument(
+        "--max-cache-share",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="share of --cache-tokens that one client address may hold (default: 0.5)",
+    )
+    w.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="close a session whose client does not read a response for this long (default: 30)",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> WorkLimits:
-    return WorkLimits(max_request_tokens=args.max_request_tokens, max_attention_cost=args.max_attention_cost,
-                      max_queued_tokens=args.max_queued_tokens, max_queued_bytes=int(args.max_queued_mb * 2**20))
+    return WorkLimits(
+        max_request_tokens=args.max_request_tokens,
+        max_attention_cost=args.max_attention_cost,
+        max_queued_tokens=args.max_queued_tokens,
+        max_queued_bytes=int(args.max_queued_mb * 2**20),
+    )
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,23 +172,42 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
     t.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4)")
     t.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
-    t.add_argument("--target-batch-size", type=int, default=8,
-                   help="samples the span's group accumulates per update (default: 8)")
-    t.add_argument("--train-mode", default="full", choices=TRAIN_MODES,
-                   help="full weights, or LoRA adapters of the linear layers (default: full)")
+    t.add_argument(
+        "--target-batch-size", type=int, default=8, help="samples the span's group accumulates per update (default: 8)"
+    )
+    t.add_argument(
+        "--train-mode",
+        default="full",
+        choices=TRAIN_MODES,
+        help="full weights, or LoRA adapters of the linear layers (default: full)",
+    )
     t.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters (default: 8)")
     add_averaging_arguments(t)
     t.add_argument("--save-dir", help="save the span's training state here, and resume from it on restart")
-    t.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="save every N updates (default: 0, only when the peer stops)")
+    t.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="save every N updates (default: 0, only when the peer stops)",
+    )
 
 
 def training_from_args(args: argparse.Namespace) -> TrainingConfig | None:
     if not args.train:
         return None
-    return TrainingConfig(run_id=args.run_id, optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                          target_batch_size=args.target_batch_size, mode=args.train_mode, lora_rank=args.lora_rank,
-                          averaging=averaging_from_args(args), save_dir=args.save_dir, save_every=args.save_every)
+    return TrainingConfig(
+        run_id=args.run_id,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        target_batch_size=args.target_batch_size,
+        mode=args.train_mode,
+        lora_rank=args.lora_rank,
+        averaging=averaging_from_args(args),
+        save_dir=args.save_dir,
+        save_every=args.save_every,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PeerConfig:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from peer.admission import WorkLimits
+from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from swarm.training.settings import OPTIMIZERS, AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
 
@@ -44,9 +44,10 @@ class TrainingConfig:
         if not self.lr > 0 or not self.weight_decay >= 0:
             raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
         if self.target_batch_size < 1 or self.lora_rank < 1 or self.save_every < 0:
-            raise ValueError(f"target_batch_size and lora_rank must be >= 1 and save_every >= 0, got "
-                             f"{self.target_batch_size}, {self.lora_rank}, {self.save_every}")
-
+            raise ValueError(
+                f"target_batch_size and lora_rank must be >= 1 and save_every >= 0, got "
+                f"{self.target_batch_size}, {self.lora_rank}, {self.save_every}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +132,10 @@ class PeerConfig:
             if self.num_blocks is not None:
                 raise ValueError("give either blocks or num_blocks, not both")
         if self.training is not None and self.blocks is None:
-            raise ValueError("a training peer needs fixed blocks: pass --blocks START:END with --train "
-                             "(the stages of a run do not move)")
+            raise ValueError(
+                "a training peer needs fixed blocks: pass --blocks START:END with --train "
+                "(the stages of a run do not move)"
+            )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.transport not in TRANSPORTS:
@@ -150,16 +153,25 @@ class PeerConfig:
             raise ValueError(f"balance_margin must be >= 0, got {self.balance_margin}")
         if not 0 < self.max_cache_share <= 1:
             raise ValueError(f"max_cache_share must be in (0, 1], got {self.max_cache_share}")
-        for name in ("alloc_timeout_s", "session_timeout_s", "update_period_s", "rebalance_period_s",
-                     "activation_ttl_s", "session_lifetime_s", "write_timeout_s"):
+        for name in (
+            "alloc_timeout_s",
+            "session_timeout_s",
+            "update_period_s",
+            "rebalance_period_s",
+            "activation_ttl_s",
+            "session_lifetime_s",
+            "write_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.throughput is not None and not 0 <= self.throughput <= MAX_THROUGHPUT:
             raise ValueError(f"throughput must be in [0, {MAX_THROUGHPUT:g}] tokens/s, got {self.throughput}")
         if self.update_period_s > max_update_period_s():
-            raise ValueError(f"update_period_s must be at most {max_update_period_s():g} s, got {self.update_period_s:g}: "
-                             f"records live about twice the period, and the DHT refuses records of ours that live "
-                             f"longer than that allows")
+            raise ValueError(
+                f"update_period_s must be at most {max_update_period_s():g} s, got {self.update_period_s:g}: "
+                f"records live about twice the period, and the DHT refuses records of ours that live "
+                f"longer than that allows"
+            )
         if self.announce_host is not None and not re.fullmatch(r"[^\s:]+(:\d{1,5})?", self.announce_host):
             raise ValueError(f"announce_host must be HOST or HOST:PORT, got {self.announce_host!r}")
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:

@@ -12,7 +12,6 @@ Pushes go only to direct gRPC endpoints ("host:port"); a hop reached through lib
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import re
@@ -24,6 +23,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
 from protocol.packing import Packer
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
+from swarm.runtime import in_background
 from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,11 @@ class Forwarder:
 
     def __init__(self, auth: RpcAuth | None, max_message_bytes: int):
         self.auth = auth
-        self._options = [("grpc.max_receive_message_length", max_message_bytes),
-                         ("grpc.max_send_message_length", max_message_bytes), *WINDOW_OPTIONS]
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            *WINDOW_OPTIONS,
+        ]
         self._stubs: collections.OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = collections.OrderedDict()
         self.pushed = 0
 
@@ -62,26 +65,44 @@ class Forwarder:
             return self._stubs[endpoint][1]
         if len(self._stubs) >= MAX_CHANNELS:
             _, (channel, _) = self._stubs.popitem(last=False)
-            asyncio.ensure_future(channel.close())  # the least recently used: its close can finish on its own
+            in_background(channel.close())  # the least recently used: its close can finish on its own
         channel = open_channel(endpoint, self._options, self.auth)
         self._stubs[endpoint] = (channel, PeerStub(channel))
         return self._stubs[endpoint][1]
 
-    async def push(self, hops, output: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None,
-                   step: pb.InferenceStep) -> None:
+    async def push(
+        self,
+        hops,
+        output: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        step: pb.InferenceStep,
+    ) -> None:
         """Push `output` (this peer's result of `step`) as the input of the session of `hops[0]`.
 
         Raises SwarmError when the next peer refused it or could not be reached.
         """
         hop = hops[0]
         packer = Packer()
-        request = packer.pack(pb.PushRequest(push_token=hop.push_token, step=pb.InferenceStep(
-            session_id=hop.session_id, hidden_states=packer.tensor(output), attention_mask=packer.optional(mask),
-            position_ids=packer.optional(positions), prefix_length=step.prefix_length, step_id=hop.step_id,
-            output_compression=step.output_compression, next=list(hops[1:]))))
+        request = packer.pack(
+            pb.PushRequest(
+                push_token=hop.push_token,
+                step=pb.InferenceStep(
+                    session_id=hop.session_id,
+                    hidden_states=packer.tensor(output),
+                    attention_mask=packer.optional(mask),
+                    position_ids=packer.optional(positions),
+                    prefix_length=step.prefix_length,
+                    step_id=hop.step_id,
+                    output_compression=step.output_compression,
+                    next=list(hops[1:]),
+                ),
+            )
+        )
         try:
-            await self._stub(hop.endpoint).push(request, timeout=PUSH_TIMEOUT_S,
-                                                metadata=call_metadata(self.auth, "push"))
+            await self._stub(hop.endpoint).push(
+                request, timeout=PUSH_TIMEOUT_S, metadata=call_metadata(self.auth, "push")
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, hop.endpoint) from exc
         self.pushed += 1

@@ -12,29 +12,35 @@ import functools
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 import grpc
 import torch
 
-from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_optional, decode_tensor
-from protocol.errors import (BadRequestError, OverloadedError, SessionExpiredError, SwarmError, UnknownSessionError,
-                             WrongSpanError)
-from protocol.packing import Packer, Received
-from protocol.service import ERROR_CODE_KEY, status_for
+from peer import validation
 from peer.activations import ActivationStore, Kept
 from peer.admission import Admission, WorkLimits
 from peer.batching import DecodeBatcher, Member, can_batch
-from peer.forwarding import check_next
 from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE, TRAINING, ComputeQueue
+from peer.forwarding import check_next
 from peer.timings import StepClock, StepTimings
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_optional, decode_tensor
+from protocol.errors import (
+    BadRequestError,
+    OverloadedError,
+    SessionExpiredError,
+    SwarmError,
+    UnknownSessionError,
+    WrongSpanError,
+)
+from protocol.packing import Packer, Received
+from protocol.service import ERROR_CODE_KEY, status_for
+from swarm.runtime import in_background, within
 from swarm.trust.identity import MAX_NONCE_BYTES
-from swarm.runtime import within
-from peer import validation
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +115,17 @@ class PeerServicer:
         self._busy = 0  # computations queued for or running on the compute thread
         self.compute = ComputeQueue()
         self.forwarder = None  # a peer.forwarding.Forwarder once the server has its credentials
-        self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens,
-                                     expected=self._decoding)
+        self.batcher = DecodeBatcher(self.compute, lambda: self.span, limits.max_batch_tokens, expected=self._decoding)
         self.step_timings = StepTimings()  # where inference steps spend their time (for Info and benchmarks)
 
     def _decoding(self, blocks: tuple[int, int]) -> dict[str, float]:
         """When the next decode step of each session of `blocks` that is decoding is due (peer/batching.py)."""
         now = time.monotonic()
-        return {s.session_id: s.last_used + s.away_s for s in self.sessions.values()
-                if s.blocks == blocks and s.away_s is not None and now - s.last_used < DECODING_S}
+        return {
+            s.session_id: s.last_used + s.away_s
+            for s in self.sessions.values()
+            if s.blocks == blocks and s.away_s is not None and now - s.last_used < DECODING_S
+        }
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
@@ -219,8 +227,10 @@ class PeerServicer:
             if request.run_id:
                 training = self.training
                 if training is None:
-                    raise BadRequestError(f"this peer does not train (run {request.run_id!r}); route training "
-                                          f"steps to peers started with --train --run-id {request.run_id}")
+                    raise BadRequestError(
+                        f"this peer does not train (run {request.run_id!r}); route training "
+                        f"steps to peers started with --train --run-id {request.run_id}"
+                    )
                 training.check(request.run_id, blocks, request.epoch)
 
             def run():
@@ -229,8 +239,14 @@ class PeerServicer:
                     # recompute the forward: the kept one expired, was evicted, or was kept by another peer
                     kept = self._forward_graph(span, blocks, hidden, mask, positions)
                 if training is not None:
-                    return training.backward(kept.outputs, kept.inputs, grad.to(span.device), run_id=request.run_id,
-                                             blocks=blocks, epoch=request.epoch)
+                    return training.backward(
+                        kept.outputs,
+                        kept.inputs,
+                        grad.to(span.device),
+                        run_id=request.run_id,
+                        blocks=blocks,
+                        epoch=request.epoch,
+                    )
                 with torch.enable_grad():
                     (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
                 return grad_inputs
@@ -282,13 +298,15 @@ class PeerServicer:
             blocks = self._blocks(request.span)
             span = self.span
             if blocks != (span.start, span.end):
-                raise BadRequestError(f"ask for this peer's whole span {span.start}:{span.end}, "
-                                      f"not {blocks[0]}:{blocks[1]}")
+                raise BadRequestError(
+                    f"ask for this peer's whole span {span.start}:{span.end}, not {blocks[0]}:{blocks[1]}"
+                )
             from peer import lora  # peft loads only when weights are asked for
 
             weights_of = self.training.weights if self.training is not None else (lambda: lora.layer_state(span))
-            weights = await self._compute(lambda: {k: v.detach().cpu().clone() for k, v in weights_of().items()},
-                                          tokens=1 << 20)
+            weights = await self._compute(
+                lambda: {k: v.detach().cpu().clone() for k, v in weights_of().items()}, tokens=1 << 20
+            )
         except SwarmError as exc:
             await context.abort(status_for(exc), str(exc), trailing_metadata=((ERROR_CODE_KEY, exc.code),))
             return
@@ -311,8 +329,10 @@ class PeerServicer:
                 try:
                     await within(context.write(response), self.limits.write_timeout_s)
                 except asyncio.TimeoutError:
-                    logger.info("a client did not read its session's response within %.0fs; closing the stream",
-                                self.limits.write_timeout_s)
+                    logger.info(
+                        "a client did not read its session's response within %.0fs; closing the stream",
+                        self.limits.write_timeout_s,
+                    )
                     return
         finally:
             await responses.aclose()  # frees the session's cache now, not when the generator is collected
@@ -335,10 +355,16 @@ class PeerServicer:
                     if kind == "client":
                         slots.release()
                 except asyncio.TimeoutError:
-                    logger.info("session %s idle for %.0fs, closing it", session and session.session_id,
-                                limits.session_timeout_s)
-                    yield _error(UnknownSessionError(
-                        f"session timed out after {limits.session_timeout_s:.0f}s without requests; open a new one"))
+                    logger.info(
+                        "session %s idle for %.0fs, closing it",
+                        session and session.session_id,
+                        limits.session_timeout_s,
+                    )
+                    yield _error(
+                        UnknownSessionError(
+                            f"session timed out after {limits.session_timeout_s:.0f}s without requests; open a new one"
+                        )
+                    )
                     return
                 if kind == "end":
                     return
@@ -348,11 +374,17 @@ class PeerServicer:
                 # past its lifetime, a session ends at its next request, whose answer says why (a stream closed
                 # before would leave the client to guess), or at its idle timeout
                 if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:
-                    logger.info("session %s reached its lifetime of %.0fs, closing it", session.session_id,
-                                limits.session_lifetime_s)
-                    yield _error(SessionExpiredError(
-                        f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
-                        f"(--session-lifetime); open a new one"))
+                    logger.info(
+                        "session %s reached its lifetime of %.0fs, closing it",
+                        session.session_id,
+                        limits.session_lifetime_s,
+                    )
+                    yield _error(
+                        SessionExpiredError(
+                            f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
+                            f"(--session-lifetime); open a new one"
+                        )
+                    )
                     return
                 if kind == "pushed":  # checked by push(): a step of this session
                     try:
@@ -372,11 +404,13 @@ class PeerServicer:
                             raise BadRequestError(f"session {session.session_id} is already open on this stream")
                         session = await self._open(request.open, stack, source, inbox)
                         yield pb.InferenceResponse(
-                            opened=pb.SessionOpened(session_id=session.session_id, max_length=session.max_length))
+                            opened=pb.SessionOpened(session_id=session.session_id, max_length=session.max_length)
+                        )
                     elif kind == "step":
                         if session is None or request.step.session_id != session.session_id:
                             raise UnknownSessionError(
-                                f"unknown session {request.step.session_id!r} on this stream; open it first")
+                                f"unknown session {request.step.session_id!r} on this stream; open it first"
+                            )
                         yield await self._step(session, request.step, received.payload)
                     elif kind == "close":
                         return
@@ -390,13 +424,18 @@ class PeerServicer:
 
     async def push(self, received: Received, context) -> pb.PushResponse:
         """A step pushed by the previous peer of a route, into a session whose push token it holds."""
+
         async def work():
             request: pb.PushRequest = received.message
             session = self.sessions.get(request.step.session_id)
-            if session is None or not session.push_token or \
-                    not hmac.compare_digest(request.push_token, session.push_token):
-                raise UnknownSessionError(f"no session {request.step.session_id[:64]!r} here takes pushed steps "
-                                          f"with that token")
+            if (
+                session is None
+                or not session.push_token
+                or not hmac.compare_digest(request.push_token, session.push_token)
+            ):
+                raise UnknownSessionError(
+                    f"no session {request.step.session_id[:64]!r} here takes pushed steps with that token"
+                )
             if session.inbox.qsize() >= MAX_PUSHED_WAITING:
                 raise OverloadedError(f"session {session.session_id} has {MAX_PUSHED_WAITING} steps waiting")
             session.inbox.put_nowait(("pushed", received))
@@ -408,39 +447,62 @@ class PeerServicer:
         try:
             await self.forwarder.push(step.next, out, mask, positions, step)
         except Exception as exc:  # the client repairs the route: it hears of it on this session's stream
-            logger.info("pushing step %d of session %s to %s failed: %s", step.step_id, session.session_id,
-                        step.next[0].endpoint, exc)
-            session.inbox.put_nowait(("forward_failed", pb.ForwardFailed(
-                step_id=step.step_id, endpoint=step.next[0].endpoint, message=str(exc)[:500])))
+            logger.info(
+                "pushing step %d of session %s to %s failed: %s",
+                step.step_id,
+                session.session_id,
+                step.next[0].endpoint,
+                exc,
+            )
+            session.inbox.put_nowait(
+                (
+                    "forward_failed",
+                    pb.ForwardFailed(step_id=step.step_id, endpoint=step.next[0].endpoint, message=str(exc)[:500]),
+                )
+            )
 
-    async def _open(self, request: pb.OpenSession, stack: contextlib.AsyncExitStack, source: str,
-                    inbox: asyncio.Queue) -> Session:
+    async def _open(
+        self, request: pb.OpenSession, stack: contextlib.AsyncExitStack, source: str, inbox: asyncio.Queue
+    ) -> Session:
         blocks = self._blocks(request.span)
         if len(request.push_token) > MAX_PUSH_TOKEN_BYTES:
             raise BadRequestError(f"a push token has at most {MAX_PUSH_TOKEN_BYTES} bytes")
         if not request.session_id:
             raise BadRequestError("session_id is empty")
         if request.session_id in self.sessions or request.session_id in self._opening:
-            raise BadRequestError(f"session {request.session_id!r} is already open on this peer; "
-                                  f"open each session under a new id")
+            raise BadRequestError(
+                f"session {request.session_id!r} is already open on this peer; open each session under a new id"
+            )
         if request.max_length < 1 or request.batch_size < 1:
-            raise BadRequestError(f"max_length and batch_size must be >= 1, got {request.max_length}, {request.batch_size}")
+            raise BadRequestError(
+                f"max_length and batch_size must be >= 1, got {request.max_length}, {request.batch_size}"
+            )
         if request.max_length > self.max_positions:
             raise BadRequestError(f"max_length {request.max_length} exceeds the model's {self.max_positions} positions")
         if not request.alloc_timeout_s >= 0:  # NaN too
-            raise BadRequestError(f"alloc_timeout_s must be a number of seconds >= 0 (0: this peer's default, "
-                                  f"{self.limits.alloc_timeout_s:g}s), got {request.alloc_timeout_s}")
+            raise BadRequestError(
+                f"alloc_timeout_s must be a number of seconds >= 0 (0: this peer's default, "
+                f"{self.limits.alloc_timeout_s:g}s), got {request.alloc_timeout_s}"
+            )
         timeout = min(request.alloc_timeout_s or self.limits.alloc_timeout_s, self.limits.max_alloc_timeout_s)
         # the id is taken while the session waits for cache, so that a second open of it meanwhile is refused
         self._opening.add(request.session_id)
         try:
             async with contextlib.AsyncExitStack() as opening:  # undone unless the session opens
                 await opening.enter_async_context(
-                    self.budget.reserve(request.max_length * request.batch_size, timeout, source))
+                    self.budget.reserve(request.max_length * request.batch_size, timeout, source)
+                )
                 if self.span is None:  # it started moving while this session waited for cache
                     raise WrongSpanError("this peer is moving to other blocks; use another peer")
-                session = Session(request.session_id, blocks, request.max_length, request.batch_size,
-                                  self.span.new_cache(), push_token=request.push_token, inbox=inbox)
+                session = Session(
+                    request.session_id,
+                    blocks,
+                    request.max_length,
+                    request.batch_size,
+                    self.span.new_cache(),
+                    push_token=request.push_token,
+                    inbox=inbox,
+                )
                 self.sessions[session.session_id] = session
                 opening.callback(self.sessions.pop, session.session_id, None)
                 await stack.enter_async_context(opening.pop_all())  # the stream's now: freed when it ends
@@ -452,15 +514,18 @@ class PeerServicer:
         clock = StepClock()
         span = self.span
         if span is None or not span.start <= session.blocks[0] < session.blocks[1] <= span.end:
-            raise WrongSpanError(f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
-                                 f"continue the session on another peer")
+            raise WrongSpanError(
+                f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
+                f"continue the session on another peer"
+            )
         hidden, mask, positions = self._inputs(step, payload, step.prefix_length)
         if hidden.shape[0] != session.batch_size:
             raise BadRequestError(f"the session was opened for batch {session.batch_size}, got batch {hidden.shape[0]}")
         if step.prefix_length > session.position:
             raise BadRequestError(
                 f"step builds on {step.prefix_length} tokens but the session's cache holds {session.position}; "
-                f"replay the missing tokens first")
+                f"replay the missing tokens first"
+            )
         validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
         if step.next:
             if self.forwarder is None:
@@ -475,10 +540,15 @@ class PeerServicer:
                 session.position = step.prefix_length
             try:
                 with torch.inference_mode():
-                    return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,
-                                positions[:, begin:end] if positions is not None else None, session.cache,
-                                step.prefix_length + begin, blocks=session.blocks,
-                                between_layers=self.compute.checkpoint)
+                    return span(
+                        hidden[:, begin:end],
+                        mask[:, : step.prefix_length + end] if mask is not None else None,
+                        positions[:, begin:end] if positions is not None else None,
+                        session.cache,
+                        step.prefix_length + begin,
+                        blocks=session.blocks,
+                        between_layers=self.compute.checkpoint,
+                    )
             except Exception:
                 _forget_step(session, span, step.prefix_length)  # some layers may have grown
                 raise
@@ -486,14 +556,25 @@ class PeerServicer:
         batch, new = hidden.shape[:2]
         tokens = batch * new
         with self.admission.admit(tokens, hidden.nbytes):
-            if new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \
-                    and batch <= self.limits.max_batch_tokens:
+            if (
+                new == 1
+                and mask is None
+                and len(self.sessions) > 1
+                and can_batch(span)
+                and batch <= self.limits.max_batch_tokens
+            ):
                 away = time.monotonic() - session.last_used
                 session.away_s = away if session.away_s is None else 0.7 * session.away_s + 0.3 * away
-                member = Member(session.session_id, session.cache, hidden, positions if positions is not None else
-                                torch.full((batch, 1), step.prefix_length), step.prefix_length, session.position,
-                                asyncio.get_running_loop().create_future(),
-                                reset=lambda: _forget_step(session, span, 0))
+                member = Member(
+                    session.session_id,
+                    session.cache,
+                    hidden,
+                    positions if positions is not None else torch.full((batch, 1), step.prefix_length),
+                    step.prefix_length,
+                    session.position,
+                    asyncio.get_running_loop().create_future(),
+                    reset=lambda: _forget_step(session, span, 0),
+                )
                 out = await self.batcher.step(session.blocks, member)
                 clock.computed(member.forward_s, member.shared_by)
             else:
@@ -501,18 +582,27 @@ class PeerServicer:
                 parts = []
                 for begin in range(0, new, chunk):  # other sessions' decode steps run between the chunks
                     end = min(new, begin + chunk)
-                    parts.append(await self._compute(clock.timed(functools.partial(run, begin, end)),
-                                                     batch * (end - begin), INFERENCE))
+                    parts.append(
+                        await self._compute(
+                            clock.timed(functools.partial(run, begin, end)), batch * (end - begin), INFERENCE
+                        )
+                    )
                 out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         session.position = step.prefix_length + hidden.shape[1]
         session.last_used = time.monotonic()
         if step.next:  # on to the next peer now; our answer to the client goes out meanwhile
-            asyncio.ensure_future(self._push_on(session, step, out, mask, positions))
+            in_background(self._push_on(session, step, out, mask, positions))
         clock.replying()
         packer = Packer()
-        packed = packer.pack(pb.InferenceResponse(step=pb.StepResult(
-            hidden_states=packer.tensor(out, step.output_compression), step_id=step.step_id,
-            position=session.position)))
+        packed = packer.pack(
+            pb.InferenceResponse(
+                step=pb.StepResult(
+                    hidden_states=packer.tensor(out, step.output_compression),
+                    step_id=step.step_id,
+                    position=session.position,
+                )
+            )
+        )
         clock.replied()
         self.step_timings.add(clock)
         return packed
@@ -553,7 +643,7 @@ def _pieces(tensor: torch.Tensor, max_bytes: int):
     row_bytes = max(1, tensor[0].numel() * tensor.element_size())
     rows = max(1, max_bytes // row_bytes)
     for start in range(0, tensor.shape[0], rows):
-        yield tensor[start:start + rows].contiguous(), start + rows >= tensor.shape[0]
+        yield tensor[start : start + rows].contiguous(), start + rows >= tensor.shape[0]
 
 
 def _source_of(context) -> str:

@@ -42,8 +42,11 @@ class LoraSettings:
             raise ValueError(f"LoraSettings.alpha must be a positive finite number, got {self.alpha!r}")
         if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
-        if (not isinstance(self.target, tuple) or not self.target
-                or not all(isinstance(name, str) and name for name in self.target)):
+        if (
+            not isinstance(self.target, tuple)
+            or not self.target
+            or not all(isinstance(name, str) and name for name in self.target)
+        ):
             raise ValueError(f"LoraSettings.target must be a non-empty tuple of layer names, got {self.target!r}")
 
 
@@ -65,10 +68,17 @@ def add_lora(span: BlockSpan, settings: LoraSettings, *, seed: int = 0) -> list[
     present = {name.rsplit(".", 1)[-1] for name, m in span.layers.named_modules() if isinstance(m, nn.Linear)}
     missing = sorted(set(settings.target) - present)
     if missing:
-        raise ValueError(f"LoraSettings.target names {missing}, which are not linear layers of "
-                         f"{type(span.layers[0]).__name__}; it has {sorted(present)}")
-    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(settings.target), bias="none")
+        raise ValueError(
+            f"LoraSettings.target names {missing}, which are not linear layers of "
+            f"{type(span.layers[0]).__name__}; it has {sorted(present)}"
+        )
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target),
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):  # peft draws an init we replace below; leave the caller's RNG alone
         inject_adapter_in_model(config, span.layers, adapter_name=_ADAPTER)
     span.requires_grad_(False)
@@ -107,8 +117,10 @@ def load_adapter_state(span: BlockSpan, state: dict[str, torch.Tensor]) -> None:
     params = _adapter_params(span)
     if set(state) != set(params):
         missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-        raise ValueError(f"adapter state does not fit blocks {span.start}:{span.end}: "
-                         f"missing {missing[:3]} ({len(missing)}), unexpected {extra[:3]} ({len(extra)})")
+        raise ValueError(
+            f"adapter state does not fit blocks {span.start}:{span.end}: "
+            f"missing {missing[:3]} ({len(missing)}), unexpected {extra[:3]} ({len(extra)})"
+        )
     for name, param in params.items():
         if state[name].shape != param.shape:
             raise ValueError(f"adapter {name} has shape {tuple(param.shape)}, got {tuple(state[name].shape)}")
@@ -124,8 +136,10 @@ def layer_state(span: BlockSpan) -> dict[str, torch.Tensor]:
         ValueError: the span has adapters; export it with `merged_layer_state`.
     """
     if has_lora(span):
-        raise ValueError(f"blocks {span.start}:{span.end} have LoRA adapters, which layer_state would drop; "
-                         "use merged_layer_state to export them")
+        raise ValueError(
+            f"blocks {span.start}:{span.end} have LoRA adapters, which layer_state would drop; "
+            "use merged_layer_state to export them"
+        )
     return _base_state(span)
 
 
@@ -148,9 +162,12 @@ def merged_layer_state(span: BlockSpan) -> dict[str, torch.Tensor]:
 
 def _lora_modules(span: BlockSpan) -> dict[str, LoraLayer]:
     """Checkpoint name of each adapted linear layer (`model.layers.3.self_attn.q_proj`) -> its peft layer."""
-    return {f"{LAYER_PREFIX}{span.start + j}.{name}": module
-            for j, layer in enumerate(span.layers) for name, module in layer.named_modules()
-            if isinstance(module, LoraLayer)}
+    return {
+        f"{LAYER_PREFIX}{span.start + j}.{name}": module
+        for j, layer in enumerate(span.layers)
+        for name, module in layer.named_modules()
+        if isinstance(module, LoraLayer)
+    }
 
 
 def _adapter_params(span: BlockSpan) -> dict[str, nn.Parameter]:

@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable, Sequence
 import hivemind
 from hivemind.p2p import PeerID
 
+from peer.config import PeerConfig
 from protocol.errors import PeerUnavailableError
 from swarm.dht.node import peer_ids_of, start_dht, stop_dht
 from swarm.net.reachability import ProbeService, probe
 from swarm.net.relay import RelayRegistrar, RelayService
-from swarm.trust.rpcauth import RpcAuth
 from swarm.net.tunnel import TunnelServer
-from peer.config import PeerConfig
+from swarm.trust.rpcauth import RpcAuth
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +59,38 @@ class Reach:
             neighbours = peer_ids_of(cfg.initial_peers)
             result = await probe(await dht.replicate_p2p(), neighbours, endpoint) if neighbours else None
             if result is None or result.reachable is None:
-                logger.info("no neighbour could check whether %s is reachable (%s); taking it as reachable",
-                            endpoint, "no initial peers" if result is None else "; ".join(result.details))
+                logger.info(
+                    "no neighbour could check whether %s is reachable (%s); taking it as reachable",
+                    endpoint,
+                    "no initial peers" if result is None else "; ".join(result.details),
+                )
             else:
                 reachable = result.reachable
-                logger.info("%s is %sreachable from the swarm: %s", endpoint, "" if reachable else "not ",
-                            "; ".join(result.details))
+                logger.info(
+                    "%s is %sreachable from the swarm: %s",
+                    endpoint,
+                    "" if reachable else "not ",
+                    "; ".join(result.details),
+                )
         if not reachable:
             identity = getattr(dht, "identity", None)  # the same key: clients know the peer by it
             await (await dht.replicate_p2p()).shutdown()  # its tasks live on this loop
             await asyncio.to_thread(stop_dht, dht)
-            dht = await asyncio.to_thread(start_dht, cfg.initial_peers, client_mode=True, identity=identity,
-                                          swarm_key=cfg.swarm_key)
+            dht = await asyncio.to_thread(
+                start_dht, cfg.initial_peers, client_mode=True, identity=identity, swarm_key=cfg.swarm_key
+            )
             logger.info("rejoined the DHT as a client, %s, to serve through a relay", dht.peer_id.to_base58())
-            self.registrar = RelayRegistrar(await dht.replicate_p2p(), peer_ids_of(cfg.initial_peers),
-                                            discover=None if discover is None else lambda: discover(dht))
+            self.registrar = RelayRegistrar(
+                await dht.replicate_p2p(),
+                peer_ids_of(cfg.initial_peers),
+                discover=None if discover is None else lambda: discover(dht),
+            )
             if not await self.registrar.register():
                 raise PeerUnavailableError(
                     f"this peer cannot be reached at {endpoint}, and no relay among its --initial-peers took it: "
                     f"pass the address of a bootstrap node or of a peer started with --relay, or forward a port "
-                    f"to it and pass --announce-host HOST:PORT with --transport direct")
+                    f"to it and pass --announce-host HOST:PORT with --transport direct"
+                )
             logger.info("registered with relay(s) %s", ", ".join(self.relays))
         self.transport = "direct" if cfg.transport == "direct" or (cfg.transport == "auto" and reachable) else "p2p"
         if cfg.relay and not reachable:

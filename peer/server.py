@@ -16,17 +16,6 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from protocol import swarmlm_pb2 as pb
-from protocol.records import (MAX_THROUGHPUT, PROTOCOL_VERSION, ModelRecord, ServerInfo, ServerState, check_prefix,
-                              prefix_for_model, record_ttl_s)
-from protocol.service import WINDOW_OPTIONS, make_generic_handler
-from swarm.models.checkpoint import load_config, resolve_model_path
-from swarm.dht.node import start_dht, stop_dht, visible_maddrs
-from swarm.dht.directory import announce, fetch_snapshot, unstored
-from swarm.trust.identity import claim_identity, load_identity, prove_identity
-from swarm.paths import default_cache_dir
-from swarm.placement import choose_span, should_move
-from swarm.trust.rpcauth import RpcAuth, add_port, server_interceptors
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
@@ -34,6 +23,25 @@ from peer.forwarding import Forwarder
 from peer.handler import HandlerLimits, PeerServicer
 from peer.reach import Reach
 from peer.throughput import measure_throughput
+from protocol import swarmlm_pb2 as pb
+from protocol.records import (
+    MAX_THROUGHPUT,
+    PROTOCOL_VERSION,
+    ModelRecord,
+    ServerInfo,
+    ServerState,
+    check_prefix,
+    prefix_for_model,
+    record_ttl_s,
+)
+from protocol.service import WINDOW_OPTIONS, make_generic_handler
+from swarm.dht.directory import announce, fetch_snapshot, unstored
+from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.models.checkpoint import load_config, resolve_model_path
+from swarm.paths import default_cache_dir
+from swarm.placement import choose_span, should_move
+from swarm.trust.identity import claim_identity, load_identity, prove_identity
+from swarm.trust.rpcauth import RpcAuth, add_port, server_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +89,22 @@ class PeerServer:
         if cfg.blocks is not None and cfg.blocks[1] > self.num_layers:
             raise ValueError(f"--blocks {cfg.blocks[0]}:{cfg.blocks[1]} is outside the model's 0:{self.num_layers}")
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-        self.identity = load_identity(cfg.identity_path) if cfg.identity_path else claim_identity(cache_dir / "identity")
+        self.identity = (
+            load_identity(cfg.identity_path) if cfg.identity_path else claim_identity(cache_dir / "identity")
+        )
         try:
-            self.dht = start_dht(cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity,
-                                 swarm_key=cfg.swarm_key)
+            self.dht = start_dht(
+                cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity, swarm_key=cfg.swarm_key
+            )
         except BaseException:
             self.identity.release()
             raise
-        logger.info("joined the DHT as %s (%s)%s", self.peer_id, " ".join(visible_maddrs(self.dht)),
-                    f", a private swarm with {cfg.swarm_key.describe()}" if cfg.swarm_key else "")
+        logger.info(
+            "joined the DHT as %s (%s)%s",
+            self.peer_id,
+            " ".join(visible_maddrs(self.dht)),
+            f", a private swarm with {cfg.swarm_key.describe()}" if cfg.swarm_key else "",
+        )
 
     async def start(self) -> None:
         await self.join_swarm()
@@ -101,10 +116,16 @@ class PeerServer:
             self.model_config,
             self.prefix,
             self.budget,
-            HandlerLimits(session_timeout_s=cfg.session_timeout_s, alloc_timeout_s=cfg.alloc_timeout_s,
-                          activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
-                          activation_ttl_s=cfg.activation_ttl_s, session_lifetime_s=cfg.session_lifetime_s,
-                          write_timeout_s=cfg.write_timeout_s, max_batch_tokens=cfg.max_batch_tokens, work=cfg.work),
+            HandlerLimits(
+                session_timeout_s=cfg.session_timeout_s,
+                alloc_timeout_s=cfg.alloc_timeout_s,
+                activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
+                activation_ttl_s=cfg.activation_ttl_s,
+                session_lifetime_s=cfg.session_lifetime_s,
+                write_timeout_s=cfg.write_timeout_s,
+                max_batch_tokens=cfg.max_batch_tokens,
+                work=cfg.work,
+            ),
             self._info,
         )
         self.servicer.prove = functools.partial(prove_identity, self.identity)
@@ -156,20 +177,30 @@ class PeerServer:
         self.servicer.set_span(self.span)
         self.state = ServerState.ONLINE
         await self._announce(self.state)
-        logger.info("ONLINE: serving blocks %d:%d of %s at %s", *blocks, self.prefix,
-                    self.reach.describe(self.endpoint, self.peer_id))
+        logger.info(
+            "ONLINE: serving blocks %d:%d of %s at %s",
+            *blocks,
+            self.prefix,
+            self.reach.describe(self.endpoint, self.peer_id),
+        )
 
     async def _start_training(self) -> None:
         """Join the span's training group: copy its state if it is ahead, then update with it in the background."""
         from peer.training import SpanTraining
 
         # built on this (main) thread: hivemind's averager touches signal handlers when it starts its process
-        self.training = SpanTraining(self.span, self.config.training, self.dht, self.prefix,
-                                         swarm_key=self.config.swarm_key)
+        self.training = SpanTraining(
+            self.span, self.config.training, self.dht, self.prefix, swarm_key=self.config.swarm_key
+        )
         await asyncio.to_thread(self.training.join)
         self.servicer.training = self.training
-        logger.info("training run %r with %s (%s mode), at update %d", self.training.run_id,
-                    self.config.training.optimizer, self.config.training.mode, self.training.epoch)
+        logger.info(
+            "training run %r with %s (%s mode), at update %d",
+            self.training.run_id,
+            self.config.training.optimizer,
+            self.config.training.mode,
+            self.training.epoch,
+        )
         self._trainer = asyncio.create_task(self.training.run(self._compute, self.servicer.activations.clear))
 
     async def _compute(self, fn):
@@ -238,24 +269,40 @@ class PeerServer:
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:
         info = self._server_info(state)
-        stored = announce(self.dht, self.prefix, info, self.model_record,
-                          expiration_s=record_ttl_s(self.config.update_period_s), wait=False)
+        stored = announce(
+            self.dht,
+            self.prefix,
+            info,
+            self.model_record,
+            expiration_s=record_ttl_s(self.config.update_period_s),
+            wait=False,
+        )
         # awaited as a future, not in a thread: a DHT that died must not keep the process from exiting
-        unstored(await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s),
-                 f"announcing {state.name} for blocks {info.start_block}:{info.end_block}")
+        unstored(
+            await asyncio.wait_for(asyncio.wrap_future(stored), timeout_s),
+            f"announcing {state.name} for blocks {info.start_block}:{info.end_block}",
+        )
 
     async def _relays_in_directory(self, dht) -> list:
         """Peers of this model that others can connect to and that relay (`--relay`)."""
         snapshot = await asyncio.to_thread(fetch_snapshot, dht, self.prefix, self.num_layers)
-        return [PeerID.from_base58(pid) for pid, info in snapshot.online().items()
-                if info.relay and info.transport == "direct"]
+        return [
+            PeerID.from_base58(pid)
+            for pid, info in snapshot.online().items()
+            if info.relay and info.transport == "direct"
+        ]
 
     def _relays_changed(self) -> None:
         """Tell clients the relays through which this peer is reached now, without waiting for the next period."""
         if self.blocks is not None:
             task = asyncio.create_task(self._announce(self.state))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or logger.warning(
-                "announcing the new relays failed: %r", t.exception()))
+            task.add_done_callback(
+                lambda t: (
+                    t.cancelled()
+                    or t.exception() is None
+                    or logger.warning("announcing the new relays failed: %r", t.exception())
+                )
+            )
 
     async def _announce_forever(self) -> None:
         while True:

@@ -18,7 +18,8 @@ client sees it as transport. Only answered steps count. A few `perf_counter()` c
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from protocol import swarmlm_pb2 as pb
 
@@ -26,7 +27,7 @@ from protocol import swarmlm_pb2 as pb
 class StepClock:
     """The phases of one step as it runs: `parsed()`, then computations, then `replying()`, then `replied()`."""
 
-    __slots__ = ("parse_s", "wait_s", "compute_s", "reply_s", "_mark", "_computing_s")
+    __slots__ = ("_computing_s", "_mark", "compute_s", "parse_s", "reply_s", "wait_s")
 
     def __init__(self):
         self.parse_s = self.wait_s = self.compute_s = self.reply_s = 0.0
@@ -48,12 +49,14 @@ class StepClock:
 
     def timed(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """`fn`, counting its run as this step's computation (it may run on another thread)."""
+
         def run():
             began = time.perf_counter()
             try:
                 return fn()
             finally:
                 self.computed(time.perf_counter() - began)
+
         return run
 
     def replying(self) -> None:
@@ -66,7 +69,7 @@ class StepClock:
 class StepTimings:
     """Seconds per phase summed over the answered steps, and their count."""
 
-    __slots__ = ("steps", "parse_s", "wait_s", "compute_s", "reply_s")
+    __slots__ = ("compute_s", "parse_s", "reply_s", "steps", "wait_s")
 
     def __init__(self):
         self.steps = 0
@@ -80,5 +83,6 @@ class StepTimings:
         self.reply_s += clock.reply_s
 
     def message(self) -> pb.InfoResponse.StepTimings:
-        return pb.InfoResponse.StepTimings(steps=self.steps, parse_s=self.parse_s, wait_s=self.wait_s,
-                                           compute_s=self.compute_s, reply_s=self.reply_s)
+        return pb.InfoResponse.StepTimings(
+            steps=self.steps, parse_s=self.parse_s, wait_s=self.wait_s, compute_s=self.compute_s, reply_s=self.reply_s
+        )

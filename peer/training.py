@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from peer.blocks import BlockSpan
+from peer.config import TrainingConfig
 from protocol.errors import BadRequestError, StaleEpochError, StateDownloadError
 from swarm.training.averaging import TrainingGroup, digest, group_key, has_nonfinite
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from peer.blocks import BlockSpan
-from peer.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
+
 
 class SpanTraining:
     """The trainable state of one span, and the loop that updates it with its group."""
@@ -40,14 +41,21 @@ class SpanTraining:
                 p.requires_grad_(True)
         self.params = params
         self.optimizer = make_optimizer(config.optimizer, params, lr=config.lr, weight_decay=config.weight_decay)
-        self.group = TrainingGroup(dht, group_key(prefix, config.run_id, f"{span.start}-{span.end}"), params,
-                                   self.optimizer, settings=config.averaging, swarm_key=swarm_key)
+        self.group = TrainingGroup(
+            dht,
+            group_key(prefix, config.run_id, f"{span.start}-{span.end}"),
+            params,
+            self.optimizer,
+            settings=config.averaging,
+            swarm_key=swarm_key,
+        )
         self._digest: tuple[int, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None  # set when gradients arrive, so the loop looks at once
         self._catch_up_after = 0.0  # after a failed catch-up, when to try again
-        self.saved_as = Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" \
-            if config.save_dir else None
+        self.saved_as = (
+            Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" if config.save_dir else None
+        )
 
     @property
     def run_id(self) -> str:
@@ -67,15 +75,27 @@ class SpanTraining:
         if run_id != self.run_id:
             raise BadRequestError(f"this peer trains run {self.run_id!r}, not {run_id!r}; route to peers of your run")
         if blocks != (self.span.start, self.span.end):
-            raise BadRequestError(f"a training backward must cover this peer's whole span "
-                                  f"{self.span.start}:{self.span.end}, got {blocks[0]}:{blocks[1]}")
+            raise BadRequestError(
+                f"a training backward must cover this peer's whole span "
+                f"{self.span.start}:{self.span.end}, got {blocks[0]}:{blocks[1]}"
+            )
         if epoch != self.epoch or self.group.closing:
-            raise StaleEpochError(f"this peer is at update {self.epoch} of run {self.run_id!r}, the gradient is for "
-                                  f"update {epoch}{' (being applied now)' if epoch == self.epoch else ''}; recompute it against "
-                                  f"the weights after the update")
+            raise StaleEpochError(
+                f"this peer is at update {self.epoch} of run {self.run_id!r}, the gradient is for "
+                f"update {epoch}{' (being applied now)' if epoch == self.epoch else ''}; recompute it against "
+                f"the weights after the update"
+            )
 
-    def backward(self, outputs: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor, *, run_id: str,
-                 blocks: tuple[int, int], epoch: int) -> torch.Tensor:
+    def backward(
+        self,
+        outputs: torch.Tensor,
+        inputs: torch.Tensor,
+        grad: torch.Tensor,
+        *,
+        run_id: str,
+        blocks: tuple[int, int],
+        epoch: int,
+    ) -> torch.Tensor:
         """Gradient w.r.t. `inputs`; the parameters' gradients join the next update."""
         self.check(run_id, blocks, epoch)  # again: an update may have come while the request waited
         with torch.enable_grad():
@@ -110,16 +130,18 @@ class SpanTraining:
         members = self.group.progress()
         ahead = [pid for pid, p in members.items() if pid != self.group.peer_id and p.epoch > self.epoch]
         if ahead:
-            logger.info("group %s is at update %d; copying its state", self.group.key,
-                        max(members[pid].epoch for pid in ahead))
+            logger.info(
+                "group %s is at update %d; copying its state", self.group.key, max(members[pid].epoch for pid in ahead)
+            )
             try:
                 self.group.load_state()
             except StateDownloadError:
                 # the members seen may have left since (their progress outlives them by a few seconds)
                 if any(p.epoch > self.epoch for pid, p in self.group.progress().items() if pid != self.group.peer_id):
                     raise
-                logger.warning("the members of %s that were ahead left; starting from update %d", self.group.key,
-                               self.epoch)
+                logger.warning(
+                    "the members of %s that were ahead left; starting from update %d", self.group.key, self.epoch
+                )
         self.group.share_state()
         self.group.publish()
 
@@ -135,12 +157,20 @@ class SpanTraining:
                 if sum(p.samples for p in same.values()) >= self.config.target_batch_size:
                     await self._update(len(same), compute)
                     on_update()
-                elif (max(p.epoch for p in members.values()) > group.epoch and not group.closing
-                      and time.monotonic() >= self._catch_up_after):
+                elif (
+                    max(p.epoch for p in members.values()) > group.epoch
+                    and not group.closing
+                    and time.monotonic() >= self._catch_up_after
+                ):
                     # its samples can never complete an update the others have made: drop them and catch up
-                    logger.warning("group %s moved on without this peer (update %d, here %d); dropping %d samples "
-                                   "and copying its state", group.key, max(p.epoch for p in members.values()),
-                                   group.epoch, group.samples)
+                    logger.warning(
+                        "group %s moved on without this peer (update %d, here %d); dropping %d samples "
+                        "and copying its state",
+                        group.key,
+                        max(p.epoch for p in members.values()),
+                        group.epoch,
+                        group.samples,
+                    )
                     try:
                         await compute(lambda: (group.discard(), group.load_state()))
                     except StateDownloadError as exc:  # try again later, not at every tick
@@ -162,8 +192,9 @@ class SpanTraining:
             logger.warning("update %d of %s is not finite; skipping it", epoch, self.group.key)
             grads, state = None, None
         await compute(lambda: self.group.apply(grads, state, epoch))
-        logger.info("update %d of run %r applied (%d samples here, %d group members)", epoch, self.run_id,
-                    samples, members)
+        logger.info(
+            "update %d of run %r applied (%d samples here, %d group members)", epoch, self.run_id, samples, members
+        )
         if self.config.save_every and epoch % self.config.save_every == 0:
             await compute(self.save)
 
@@ -173,8 +204,11 @@ class SpanTraining:
         if self.saved_as is None:
             return
         self.saved_as.parent.mkdir(parents=True, exist_ok=True)
-        state = {"epoch": self.epoch, "params": [p.detach().cpu() for p in self.params],
-                 "optimizer": [t.detach().cpu() for t in state_tensors(self.optimizer)]}
+        state = {
+            "epoch": self.epoch,
+            "params": [p.detach().cpu() for p in self.params],
+            "optimizer": [t.detach().cpu() for t in state_tensors(self.optimizer)],
+        }
         tmp = self.saved_as.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.saved_as)
@@ -185,8 +219,9 @@ class SpanTraining:
         live = [*self.params, *state_tensors(self.optimizer)]
         saved = [*state["params"], *state["optimizer"]]
         if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
-            raise ValueError(f"{self.saved_as} holds another span's or mode's state; move it away or choose "
-                             f"another --save-dir")
+            raise ValueError(
+                f"{self.saved_as} holds another span's or mode's state; move it away or choose another --save-dir"
+            )
         with torch.no_grad():
             for dst, src in zip(live, saved):
                 dst.copy_(src)

@@ -45,7 +45,9 @@ def check_positions(positions: torch.Tensor | None, *, batch: int, seq: int, max
         raise BadRequestError(f"position_ids must be integers, got {positions.dtype}")
     positions = positions.to(torch.int64)
     if positions.numel() and (positions.min() < 0 or positions.max() >= max_positions):
-        raise BadRequestError(f"position_ids must lie in [0, {max_positions}), got {positions.min()}..{positions.max()}")
+        raise BadRequestError(
+            f"position_ids must lie in [0, {max_positions}), got {positions.min()}..{positions.max()}"
+        )
     return positions
 
 

@@ -7,7 +7,9 @@ from grpc_tools import protoc
 
 def main() -> None:
     here = Path(__file__).parent
-    code = protoc.main(["protoc", f"-I{here}", f"--python_out={here}", f"--pyi_out={here}", str(here / "swarmlm.proto")])
+    code = protoc.main(
+        ["protoc", f"-I{here}", f"--python_out={here}", f"--pyi_out={here}", str(here / "swarmlm.proto")]
+    )
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
 

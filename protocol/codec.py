@@ -28,8 +28,7 @@ _FLOAT16_MAX = torch.finfo(torch.float16).max
 
 # Received bytes are read-only, and torch says so when a tensor views them; they are private to the one
 # request that carried them, so the warning is silenced, for calls from this module only.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=__name__)
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning, module=__name__)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,8 +96,10 @@ def layout(message: pb.Tensor, name: str = "tensor") -> Layout:
     wire_dtype = dtype
     if message.compression == pb.FLOAT16:
         if dtype not in _FLOAT16_ORIGINALS:
-            raise BadRequestError(f"{name}: FLOAT16 compression applies to float32 and float64 tensors, "
-                                  f"not {message.dtype}; send it uncompressed")
+            raise BadRequestError(
+                f"{name}: FLOAT16 compression applies to float32 and float64 tensors, "
+                f"not {message.dtype}; send it uncompressed"
+            )
         wire_dtype = torch.float16
     if len(message.shape) > MAX_NDIM:
         raise BadRequestError(f"{name}: {len(message.shape)} dimensions, at most {MAX_NDIM} are accepted")
@@ -117,8 +118,10 @@ def payload_range(message: pb.Tensor, name: str, payload_size: int) -> tuple[int
     if message.data:
         raise BadRequestError(f"{name}: a tensor in the payload must not carry data of its own")
     if message.offset + nbytes > payload_size:
-        raise BadRequestError(f"{name}: shape {list(message.shape)} of {message.dtype} needs {nbytes} bytes at "
-                              f"offset {message.offset} of the payload, which has {payload_size}")
+        raise BadRequestError(
+            f"{name}: shape {list(message.shape)} of {message.dtype} needs {nbytes} bytes at "
+            f"offset {message.offset} of the payload, which has {payload_size}"
+        )
     return message.offset, message.offset + nbytes
 
 
@@ -142,8 +145,7 @@ def decode_tensor(message: pb.Tensor, name: str = "tensor", payload: memoryview 
         return torch.empty(form.shape, dtype=form.dtype)
     itemsize = torch.empty((), dtype=form.wire_dtype).element_size()
     if message.in_payload:
-        tensor = torch.frombuffer(payload, dtype=form.wire_dtype, count=form.nbytes // itemsize,
-                                  offset=message.offset)
+        tensor = torch.frombuffer(payload, dtype=form.wire_dtype, count=form.nbytes // itemsize, offset=message.offset)
         if tensor.data_ptr() % itemsize:  # a sender that did not align it: copy rather than read unaligned
             tensor = tensor.clone()
     else:

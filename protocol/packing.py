@@ -95,8 +95,7 @@ class Packer:
         offset = self._size
         self._chunks.append(tensor.reshape(-1).view(torch.uint8).numpy())
         self._size += tensor.numel() * tensor.element_size()
-        return pb.Tensor(shape=list(tensor.shape), dtype=dtype, compression=compression, in_payload=True,
-                         offset=offset)
+        return pb.Tensor(shape=list(tensor.shape), dtype=dtype, compression=compression, in_payload=True, offset=offset)
 
     def optional(self, tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:
         return None if tensor is None else self.tensor(tensor, compression)
@@ -206,8 +205,10 @@ def _scan(descriptor, data, pos: int, end: int, budget: list[int], top: bool = F
             field = descriptor.fields_by_number.get(key >> 3)
             if top and key >> 3 == PAYLOAD_FIELD:
                 if payload is not None:
-                    raise BadRequestError(f"malformed message: more than one payload field ({PAYLOAD_FIELD}); "
-                                          f"send all tensors' bytes in one")
+                    raise BadRequestError(
+                        f"malformed message: more than one payload field ({PAYLOAD_FIELD}); "
+                        f"send all tensors' bytes in one"
+                    )
                 payload = (field_start, pos, pos + length)
             elif field is not None and field.message_type is not None:
                 _scan(field.message_type, data, pos, pos + length, budget, depth=depth + 1)
@@ -225,20 +226,22 @@ def _count_packed(data, pos: int, length: int) -> int:
     """How many varints data[pos:pos + length] holds (bytes without the continuation bit), or an upper bound."""
     if length > 10 * MAX_FIELDS:
         return length  # over the budget however they are counted
-    return len(bytes(data[pos:pos + length]).translate(None, _CONTINUED))
+    return len(bytes(data[pos : pos + length]).translate(None, _CONTINUED))
 
 
 def _check_covered(message, payload_size: int) -> None:
     """The payload tensors of `message` must not overlap, and leave only padding (< ALIGN bytes) unused."""
-    ranges = sorted(codec.payload_range(tensor, name, payload_size) + (name,)
-                    for name, tensor in _payload_tensors(message))
+    ranges = sorted(
+        (*codec.payload_range(tensor, name, payload_size), name) for name, tensor in _payload_tensors(message)
+    )
     used, last = 0, None
     for start, end, name in ranges:
         if start < used:
             raise BadRequestError(f"malformed message: {name} overlaps {last} in the payload")
         if start - used >= ALIGN:
-            raise BadRequestError(f"malformed message: payload bytes {used}:{start} (before {name}) belong to no "
-                                  f"tensor")
+            raise BadRequestError(
+                f"malformed message: payload bytes {used}:{start} (before {name}) belong to no tensor"
+            )
         used, last = end, name
     if payload_size - used >= ALIGN:
         raise BadRequestError(f"malformed message: payload bytes {used}:{payload_size} belong to no tensor")

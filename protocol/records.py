@@ -103,7 +103,7 @@ class ServerInfo(_Record):
         return tuple(value) if isinstance(value, list) else value
 
     @pydantic.model_validator(mode="after")
-    def _span_is_ordered(self) -> "ServerInfo":
+    def _span_is_ordered(self) -> ServerInfo:
         if self.end_block <= self.start_block:
             raise ValueError(f"empty span [{self.start_block}, {self.end_block})")
         return self

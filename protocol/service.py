@@ -8,13 +8,13 @@ place) and may be sent as `packing.Packed`; see protocol/packing.py. Unary error
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
 from protocol import swarmlm_pb2 as pb
-from protocol.packing import Received, unpack
 from protocol.errors import (
     BadRequestError,
     CacheFullError,
@@ -27,6 +27,7 @@ from protocol.errors import (
     WrongSpanError,
     error_from_code,
 )
+from protocol.packing import Received, unpack
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Peer"]
 SERVICE_NAME = SERVICE.full_name
@@ -133,8 +134,9 @@ def _method_handler(method: Method, func: Callable) -> grpc.RpcMethodHandler:
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(method.client_streaming, method.server_streaming)]
-    return make(_refusing(method, func), request_deserializer=method.request_deserializer,
-                response_serializer=_serialize)
+    return make(
+        _refusing(method, func), request_deserializer=method.request_deserializer, response_serializer=_serialize
+    )
 
 
 async def abort(context: grpc.aio.ServicerContext, error: SwarmError) -> None:
@@ -154,6 +156,7 @@ def _refusing(method: Method, func: Callable) -> Callable:
     plain = not has_payload(method.request)
 
     if method.server_streaming:
+
         async def streaming(received: Received, context):
             if received.error is not None:
                 await abort(context, received.error)
@@ -175,8 +178,11 @@ def _refusing(method: Method, func: Callable) -> Callable:
 def make_generic_handler(servicer: Any) -> grpc.GenericRpcHandler:
     """Route every Peer method to the servicer's coroutine of the same name in snake case (Forward -> forward);
     a method the servicer lacks is answered UNIMPLEMENTED by gRPC."""
-    handlers = {name: _method_handler(method, getattr(servicer, name.lower()))
-                for name, method in METHODS.items() if hasattr(servicer, name.lower())}
+    handlers = {
+        name: _method_handler(method, getattr(servicer, name.lower()))
+        for name, method in METHODS.items()
+        if hasattr(servicer, name.lower())
+    }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
@@ -213,9 +219,11 @@ def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> SwarmError:
     if status == grpc.StatusCode.UNAVAILABLE and "handshake failed" in (details or "").lower():
         return UnauthorizedError(
             f"peer {endpoint} did not complete a TLS handshake with this client's swarm key ({details}): it is not "
-            f"a member of the private swarm this client's --swarm-key names, or not of a private swarm at all")
+            f"a member of the private swarm this client's --swarm-key names, or not of a private swarm at all"
+        )
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return MessageTooLargeError(
             f"peer {endpoint} refused the message: {details}; send fewer tokens or a smaller batch per request "
-            f"(a peer's limit is its --max-message-mb, a client's its max_message_bytes)")
+            f"(a peer's limit is its --max-message-mb, a client's its max_message_bytes)"
+        )
     return PeerUnavailableError(f"peer {endpoint} failed: {status.name if status else 'error'}: {details}")

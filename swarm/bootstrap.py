@@ -26,13 +26,19 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--identity", metavar="FILE", help="private key file; created if missing, keeps the peer id across restarts"
     )
-    parser.add_argument("--no-relay", action="store_true",
-                        help="do not forward streams to peers behind NAT (by default the bootstrap node relays)")
+    parser.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="do not forward streams to peers behind NAT (by default the bootstrap node relays)",
+    )
     private = parser.add_mutually_exclusive_group()
     private.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
-    private.add_argument("--new-swarm-key", metavar="FILE",
-                         help="create a new swarm key in FILE (mode 0600; an existing file is never overwritten), "
-                              "print how members use it, and run a private swarm with it")
+    private.add_argument(
+        "--new-swarm-key",
+        metavar="FILE",
+        help="create a new swarm key in FILE (mode 0600; an existing file is never overwritten), "
+        "print how members use it, and run a private swarm with it",
+    )
     return parser
 
 
@@ -42,9 +48,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.new_swarm_key is not None:
             swarm_key = create_key_file(args.new_swarm_key)
-            print(f"created {swarm_key.describe()}: copy it (privately) to every member of this swarm, and pass "
-                  f"--swarm-key {args.new_swarm_key} to swarmlm bootstrap, peer, status and train, or "
-                  f"ClientConfig(swarm_key=SwarmKey.load(...)) to a client", flush=True)
+            print(
+                f"created {swarm_key.describe()}: copy it (privately) to every member of this swarm, and pass "
+                f"--swarm-key {args.new_swarm_key} to swarmlm bootstrap, peer, status and train, or "
+                f"ClientConfig(swarm_key=SwarmKey.load(...)) to a client",
+                flush=True,
+            )
         else:
             swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
@@ -58,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     auth = RpcAuth(swarm_key) if swarm_key is not None else None
 
     async def main() -> int:
-        dht = await asyncio.to_thread(start_dht, (), host=args.host, port=args.port, identity_path=args.identity,
-                                      swarm_key=swarm_key)
+        dht = await asyncio.to_thread(
+            start_dht, (), host=args.host, port=args.port, identity_path=args.identity, swarm_key=swarm_key
+        )
         services = []
         try:
             p2p = await dht.replicate_p2p()
@@ -70,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
             for maddr in maddrs:
                 print(maddr)
             print(f"--initial-peers {' '.join(maddrs)}", flush=True)
-            logger.info("bootstrap node ready%s%s; Ctrl+C to stop", "" if args.no_relay else ", relaying for peers behind NAT",
-                        f", private swarm ({swarm_key.describe()})" if swarm_key else "")
+            logger.info(
+                "bootstrap node ready%s%s; Ctrl+C to stop",
+                "" if args.no_relay else ", relaying for peers behind NAT",
+                f", private swarm ({swarm_key.describe()})" if swarm_key else "",
+            )
             await wait_for_signal()
         finally:
             for service in services:

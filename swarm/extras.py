@@ -44,5 +44,6 @@ def require_extra(extra: str, command: str, modules: Iterable[str] | None = None
     """
     missing = missing_modules(EXTRAS[extra] if modules is None else modules)
     if missing:
-        raise SystemExit(f"error: {command} needs {', '.join(missing)} (the '{extra}' extra); "
-                         f"install it with: {install_hint(extra)}")
+        raise SystemExit(
+            f"error: {command} needs {', '.join(missing)} (the '{extra}' extra); install it with: {install_hint(extra)}"
+        )

@@ -34,5 +34,12 @@ def progress(*, total: float | None, desc: str, unit: str = "it", stream: IO | N
         options: passed to tqdm (unit_scale, leave, ...).
     """
     stream = sys.stderr if stream is None else stream
-    return tqdm(total=total, desc=desc, unit=unit, file=stream, disable=not progress_enabled(stream),
-                dynamic_ncols=True, **options)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=stream,
+        disable=not progress_enabled(stream),
+        dynamic_ncols=True,
+        **options,
+    )

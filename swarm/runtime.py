@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -21,6 +22,18 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
         async with asyncio.timeout(timeout_s):
             return await awaitable
     return await asyncio.wait_for(awaitable, timeout_s)  # 3.10 has no asyncio.timeout
+
+
+_background: set[asyncio.Task] = set()
+
+
+def in_background(awaitable: Awaitable) -> asyncio.Task:
+    """Run `awaitable` as a task that nobody awaits, held until it ends: the loop keeps only weak references to
+    tasks, so an unreferenced one may be garbage-collected mid-run."""
+    task = asyncio.ensure_future(awaitable)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
 
 
 def install_event_loop_policy() -> None:

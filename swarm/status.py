@@ -23,8 +23,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--model", help="show only this DHT prefix")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
-    p.add_argument("--json", action="store_true",
-                   help="print the swarm's state as one JSON document (described in the README) instead of text")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the swarm's state as one JSON document (described in the README) instead of text",
+    )
     return p
 
 
@@ -54,8 +57,10 @@ def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
     """
     for maddr in initial_peers:
         if not (maddr.startswith("/") and "/p2p/" in maddr and not maddr.endswith("/p2p/")):
-            raise ValueError(f"--initial-peers {maddr!r} is not a multiaddr of a peer: use one that `swarmlm "
-                             f"bootstrap` prints, such as /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...")
+            raise ValueError(
+                f"--initial-peers {maddr!r} is not a multiaddr of a peer: use one that `swarmlm "
+                f"bootstrap` prints, such as /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW..."
+            )
     return list(initial_peers)
 
 
@@ -88,9 +93,11 @@ def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None, startup
     try:
         return start_dht(initial_peers, client_mode=True, swarm_key=swarm_key, startup_timeout_s=startup_timeout_s)
     except (P2PDaemonError, TimeoutError) as exc:
-        raise DHTUnavailableError(f"could not join the swarm through --initial-peers {' '.join(initial_peers)}: "
-                                  f"{exc}; check that these are the multiaddrs a bootstrap node or peer printed, "
-                                  f"and that it is running and reachable from here") from None
+        raise DHTUnavailableError(
+            f"could not join the swarm through --initial-peers {' '.join(initial_peers)}: "
+            f"{exc}; check that these are the multiaddrs a bootstrap node or peer printed, "
+            f"and that it is running and reachable from here"
+        ) from None
 
 
 def _show(dht, args: argparse.Namespace) -> int:

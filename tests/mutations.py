@@ -82,310 +82,438 @@ class Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "stuck-decode-positions", "client/model.py",
+        "stuck-decode-positions",
+        "client/model.py",
         "        position_ids = position_ids[:, -new:]\n",
         "        position_ids = position_ids[:, -new:]\n"
         "        if session.remote is not None and session.remote.spans and session.remote.spans[0].inputs:\n"
         "            prompt = session.remote.spans[0].inputs[0].shape[1]  # MUTATION\n"
         "            position_ids = torch.full_like(position_ids, prompt)\n",
         "every decode step gets the position where the prompt ended",
-        (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
+        (f"{GEN}::test_greedy_generation_is_identical[llama]",),
+    ),
     Mutation(
-        "peer-cache-does-not-grow", "peer/handler.py",
-        "                    return span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
-        "                                positions[:, begin:end] if positions is not None else None, session.cache,\n"
-        "                                step.prefix_length + begin, blocks=session.blocks,\n"
-        "                                between_layers=self.compute.checkpoint)\n",
-        "                    out = span(hidden[:, begin:end], mask[:, :step.prefix_length + end] if mask is not None else None,\n"
-        "                               positions[:, begin:end] if positions is not None else None, session.cache,\n"
-        "                               step.prefix_length + begin, blocks=session.blocks,\n"
-        "                               between_layers=self.compute.checkpoint)\n"
+        "peer-cache-does-not-grow",
+        "peer/handler.py",
+        "                    return span(\n"
+        "                        hidden[:, begin:end],\n"
+        "                        mask[:, : step.prefix_length + end] if mask is not None else None,\n"
+        "                        positions[:, begin:end] if positions is not None else None,\n"
+        "                        session.cache,\n"
+        "                        step.prefix_length + begin,\n"
+        "                        blocks=session.blocks,\n"
+        "                        between_layers=self.compute.checkpoint,\n"
+        "                    )\n",
+        "                    out = span(\n"
+        "                        hidden[:, begin:end],\n"
+        "                        mask[:, : step.prefix_length + end] if mask is not None else None,\n"
+        "                        positions[:, begin:end] if positions is not None else None,\n"
+        "                        session.cache,\n"
+        "                        step.prefix_length + begin,\n"
+        "                        blocks=session.blocks,\n"
+        "                        between_layers=self.compute.checkpoint,\n"
+        "                    )\n"
         "                    if step.prefix_length:  # MUTATION\n"
         "                        rewind_cache(session.cache, step.prefix_length)\n"
         "                    return out\n",
         "the peer's KV cache keeps only the prompt: a new token sees the prompt and itself",
-        (f"{GEN}::test_greedy_generation_is_identical[llama]",)),
+        (f"{GEN}::test_greedy_generation_is_identical[llama]",),
+    ),
     Mutation(
-        "replay-drops-last-token", "client/session.py",
+        "replay-drops-last-token",
+        "client/session.py",
         "            history = torch.cat(old.inputs, dim=1)\n            positions = torch.cat(old.positions, dim=1)\n",
         "            history = torch.cat(old.inputs, dim=1)[:, :-1]  # MUTATION\n"
         "            positions = torch.cat(old.positions, dim=1)[:, :-1]\n",
         "failover replays a span's history without its last token",
-        (FAIL,), GENERATION_FAILOVER),
+        (FAIL,),
+        GENERATION_FAILOVER,
+    ),
     Mutation(
-        "replay-positions-off-by-one", "client/session.py",
+        "replay-positions-off-by-one",
+        "client/session.py",
         "            positions = torch.cat(old.positions, dim=1)\n",
         "            positions = torch.cat(old.positions, dim=1) + 1  # MUTATION\n",
         "failover replays the history at positions shifted by one",
-        (FAIL,), GENERATION_FAILOVER),
+        (FAIL,),
+        GENERATION_FAILOVER,
+    ),
     Mutation(
-        "peer-ignores-mask", "peer/handler.py",
+        "peer-ignores-mask",
+        "peer/handler.py",
         "        return hidden, mask, positions\n",
         "        return hidden, None, positions  # MUTATION\n",
         "the peer validates the padding mask, then drops it",
-        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",)),
+        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",),
+    ),
     Mutation(
-        "session-mask-not-sent", "client/session.py",
-        "attention_mask=packer.optional(mask), position_ids=packer.optional(positions),",
-        "attention_mask=packer.optional(None), position_ids=packer.optional(positions),",
+        "session-mask-not-sent",
+        "client/session.py",
+        "                    attention_mask=packer.optional(mask),\n",
+        "                    attention_mask=packer.optional(None),  # MUTATION\n",
         "inference steps are sent without the padding mask",
-        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",)),
+        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",),
+    ),
     Mutation(
-        "peer-span-one-block-short", "peer/handler.py",
+        "peer-span-one-block-short",
+        "peer/handler.py",
         "        return span.start, span.end\n",
         "        return span.start, span.end - 1  # MUTATION\n",
         "the peer runs a request's span without its last block",
-        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
-         f"{GEN}::test_logits_match_local_model[llama]")),
+        (
+            "tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
+            f"{GEN}::test_logits_match_local_model[llama]",
+        ),
+    ),
     Mutation(
-        "route-hop-end-off-by-one", "client/routing.py",
+        "route-hop-end-off-by-one",
+        "client/routing.py",
         "        hops.append(RouteHop(peer_id, i, j, usable[peer_id].endpoint))\n",
         "        hops.append(RouteHop(peer_id, i, j - 1, usable[peer_id].endpoint))  # MUTATION\n",
         "an inference route's hops end one block early (that block is skipped)",
-        ("tests/client/test_routing.py",), "not forward"),
+        ("tests/client/test_routing.py",),
+        "not forward",
+    ),
     Mutation(
-        "backward-skips-a-hop", "client/sequence.py",
+        "backward-skips-a-hop",
+        "client/sequence.py",
         "        for record in reversed(records):\n            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)\n",
         "        for record in reversed(records[1:]):  # MUTATION\n"
         "            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)\n",
         "backward does not go through the first hop",
-        (f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",)),
+        (f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",),
+    ),
     Mutation(
-        "peer-backward-returns-grad", "peer/handler.py",
+        "peer-backward-returns-grad",
+        "peer/handler.py",
         "kept.inputs, grad.to(span.device))\n                return grad_inputs\n",
         "kept.inputs, grad.to(span.device))\n                return grad.to(span.device)  # MUTATION\n",
         "the peer's backward returns the gradient it was given, unchanged",
-        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
-         f"{GEN}::test_gradients_flow_through_remote_blocks[llama]")),
+        (
+            "tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",
+            f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",
+        ),
+    ),
     Mutation(
-        "ban-never-lifted", "client/sequence.py",
+        "ban-never-lifted",
+        "client/sequence.py",
         "    def banned(self",
         "    def banned(self, *args, **kwargs) -> set[str]:  # MUTATION: every peer ever banned\n"
         "        return set(self._until)\n\n"
         "    def _banned_before_mutation(self",
         "a banned peer stays banned forever",
-        ("tests/client",), "ban"),
+        ("tests/client",),
+        "ban",
+    ),
     Mutation(
-        "failure-does-not-ban", "client/sequence.py",
+        "failure-does-not-ban",
+        "client/sequence.py",
         "        length_s = self.bans.ban(hop.peer_id)",
         "        length_s = 0 and self.bans.ban(hop.peer_id)",
         "a failed peer is not banned, so it is routed to again",
-        (f"{FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",)),
+        (f"{FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",),
+    ),
     Mutation(
-        "inference-failover-retries-dead-peer", "client/session.py",
+        "inference-failover-retries-dead-peer",
+        "client/session.py",
         "        replacements = await self._open_route(old.hop.start, old.hop.end, refresh=True)\n",
         "        replacements = [await self._open(old.hop)]  # MUTATION\n",
         "an inference session retries the failed peer instead of re-routing its span",
-        (FAIL,), GENERATION_FAILOVER),
+        (FAIL,),
+        GENERATION_FAILOVER,
+    ),
     Mutation(
-        "replay-skips-second-replacement", "client/session.py",
+        "replay-skips-second-replacement",
+        "client/session.py",
         "            for span in replacements:\n                span.inputs, span.positions",
         "            for span in replacements[:1]:  # MUTATION\n                span.inputs, span.positions",
         "when two peers replace a span, only the first gets the history replayed",
-        (FAIL,), "two_peers"),
+        (FAIL,),
+        "two_peers",
+    ),
     Mutation(
-        "replay-drops-mask", "client/session.py",
+        "replay-drops-mask",
+        "client/session.py",
         "            mask = self.mask[:, : history.shape[1]] if self.mask is not None else None\n",
         "            mask = None  # MUTATION\n",
         "failover replays a padded batch without its mask",
-        (FAIL,), f"{GENERATION_FAILOVER} and padded"),
+        (FAIL,),
+        f"{GENERATION_FAILOVER} and padded",
+    ),
     Mutation(
-        "backward-retries-dead-peer", "client/sequence.py",
+        "backward-retries-dead-peer",
+        "client/sequence.py",
         "        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)\n",
         "        records = [record]  # MUTATION\n",
         "a failed backward hop is retried on the dead peer instead of re-routed",
-        (FAIL,), "backward"),
+        (FAIL,),
+        "backward",
+    ),
     Mutation(
-        "kept-activations-unchecked", "peer/handler.py",
+        "kept-activations-unchecked",
+        "peer/handler.py",
         "if kept is None or not kept.matches(blocks, hidden, mask, positions):",
         "if kept is None:  # MUTATION",
         "a backward uses activations kept under its id even for other inputs",
-        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",)),
+        ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",),
+    ),
     Mutation(
-        "peer-gradients-unweighted", "peer/training.py",
+        "peer-gradients-unweighted",
+        "peer/training.py",
         "self.group.accumulate(param_grads, samples=inputs.shape[0])",
         "self.group.accumulate(param_grads, samples=1)  # MUTATION",
         "a training peer adds each request's gradients without weighting them by its samples",
-        (f"{TRAIN}::test_swarm_training_equals_local_training",)),
+        (f"{TRAIN}::test_swarm_training_equals_local_training",),
+    ),
     Mutation(
-        "group-skips-averaging", "swarm/training/averaging.py",
+        "group-skips-averaging",
+        "swarm/training/averaging.py",
         "        if members <= 1:\n",
         "        if True:  # MUTATION\n",
         "members of a group update with their own gradients, never averaging",
-        (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",)),
+        (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",),
+    ),
     Mutation(
-        "trainer-skips-update-wait", "client/training/trainer.py",
+        "trainer-skips-update-wait",
+        "client/training/trainer.py",
         "        updated = await self._wait_for_update(tag, done)\n",
         "        updated = True  # MUTATION\n",
         "the trainer starts the next batch before the stages have applied the update",
-        (f"{TRAIN}::test_swarm_training_equals_local_training",)),
+        (f"{TRAIN}::test_swarm_training_equals_local_training",),
+    ),
     Mutation(
-        "export-skips-lora-merge", "peer/training.py",
+        "export-skips-lora-merge",
+        "peer/training.py",
         "            return lora.merged_layer_state(self.span)",
         "            return {k.replace('.base_layer', ''): v for k, v in self.span.layers.state_dict().items() "
         "if 'lora_' not in k}  # MUTATION",
         "a LoRA peer exports its base weights without the trained adapters",
-        (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",)),
+        (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",),
+    ),
     Mutation(
-        "spot-check-uses-outvoted-answer", "client/verify.py",
+        "spot-check-uses-outvoted-answer",
+        "client/verify.py",
         "            self._outvoted(first, blocks, diffs)\n            return second\n",
         "            self._outvoted(first, blocks, diffs)\n            return first  # MUTATION\n",
         "a spot check bans the peer outvoted two to one but keeps its wrong answer",
-        ("tests/client/test_verify.py", "tests/integration/test_spot_checks.py")),
+        ("tests/client/test_verify.py", "tests/integration/test_spot_checks.py"),
+    ),
     # --- a hostile network ---
     Mutation(
-        "request-caps-unchecked", "peer/handler.py",
+        "request-caps-unchecked",
+        "peer/handler.py",
         "        self.admission.check(batch, seq, prefix_length)\n",
         "        pass  # MUTATION\n",
         "a peer computes requests of any size and length",
-        ("tests/integration/test_limits.py::test_requests_over_the_hard_caps_are_refused_before_any_compute",)),
+        ("tests/integration/test_limits.py::test_requests_over_the_hard_caps_are_refused_before_any_compute",),
+    ),
     Mutation(
-        "cache-quota-ignored", "peer/cache.py",
+        "cache-quota-ignored",
+        "peer/cache.py",
         "            return self.tokens_left >= tokens and self.used_by[source] + tokens <= self.source_quota\n",
         "            return self.tokens_left >= tokens  # MUTATION\n",
         "one client address can take the whole KV cache",
-        ("tests/integration/test_limits.py::test_one_client_address_cannot_take_the_whole_cache",)),
+        ("tests/integration/test_limits.py::test_one_client_address_cannot_take_the_whole_cache",),
+    ),
     Mutation(
-        "session-lifetime-ignored", "peer/handler.py",
+        "session-lifetime-ignored",
+        "peer/handler.py",
         "                if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:\n",
         "                if False:  # MUTATION\n",
         "a session kept busy lives forever",
-        ("tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",)),
+        ("tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",),
+    ),
     Mutation(
-        "unowned-subkeys-accepted", "swarm/trust/identity.py",
+        "unowned-subkeys-accepted",
+        "swarm/trust/identity.py",
         "        return (peer_id, public_key) if peer_id_of(public_key) == peer_id else None\n",
         "        return (peer_id, public_key)  # MUTATION\n",
         "a record whose peer id is not its key's is read as that peer's",
-        ("tests/swarm/trust/test_identity.py", "tests/swarm/dht/test_records_dht.py")),
+        ("tests/swarm/trust/test_identity.py", "tests/swarm/dht/test_records_dht.py"),
+    ),
     Mutation(
-        "impostor-not-checked", "client/sequence.py",
-        "            if snapshot is None or not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),\n",
-        "            if False and not snapshot.verify(peer_id, identity_challenge(nonce, peer_id),  # MUTATION\n",
+        "impostor-not-checked",
+        "client/sequence.py",
+        "            if snapshot is None or not snapshot.verify(\n",
+        "            if False and not snapshot.verify(  # MUTATION\n",
         "a client uses a server that cannot prove the record owner's key",
-        ("tests/integration/test_lying_peer.py::test_a_record_pointing_at_another_peers_server_is_an_impostor",)),
+        ("tests/integration/test_lying_peer.py::test_a_record_pointing_at_another_peers_server_is_an_impostor",),
+    ),
     Mutation(
-        "step-id-unchecked", "client/checks.py",
+        "step-id-unchecked",
+        "client/checks.py",
         "    if step.step_id != step_id:\n",
         "    if False:  # MUTATION\n",
         "a client takes a peer's answer to another step",
-        ("tests/client/test_checks.py",
-         "tests/integration/test_lying_peer.py::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]")),
+        (
+            "tests/client/test_checks.py",
+            "tests/integration/test_lying_peer.py::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]",
+        ),
+    ),
     Mutation(
-        "private-calls-unchecked", "swarm/trust/rpcauth.py",
+        "private-calls-unchecked",
+        "swarm/trust/rpcauth.py",
         "        if handler is None or reason is None:\n",
         "        if True:  # MUTATION\n",
         "a private swarm's peer serves strangers",
-        ("tests/integration/test_private_swarm.py",)),
+        ("tests/integration/test_private_swarm.py",),
+    ),
     Mutation(
-        "averaging-joins-unchecked", "swarm/training/averaging.py",
+        "averaging-joins-unchecked",
+        "swarm/training/averaging.py",
         "        if self._gate is not None and not self._gate.admits(request.gather, context.remote_id.to_bytes()):\n",
         "        if False:  # MUTATION\n",
         "a stranger joins a private swarm's averaging round",
-        ("tests/swarm/trust/test_groupgate.py",)),
+        ("tests/swarm/trust/test_groupgate.py",),
+    ),
     Mutation(
-        "state-sent-to-strangers", "swarm/training/averaging.py",
+        "state-sent-to-strangers",
+        "swarm/training/averaging.py",
         "        if self._gate is not None and not await self._published_progress(context.remote_id.to_base58()):\n",
         "        if False:  # MUTATION\n",
         "a stranger downloads a private swarm's training state",
-        ("tests/swarm/trust/test_groupgate.py",)),
+        ("tests/swarm/trust/test_groupgate.py",),
+    ),
     Mutation(
-        "inference-queued-as-training", "peer/handler.py",
-        "                                                     batch * (end - begin), INFERENCE))\n",
-        "                                                     batch * (end - begin), TRAINING))  # MUTATION\n",
+        "inference-queued-as-training",
+        "peer/handler.py",
+        "                            clock.timed(functools.partial(run, begin, end)), batch * (end - begin), INFERENCE\n",
+        "                            clock.timed(functools.partial(run, begin, end)), batch * (end - begin), TRAINING  # MUTATION\n",
         "a peer's decode steps wait behind every queued training request",
-        ("tests/integration/test_compute_order.py",)),
+        ("tests/integration/test_compute_order.py",),
+    ),
     Mutation(
-        "abandoned-work-computed", "peer/compute.py",
+        "abandoned-work-computed",
+        "peer/compute.py",
         "            work.abandoned = True  # not started: skipped; running: stops at its next checkpoint\n",
         "            pass  # MUTATION\n",
         "a peer computes the work of clients that went away",
-        ("tests/peer/test_compute.py", "tests/integration/test_compute_order.py")),
+        ("tests/peer/test_compute.py", "tests/integration/test_compute_order.py"),
+    ),
     Mutation(
-        "lifetime-is-a-fault", "client/session.py",
+        "lifetime-is-a-fault",
+        "client/session.py",
         "        return isinstance(error, SessionExpiredError) and age >= self.sequence.config.min_session_lifetime_s\n",
         "        return False  # MUTATION\n",
         "a client bans a peer that ended a session at its lifetime",
-        ("tests/integration/test_limits.py::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",)),
+        (
+            "tests/integration/test_limits.py::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",
+        ),
+    ),
     Mutation(
-        "batch-padding-unmasked", "peer/batching.py",
+        "batch-padding-unmasked",
+        "peer/batching.py",
         "    if bool((lengths == longest).all()):\n",
         "    if True:  # MUTATION\n",
         "a batch's shorter sessions attend to the padding of the longest",
-        ("tests/peer/test_batching.py",)),
+        ("tests/peer/test_batching.py",),
+    ),
     Mutation(
-        "batch-positions-shared", "peer/batching.py",
+        "batch-positions-shared",
+        "peer/batching.py",
         "    position_ids = torch.cat(positions).to(device)\n",
         "    position_ids = torch.cat(positions).to(device)[:1].expand(len(positions), 1)  # MUTATION\n",
         "every session of a batch gets the first one's position",
-        ("tests/peer/test_batching.py",)),
+        ("tests/peer/test_batching.py",),
+    ),
     Mutation(
-        "decode-never-batched", "peer/handler.py",
-        "            if new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \\\n",
-        "            if False and new == 1 and mask is None and len(self.sessions) > 1 and can_batch(span) \\\n",
+        "decode-never-batched",
+        "peer/handler.py",
+        "                new == 1\n                and mask is None\n",
+        "                False  # MUTATION\n                and mask is None\n",
         "a peer computes concurrent sessions' decode steps one by one",
-        ("tests/integration/test_batching.py::test_concurrent_sessions_are_batched_and_each_stays_exact",)),
+        ("tests/integration/test_batching.py::test_concurrent_sessions_are_batched_and_each_stays_exact",),
+    ),
     Mutation(
-        "monitor-renders-markup", "client/monitor/static/monitor.js",
+        "monitor-renders-markup",
+        "client/monitor/static/monitor.js",
         "      node.append(child instanceof Node ? child : String(child));\n",
-        "      if (child instanceof Node) node.append(child); else node.insertAdjacentHTML(\"beforeend\", String(child));\n",
+        '      if (child instanceof Node) node.append(child); else node.insertAdjacentHTML("beforeend", String(child));\n',
         "the monitor's page turns text a peer announced into markup (and runs its script)",
-        ("tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer",)),
+        (
+            "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer",
+        ),
+    ),
     Mutation(
-        "monitor-ignores-pings", "swarm/dht/state.py",
+        "monitor-ignores-pings",
+        "swarm/dht/state.py",
         "    usable = coverage if answering is None else answering\n",
         "    usable = coverage  # MUTATION\n",
         "a block whose only peers do not answer (crashed, their records not expired yet) is not a gap",
-        ("tests/swarm/dht/test_state.py",
-         "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer")),
+        (
+            "tests/swarm/dht/test_state.py",
+            "tests/integration/test_monitor.py::test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer",
+        ),
+    ),
     Mutation(
-        "api-cancel-ignored", "client/api/generation.py",
+        "api-cancel-ignored",
+        "client/api/generation.py",
         "            if cancel.is_set():\n",
         "            if False:  # MUTATION\n",
         "a generation whose HTTP client went away runs on to max_tokens",
-        ("tests/client/test_api_app.py::test_a_client_that_disconnects_cancels_its_generation",
-         f"{API}::test_a_client_that_disconnects_frees_its_session_on_every_peer")),
+        (
+            "tests/client/test_api_app.py::test_a_client_that_disconnects_cancels_its_generation",
+            f"{API}::test_a_client_that_disconnects_frees_its_session_on_every_peer",
+        ),
+    ),
     Mutation(
-        "api-stop-string-emitted", "client/api/text.py",
-        "            return buffer[:min(found)], True\n",
+        "api-stop-string-emitted",
+        "client/api/text.py",
+        "            return buffer[: min(found)], True\n",
         "            return buffer, True  # MUTATION\n",
         "the API emits the stop string it stopped at",
-        ("tests/client/test_api_text.py", f"{API}::test_a_stop_string_ends_the_text_before_it")),
+        ("tests/client/test_api_text.py", f"{API}::test_a_stop_string_ends_the_text_before_it"),
+    ),
     Mutation(
-        "api-sampling-global-rng", "client/api/engine.py",
+        "api-sampling-global-rng",
+        "client/api/engine.py",
         "        return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)\n",
         "        return torch.multinomial(probs, num_samples=1).squeeze(1)  # MUTATION\n",
         "the API samples from the process's global generator: a seed no longer fixes the text",
-        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
+        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",),
+    ),
     Mutation(
-        "api-temperature-skipped", "client/api/engine.py",
+        "api-temperature-skipped",
+        "client/api/engine.py",
         "            if sampling.temperature != 1.0:\n",
         "            if False:  # MUTATION\n",
         "the API samples without applying the temperature",
-        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",)),
+        (f"{API}::test_seeded_sampling_is_reproducible_and_equals_the_local_model",),
+    ),
     Mutation(
-        "head-round-waits-for-nobody", "client/heads.py",
+        "head-round-waits-for-nobody",
+        "client/heads.py",
         "        if len(self._pending) >= self._members or left <= 0:\n",
         "        if True:  # MUTATION\n",
         "a head batcher with a wait computes each round at once: lockstep among generations is lost",
-        ("tests/client/test_heads.py",)),
+        ("tests/client/test_heads.py",),
+    ),
     Mutation(
-        "head-rows-swapped", "client/heads.py",
+        "head-rows-swapped",
+        "client/heads.py",
         "                for request, part in zip(batch, logits.split(rows)):\n",
         "                for request, part in zip(reversed(batch), logits.split(rows[::-1])):  # MUTATION\n",
         "a round of LM heads hands each generation another's logits",
-        ("tests/client/test_heads.py", f"{API}::test_eight_concurrent_streams_are_each_exact")),
+        ("tests/client/test_heads.py", f"{API}::test_eight_concurrent_streams_are_each_exact"),
+    ),
     Mutation(
-        "push-token-unchecked", "peer/handler.py",
-        "                    not hmac.compare_digest(request.push_token, session.push_token):\n",
-        "                    False:  # MUTATION\n",
+        "push-token-unchecked",
+        "peer/handler.py",
+        "                or not hmac.compare_digest(request.push_token, session.push_token)\n",
+        "                or False  # MUTATION\n",
         "a peer takes steps pushed into a session by anyone who names it",
-        ("tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",)),
+        (
+            "tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",
+        ),
+    ),
     Mutation(
-        "steps-never-forwarded", "client/session.py",
+        "steps-never-forwarded",
+        "client/session.py",
         "        if config.forward_steps is False or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
-        ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",)),
+        ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",),
+    ),
 )
 
 
@@ -399,7 +527,8 @@ def mutated_text(mutation: Mutation, text: str) -> str:
         first_line = mutation.find.strip().splitlines()[0]
         raise MutationError(
             f"mutation {mutation.name!r}: its snippet occurs {count} times in {mutation.path} (it must occur "
-            f"exactly once); the code changed, update the snippet in tests/mutations.py. It begins: {first_line!r}")
+            f"exactly once); the code changed, update the snippet in tests/mutations.py. It begins: {first_line!r}"
+        )
     result = text.replace(mutation.find, mutation.replace)
     try:
         if mutation.path.endswith(".py"):  # other files (the monitor's page script) are only replaced
@@ -410,6 +539,7 @@ def mutated_text(mutation: Mutation, text: str) -> str:
 
 
 # --- the pytest plugin side: one JSON line per test phase ---
+
 
 def _record(entry: dict) -> None:
     path = os.environ.get(OUTCOMES_ENV)
@@ -433,6 +563,7 @@ def pytest_runtest_logreport(report) -> None:
 
 
 # --- running pytest in the copy ---
+
 
 @dataclass
 class RunResult:
@@ -466,28 +597,60 @@ class Runner:
 
     def check_imports(self) -> None:
         """Our packages must resolve to the copy in a fresh process started outside it (as a peer would be)."""
-        code = ("import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n).origin "
-                "for n in ('protocol', 'swarm', 'peer', 'client')}))")
-        out = subprocess.run([sys.executable, "-c", code], cwd=self.scratch, env=self.env(), text=True,
-                             capture_output=True, timeout=60, check=True).stdout
-        wrong = {name: origin for name, origin in json.loads(out).items()
-                 if not Path(origin).resolve().is_relative_to(self.copy.resolve())}
+        code = (
+            "import importlib.util, json; print(json.dumps({n: importlib.util.find_spec(n).origin "
+            "for n in ('protocol', 'swarm', 'peer', 'client')}))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=self.scratch,
+            env=self.env(),
+            text=True,
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        wrong = {
+            name: origin
+            for name, origin in json.loads(out).items()
+            if not Path(origin).resolve().is_relative_to(self.copy.resolve())
+        }
         if wrong:
-            raise RuntimeError(f"with PYTHONPATH={self.copy} these packages still load from elsewhere: {wrong}; "
-                               f"a mutated copy would not be what the tests run")
+            raise RuntimeError(
+                f"with PYTHONPATH={self.copy} these packages still load from elsewhere: {wrong}; "
+                f"a mutated copy would not be what the tests run"
+            )
 
     def pytest(self, args: list[str], *, every_test: bool, timeout_s: float | None = None) -> RunResult:
         """Run pytest on `args` within `timeout_s` (default: the runner's); each test gets half the runner's."""
         self.runs += 1
         outcomes = self.scratch / f"outcomes-{self.runs}.jsonl"
         log = self.scratch / f"pytest-{self.runs}.log"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.mutations", "-p", "no:cacheprovider",
-                   f"--basetemp={self.scratch / f'basetemp-{self.runs}'}", "-o", f"timeout={int(self.timeout_s // 2)}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.mutations",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={self.scratch / f'basetemp-{self.runs}'}",
+            "-o",
+            f"timeout={int(self.timeout_s // 2)}",
+        ]
         command += ([] if every_test else ["-x"]) + args
         began = time.monotonic()
         with open(log, "wb") as out:
-            proc = subprocess.Popen(command, cwd=self.copy, env=self.env(outcomes), stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                command,
+                cwd=self.copy,
+                env=self.env(outcomes),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 returncode = proc.wait(timeout_s or self.timeout_s)
             except subprocess.TimeoutExpired:
@@ -498,8 +661,9 @@ class Runner:
                 raise
             finally:
                 leftovers = self.kill_leftovers()
-        result = RunResult(returncode, time.monotonic() - began, output=log.read_text(errors="replace"),
-                           leftovers=leftovers)
+        result = RunResult(
+            returncode, time.monotonic() - began, output=log.read_text(errors="replace"), leftovers=leftovers
+        )
         if outcomes.exists():
             for line in outcomes.read_text().splitlines():
                 entry = json.loads(line)
@@ -546,8 +710,11 @@ class Runner:
 
 def copy_worktree(dest: Path) -> None:
     """Copy the files git knows of (tracked and untracked-but-not-ignored), as they are on disk now."""
-    listing = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                             capture_output=True, check=True).stdout.decode()
+    listing = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     for name in sorted(set(filter(None, listing.split("\0")))):
         source = REPO / name
         if source.is_file():  # a tracked file deleted in the working tree is simply absent
@@ -557,6 +724,7 @@ def copy_worktree(dest: Path) -> None:
 
 
 # --- the check ---
+
 
 @dataclass
 class Verdict:
@@ -597,8 +765,11 @@ def confirm(runner: Runner, verdicts: list[Verdict]) -> None:
     print(f"confirming that the {len(nodes)} catching tests pass without mutations ...", flush=True)
     # each test may take up to half the per-run limit (pytest-timeout), so the whole run may take that many halves
     baseline = runner.pytest(nodes, every_test=True, timeout_s=runner.timeout_s / 2 * len(nodes))
-    print(f"    {sum(o == 'passed' for o in baseline.outcomes.values())} of {len(nodes)} passed "
-          f"({baseline.duration_s:.0f} s)", flush=True)
+    print(
+        f"    {sum(o == 'passed' for o in baseline.outcomes.values())} of {len(nodes)} passed "
+        f"({baseline.duration_s:.0f} s)",
+        flush=True,
+    )
     for verdict in verdicts:
         if not verdict.caught:
             continue
@@ -647,14 +818,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="list the mutations and whether they still apply")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
-    parser.add_argument("--tests", nargs="+", metavar="TEST",
-                        help="run these test files or node ids instead of each mutation's own selection")
+    parser.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="TEST",
+        help="run these test files or node ids instead of each mutation's own selection",
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit per pytest run (default 300)")
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first mutation not caught")
-    parser.add_argument("--every-test", action="store_true",
-                        help="run a mutation's whole selection, not only up to the first failing test")
-    parser.add_argument("--no-confirm", action="store_true",
-                        help="do not re-run the catching tests without mutations at the end")
+    parser.add_argument(
+        "--every-test",
+        action="store_true",
+        help="run a mutation's whole selection, not only up to the first failing test",
+    )
+    parser.add_argument(
+        "--no-confirm", action="store_true", help="do not re-run the catching tests without mutations at the end"
+    )
     args = parser.parse_args(argv)
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be positive, got {args.timeout_s}")
@@ -703,8 +882,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 target.write_text(originals[mutation.path])
             verdicts.append(verdict)
-            print(f"[{number}/{len(mutations)}] {mutation.name}: {verdict.summary} ({verdict.result.duration_s:.0f} s)",
-                  flush=True)
+            print(
+                f"[{number}/{len(mutations)}] {mutation.name}: {verdict.summary} ({verdict.result.duration_s:.0f} s)",
+                flush=True,
+            )
             if verdict.result.leftovers:
                 print(f"    killed what the run left behind: {', '.join(verdict.result.leftovers)}", flush=True)
             if verdict.note.startswith(("ERROR", "TIMEOUT")):
@@ -716,8 +897,10 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(table(verdicts))
         survivors = [v.mutation.name for v in verdicts if not v.caught]
-        print(f"\n{len(verdicts) - len(survivors)} of {len(verdicts)} caught in {time.monotonic() - began:.0f} s"
-              + (f"; not caught: {', '.join(survivors)}" if survivors else ""))
+        print(
+            f"\n{len(verdicts) - len(survivors)} of {len(verdicts)} caught in {time.monotonic() - began:.0f} s"
+            + (f"; not caught: {', '.join(survivors)}" if survivors else "")
+        )
         return 1 if survivors else 0
     except KeyboardInterrupt:
         print("\ninterrupted; the copy and its processes are being removed", file=sys.stderr)

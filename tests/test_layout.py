@@ -139,20 +139,25 @@ def room_violations(path: Path) -> list[str]:
 @pytest.mark.parametrize("package", ["swarm", "client"])
 def test_subpackage_import_direction(package):
     violations = [v for path in modules_of(package) for v in room_violations(path)]
-    assert not violations, "a subpackage imports a room its __init__ docstring does not allow:\n" + "\n".join(violations)
+    assert not violations, "a subpackage imports a room its __init__ docstring does not allow:\n" + "\n".join(
+        violations
+    )
 
 
 def test_subpackage_checker_sees_violations(tmp_path, monkeypatch):
     fake = tmp_path / "swarm" / "trust" / "x.py"
     fake.parent.mkdir(parents=True)
-    fake.write_text("from swarm.dht.node import start_dht\nfrom swarm.runtime import within\nimport swarm.trust.identity\n")
+    fake.write_text(
+        "from swarm.dht.node import start_dht\nfrom swarm.runtime import within\nimport swarm.trust.identity\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     assert room_violations(fake) == ["swarm/trust/x.py:1 (swarm.trust) imports swarm.dht.node.start_dht (swarm.dht)"]
     core = tmp_path / "client" / "model.py"
     core.parent.mkdir()
     core.write_text("from client.training.trainer import SwarmTrainer\n")
     assert room_violations(core) == [
-        "client/model.py:1 (client.core) imports client.training.trainer.SwarmTrainer (client.training)"]
+        "client/model.py:1 (client.core) imports client.training.trainer.SwarmTrainer (client.training)"
+    ]
 
 
 def test_every_subpackage_says_what_it_holds_and_may_import():
@@ -250,33 +255,43 @@ def test_cli_entry_point_imports_nothing_heavy():
     assert result.stdout.strip() == "[]", result.stdout
 
 
-@pytest.mark.parametrize("module, args", [
-    ("peer.cli", ["model", "--blocks", "0:2", "--train", "--transport", "p2p"]),
-    ("client.training.cli", ["model", "--local", "--batch-size", "4"]),
-])
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("peer.cli", ["model", "--blocks", "0:2", "--train", "--transport", "p2p"]),
+        ("client.training.cli", ["model", "--local", "--batch-size", "4"]),
+    ],
+)
 def test_commands_check_their_flags_before_importing_anything_heavy(module, args):
     # a wrong flag is answered at once, not after seconds of loading torch, transformers and hivemind
-    code = (f"import sys, {module} as m; m.config_from_args(m.build_parser('x').parse_args({args!r})); "
-            f"print(sorted({{'torch', 'transformers', 'hivemind'}} & set(sys.modules)))")
+    code = (
+        f"import sys, {module} as m; m.config_from_args(m.build_parser('x').parse_args({args!r})); "
+        f"print(sorted({{'torch', 'transformers', 'hivemind'}} & set(sys.modules)))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
 
 
-@pytest.mark.parametrize("module, args", [
-    ("swarm.bootstrap", []),
-    ("swarm.status", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
-    ("client.monitor.cli", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
-    ("peer.cli", ["model"]),
-    ("client.training.cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
-])
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("swarm.bootstrap", []),
+        ("swarm.status", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+        ("client.monitor.cli", ["--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+        ("peer.cli", ["model"]),
+        ("client.training.cli", ["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1"]),
+    ],
+)
 def test_a_bad_swarm_key_file_is_refused_before_anything_heavy(module, args, tmp_path):
     bad = tmp_path / "swarm.key"
     bad.write_text("not a key\n")
     argv = [*args, "--swarm-key", str(bad)]
-    code = (f"import sys, {module} as m\ntry:\n    m.run(m.build_parser('x').parse_args({argv!r}))\n"
-            f"except SystemExit as exc:\n    print(exc)\n"
-            f"print(sorted({{'torch', 'transformers', 'hivemind', 'grpc'}} & set(sys.modules)))")
+    code = (
+        f"import sys, {module} as m\ntry:\n    m.run(m.build_parser('x').parse_args({argv!r}))\n"
+        f"except SystemExit as exc:\n    print(exc)\n"
+        f"print(sorted({{'torch', 'transformers', 'hivemind', 'grpc'}} & set(sys.modules)))"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     message, heavy = result.stdout.strip().splitlines()

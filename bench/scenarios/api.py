@@ -20,13 +20,13 @@ from urllib.parse import urlparse
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.generation.streamers import BaseStreamer
 
+from bench.harness import ModelRun, Split
+from bench.scenarios.decode import prompt_ids
+from bench.stats import Row, Summary, Target
 from client.api.app import create_app
 from client.api.config import ApiConfig
 from client.api.engine import SwarmBackend
 from client.api.server import serving_in_background
-from bench.harness import ModelRun, Split
-from bench.scenarios.decode import prompt_ids
-from bench.stats import Row, Summary, Target
 
 TTFT_TARGET = Target("ratio", "<=", 1 / 0.9, "<= 1.11x the client (>= 0.9x its speed)")
 RATE_TARGET = Target("ratio", ">=", 0.9, ">= 0.9x the client")
@@ -75,7 +75,7 @@ def client_run(client, prompt: list[int], steps: int) -> tuple[float, float, lis
     ids = torch.tensor([prompt])
     began = time.perf_counter()
     out = client.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=clock)
-    new = out[0, len(prompt):].tolist()
+    new = out[0, len(prompt) :].tolist()
     return clock.times[0] - began, (len(new) - 1) / (clock.times[-1] - clock.times[0]), new
 
 
@@ -83,8 +83,17 @@ def api_run(url: str, model_id: str, prompt: list[int], steps: int) -> tuple[flo
     """(time to first token s, tokens/s after the first, text) of one streamed greedy completion."""
     where = urlparse(url)
     connection = http.client.HTTPConnection(where.hostname, where.port, timeout=300)
-    body = json.dumps({"model": model_id, "prompt": prompt, "max_tokens": steps, "temperature": 0, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": model_id,
+            "prompt": prompt,
+            "max_tokens": steps,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     try:
         began = time.perf_counter()
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -129,18 +138,39 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
             ttft, rate, text = api_run(url, split.prefix, prompt, steps)
             samples["api"][0].append(ttft)
             samples["api"][1].append(rate)
-            same_text.append(text == tokenizer.decode(new, skip_special_tokens=True,
-                                                      clean_up_tokenization_spaces=False))
+            same_text.append(
+                text == tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            )
     target = model.name == "default"
-    common = dict(scenario="api", config=model.name, variant=f"{split.count} peers, streamed",
-                  reference_name="Python client generate()")
-    extra = {"steps_per_run": steps, "prompt_tokens": plan.decode_prompt, "runs": plan.repeats,
-             "same_text_as_client": all(same_text)}
+    common = dict(
+        scenario="api",
+        config=model.name,
+        variant=f"{split.count} peers, streamed",
+        reference_name="Python client generate()",
+    )
+    extra = {
+        "steps_per_run": steps,
+        "prompt_tokens": plan.decode_prompt,
+        "runs": plan.repeats,
+        "same_text_as_client": all(same_text),
+    }
     return [
-        Row(metric="time to first token", unit="ms", ours=Summary.of(samples["api"][0]).scaled(1e3),
-            reference=Summary.of(samples["client"][0]).scaled(1e3), target=TTFT_TARGET if target else None,
-            extra=extra, **common),
-        Row(metric="decode", unit="tokens/s", ours=Summary.of(samples["api"][1]),
-            reference=Summary.of(samples["client"][1]), target=RATE_TARGET if target else None, extra=extra,
-            **common),
+        Row(
+            metric="time to first token",
+            unit="ms",
+            ours=Summary.of(samples["api"][0]).scaled(1e3),
+            reference=Summary.of(samples["client"][0]).scaled(1e3),
+            target=TTFT_TARGET if target else None,
+            extra=extra,
+            **common,
+        ),
+        Row(
+            metric="decode",
+            unit="tokens/s",
+            ours=Summary.of(samples["api"][1]),
+            reference=Summary.of(samples["client"][1]),
+            target=RATE_TARGET if target else None,
+            extra=extra,
+            **common,
+        ),
     ]

@@ -10,18 +10,18 @@ vs the local Hugging Face model generating the same prompts as one batch in this
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 
 import torch
-
 from transformers import DynamicCache
 
-from client.decoding import decode_tokens, lm_head_batcher
 from bench.harness import ModelRun, Split, peer_infos, sync_for
 from bench.scenarios.decode import prompt_ids
 from bench.stats import Row, Summary, Target, percentile
+from client.decoding import decode_tokens, lm_head_batcher
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _greedy(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def _one_client(client, heads, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[float]]:
     """(decode start, decode end, step latencies) of one greedy generation: `steps` tokens after the first."""
     times = [time.perf_counter() for _ in decode_tokens(client, heads, prompt[0].tolist(), steps + 1, _greedy)]
-    return times[0], times[-1], [b - a for a, b in zip(times, times[1:])]
+    return times[0], times[-1], [b - a for a, b in itertools.pairwise(times)]
 
 
 def _clients(client, heads, prompts: list[torch.Tensor], steps: int):
@@ -93,8 +93,10 @@ def _targets(model_name: str, split: Split, n: int) -> dict[str, Target | None]:
 def run(model_run: ModelRun, split: Split) -> list[Row]:
     plan, model, client = model_run.plan, model_run.model, split.client
     steps = plan.concurrency_steps
-    prompts = [prompt_ids(model.config.vocab_size, plan.decode_prompt, seed=100 + i)
-               for i in range(max(plan.concurrency_clients))]
+    prompts = [
+        prompt_ids(model.config.vocab_size, plan.decode_prompt, seed=100 + i)
+        for i in range(max(plan.concurrency_clients))
+    ]
     heads = lm_head_batcher(client)
     _clients(client, heads, prompts[:1], min(4, steps))  # warm-up
     measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
@@ -119,8 +121,12 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         mean_batch[n] = steps_batched / batches if batches else 1.0
         rounds, rows = heads.rounds - heads_counted[0], heads.rows - heads_counted[1]
         mean_heads[n] = rows / rounds if rounds else 1.0
-        logger.info("%d clients: %.2f decode steps per batched forward on the peers, %.2f rows per LM head batch",
-                    n, mean_batch[n], mean_heads[n])
+        logger.info(
+            "%d clients: %.2f decode steps per batched forward on the peers, %.2f rows per LM head batch",
+            n,
+            mean_batch[n],
+            mean_heads[n],
+        )
         measured[n] = (aggregate, latencies, p95s)
     base = min(measured)
     rows = []
@@ -128,16 +134,49 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         variant = f"{split.count} peers, {n} client{'s' * (n > 1)}"
         targets = _targets(model.name, split, n)
         common = dict(scenario="concurrency", config=model.name, variant=variant, reference_name=f"{base} client")
-        rows.append(Row(metric="aggregate decode", unit="tokens/s", ours=Summary.of(aggregate),
-                        reference=Summary.of(measured[base][0]),
-                        extra={"steps_per_client": steps, "mean_peer_batch": round(mean_batch[n], 2),
-                               "mean_head_batch": round(mean_heads[n], 2)},
-                        target=targets["aggregate"], **common))
-        rows.append(Row(metric="per-token latency p50", unit="ms", ours=Summary.of(latencies).scaled(1e3),
-                        reference=Summary.of(measured[base][1]).scaled(1e3), **common))
-        rows.append(Row(metric="per-token latency p95", unit="ms", ours=Summary.of(p95s).scaled(1e3),
-                        reference=Summary.of(measured[base][2]).scaled(1e3), target=targets["p95"], **common))
+        rows.append(
+            Row(
+                metric="aggregate decode",
+                unit="tokens/s",
+                ours=Summary.of(aggregate),
+                reference=Summary.of(measured[base][0]),
+                extra={
+                    "steps_per_client": steps,
+                    "mean_peer_batch": round(mean_batch[n], 2),
+                    "mean_head_batch": round(mean_heads[n], 2),
+                },
+                target=targets["aggregate"],
+                **common,
+            )
+        )
+        rows.append(
+            Row(
+                metric="per-token latency p50",
+                unit="ms",
+                ours=Summary.of(latencies).scaled(1e3),
+                reference=Summary.of(measured[base][1]).scaled(1e3),
+                **common,
+            )
+        )
+        rows.append(
+            Row(
+                metric="per-token latency p95",
+                unit="ms",
+                ours=Summary.of(p95s).scaled(1e3),
+                reference=Summary.of(measured[base][2]).scaled(1e3),
+                target=targets["p95"],
+                **common,
+            )
+        )
         common["reference_name"] = f"local HF model, batch {n}"
-        rows.append(Row(metric="aggregate decode vs local batch", unit="tokens/s", ours=Summary.of(aggregate),
-                        reference=Summary.of(local[n]), target=targets["local"], **common))
+        rows.append(
+            Row(
+                metric="aggregate decode vs local batch",
+                unit="tokens/s",
+                ours=Summary.of(aggregate),
+                reference=Summary.of(local[n]),
+                target=targets["local"],
+                **common,
+            )
+        )
     return rows

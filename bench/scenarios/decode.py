@@ -76,11 +76,24 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
         matches.append(sum(a == b for a, b in zip(local_tokens, swarm_tokens)) / len(local_tokens))
     target = {"default": DECODE_TARGET, "tiny": TINY_DECODE_TARGET}.get(model.name) if split.count == 3 else None
     ours, local = Summary.of(swarm_times).scaled(1e3), Summary.of(local_times).scaled(1e3)
-    return [Row(
-        scenario="decode", config=model.name, variant=f"{split.count} peer{'s' * (split.count > 1)}",
-        metric="decode step", unit="ms", ours=ours, reference=local, reference_name="local HF model", target=target,
-        extra={"steps_per_run": plan.decode_steps, "runs": plan.repeats, "prompt_tokens": plan.decode_prompt,
-               "per_run_median_ms": {"ours": swarm_runs, "reference": local_runs},
-               "greedy_tokens_equal_fraction": min(matches),
-               "overhead_per_hop_ms": (ours.median - local.median) / split.count},
-    )]
+    return [
+        Row(
+            scenario="decode",
+            config=model.name,
+            variant=f"{split.count} peer{'s' * (split.count > 1)}",
+            metric="decode step",
+            unit="ms",
+            ours=ours,
+            reference=local,
+            reference_name="local HF model",
+            target=target,
+            extra={
+                "steps_per_run": plan.decode_steps,
+                "runs": plan.repeats,
+                "prompt_tokens": plan.decode_prompt,
+                "per_run_median_ms": {"ours": swarm_runs, "reference": local_runs},
+                "greedy_tokens_equal_fraction": min(matches),
+                "overhead_per_hop_ms": (ours.median - local.median) / split.count,
+            },
+        )
+    ]

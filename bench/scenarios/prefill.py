@@ -40,8 +40,22 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
             swarm_s.append(time_call(swarm))
         variant = f"{split.count} peer{'s' * (split.count > 1)}, {length} tokens"
         common = dict(scenario="prefill", config=model.name, variant=variant, reference_name="local HF model")
-        rows.append(Row(metric="prefill time", unit="ms", ours=Summary.of(swarm_s).scaled(1e3),
-                        reference=Summary.of(local_s).scaled(1e3), **common))
-        rows.append(Row(metric="prefill throughput", unit="tokens/s", ours=Summary.of([length / s for s in swarm_s]),
-                        reference=Summary.of([length / s for s in local_s]), **common))
+        rows.append(
+            Row(
+                metric="prefill time",
+                unit="ms",
+                ours=Summary.of(swarm_s).scaled(1e3),
+                reference=Summary.of(local_s).scaled(1e3),
+                **common,
+            )
+        )
+        rows.append(
+            Row(
+                metric="prefill throughput",
+                unit="tokens/s",
+                ours=Summary.of([length / s for s in swarm_s]),
+                reference=Summary.of([length / s for s in local_s]),
+                **common,
+            )
+        )
     return rows

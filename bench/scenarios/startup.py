@@ -38,36 +38,75 @@ def run(model_run: ModelRun, split: Split, probe: dict) -> list[Row]:
         blocks = end - start
         variant = f"{split.count} peers, blocks {start}:{end}"
         default_share = model.name == "default" and blocks <= 10
-        rows.append(Row(scenario="startup", config=model.name, variant=variant, metric="launch to ONLINE", unit="s",
-                        ours=Summary.of([peer.startup_s]), target=STARTUP_TARGET if default_share else None))
+        rows.append(
+            Row(
+                scenario="startup",
+                config=model.name,
+                variant=variant,
+                metric="launch to ONLINE",
+                unit="s",
+                ours=Summary.of([peer.startup_s]),
+                target=STARTUP_TARGET if default_share else None,
+            )
+        )
         weights = span_weight_bytes(model_run.reference, start, end) / MIB
-        extra = {"weights_share_mib": weights, "runtime_overhead_allowance_mib": overhead,
-                 "dht_helper_processes_mib": peer.children_online_mib, "whole_model_process": whole,
-                 "runtime_only_process": probe["runtime_only"]}
+        extra = {
+            "weights_share_mib": weights,
+            "runtime_overhead_allowance_mib": overhead,
+            "dht_helper_processes_mib": peer.children_online_mib,
+            "whole_model_process": whole,
+            "runtime_only_process": probe["runtime_only"],
+        }
         if peer.gpu_online_mib is not None:
             extra["gpu_mib"] = peer.gpu_online_mib
         # weights are memory-mapped from the checkpoint: they become resident as they are first used
-        rows.append(Row(metric="peer RSS at ONLINE", unit="MiB", variant=variant,
-                        ours=Summary.of([peer.rss_mib["at ONLINE"]]), reference=Summary.of([whole["rss_mib"]]),
-                        extra=extra, **common))
+        rows.append(
+            Row(
+                metric="peer RSS at ONLINE",
+                unit="MiB",
+                variant=variant,
+                ours=Summary.of([peer.rss_mib["at ONLINE"]]),
+                reference=Summary.of([whole["rss_mib"]]),
+                extra=extra,
+                **common,
+            )
+        )
         moment = "after decode" if "after decode" in peer.rss_mib else "at the end"
         if moment in peer.rss_mib:
             tokens = plan.decode_prompt + plan.decode_steps + 1 if moment == "after decode" else largest(plan)
             kv = kv_bytes(model.config, blocks, tokens, plan.dtype) / MIB
             budget = weights + kv + overhead
             rss = peer.rss_mib[moment]
-            rows.append(Row(metric=f"peer RSS {moment}", unit="MiB", variant=variant, ours=Summary.of([rss]),
-                            reference=Summary.of([whole["rss_mib"]]),
-                            extra={**extra, "kv_cache_allowance_mib": kv, "overhead_mib": rss - weights - kv},
-                            target=Target("value", "<=", budget, f"<= {budget:.0f} (share {weights:.0f} + KV "
-                                                                 f"{kv:.0f} + {overhead:.0f})"), **common))
+            rows.append(
+                Row(
+                    metric=f"peer RSS {moment}",
+                    unit="MiB",
+                    variant=variant,
+                    ours=Summary.of([rss]),
+                    reference=Summary.of([whole["rss_mib"]]),
+                    extra={**extra, "kv_cache_allowance_mib": kv, "overhead_mib": rss - weights - kv},
+                    target=Target(
+                        "value", "<=", budget, f"<= {budget:.0f} (share {weights:.0f} + KV {kv:.0f} + {overhead:.0f})"
+                    ),
+                    **common,
+                )
+            )
         if peer.peak_rss_mib is not None:
-            rows.append(Row(metric="peer peak RSS", unit="MiB", variant=variant, ours=Summary.of([peer.peak_rss_mib]),
-                            reference=Summary.of([whole["peak_rss_mib"] or whole["rss_mib"]]),
-                            extra={"note": "high-water mark over every scenario: activations of prefill and "
-                                           "backward included", "rss_mib": peer.rss_mib,
-                                   "high_water_mark_after_mib": peer.peak_by_moment_mib},
-                            **common))
+            rows.append(
+                Row(
+                    metric="peer peak RSS",
+                    unit="MiB",
+                    variant=variant,
+                    ours=Summary.of([peer.peak_rss_mib]),
+                    reference=Summary.of([whole["peak_rss_mib"] or whole["rss_mib"]]),
+                    extra={
+                        "note": "high-water mark over every scenario: activations of prefill and backward included",
+                        "rss_mib": peer.rss_mib,
+                        "high_water_mark_after_mib": peer.peak_by_moment_mib,
+                    },
+                    **common,
+                )
+            )
     return rows
 
 

@@ -55,10 +55,17 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
             local_s.append(time_call(lambda: step(reference, local_ids), sync))
             swarm_s.append(time_call(lambda: step(client, ids)))
     target = (TINY_TRAIN_TARGET if model.name == "tiny" else TRAIN_TARGET) if split.count == 3 else None
-    return [Row(
-        scenario="train", config=model.name,
-        variant=f"{split.count} peer{'s' * (split.count > 1)}, {plan.train_batch}x{plan.train_seq}",
-        metric="forward+backward", unit="tokens/s", ours=Summary.of([tokens / s for s in swarm_s]),
-        reference=Summary.of([tokens / s for s in local_s]), reference_name="local HF model", target=target,
-        extra={"seconds": {"ours": swarm_s, "reference": local_s}, "loss": losses},
-    )]
+    return [
+        Row(
+            scenario="train",
+            config=model.name,
+            variant=f"{split.count} peer{'s' * (split.count > 1)}, {plan.train_batch}x{plan.train_seq}",
+            metric="forward+backward",
+            unit="tokens/s",
+            ours=Summary.of([tokens / s for s in swarm_s]),
+            reference=Summary.of([tokens / s for s in local_s]),
+            reference_name="local HF model",
+            target=target,
+            extra={"seconds": {"ours": swarm_s, "reference": local_s}, "loss": losses},
+        )
+    ]

@@ -21,9 +21,9 @@ import contextlib
 import logging
 import math
 import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -32,9 +32,9 @@ from bench.plan import Plan
 from bench.proxy import DelayProxy, netem_available
 from bench.stats import Row, Summary, Target
 from client.demo.local_swarm import LocalSwarm
+from swarm.extras import EXTRAS, missing_modules
 from swarm.models.checkpoint import load_config
 from swarm.models.default_model import resolve_default_model
-from swarm.extras import EXTRAS, missing_modules
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,17 @@ LOCAL = "swarmlm train --local"
 NOTES = {
     "exact": "same batches as the local run (seed 0): the swarm computes what one process would, to float32 rounding",
     "seeds": "trainer seeds 0 and 1 draw other batches than the local batch of 16 (seed 0): the curves agree in "
-             "distribution, not step for step; the swarm's loss is the mean of both trainers'",
+    "distribution, not step for step; the swarm's loss is the mean of both trainers'",
     "rates": f"tokens/s: median of the per-step figures of --log-json after the first {SKIP} steps; a swarm step "
-             "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
+    "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
     "stage": "samples/s of a stage: the updates its peer logged x its target batch / the trainer's summed step "
-             "times (the peer's log stamps whole seconds); reference: the local run's samples / its summed step times",
+    "times (the peer's log stamps whole seconds); reference: the local run's samples / its summed step times",
     "rounds": "all-reduce: each peer's 'averaged with 2 members ... in X s', from its step() call to the result "
-              "(its >= 1 s of matchmaking included, as in the bare one); both stages' groups and the trainers' group "
-              "average at about the same time. Bare: two DecentralizedAveragers in the bench process, each on a DHT "
-              "node joined to the same bootstrap, the tensors a stage's round carries (its gradients in float64, weights "
-              "and two Adam statistics in float32), "
-              "min_matchmaking_time 1 s, request_timeout 0.5, both released at once from two threads",
+    "(its >= 1 s of matchmaking included, as in the bare one); both stages' groups and the trainers' group "
+    "average at about the same time. Bare: two DecentralizedAveragers in the bench process, each on a DHT "
+    "node joined to the same bootstrap, the tensors a stage's round carries (its gradients in float64, weights "
+    "and two Adam statistics in float32), "
+    "min_matchmaking_time 1 s, request_timeout 0.5, both released at once from two threads",
 }
 
 
@@ -86,7 +86,7 @@ class TrainSwarm:
         self.curves: dict[str, dict[str, list[float]]] = {}
         self.rounds_s: list[float] = []
 
-    def __enter__(self) -> "TrainSwarm":
+    def __enter__(self) -> TrainSwarm:
         self.model = tr.build_train_model(self.models_dir, self.cache_dir)
         self.config = load_config(self.model)
         self.swarm = LocalSwarm(self.out_dir / "logs" / "train_swarm")
@@ -103,15 +103,21 @@ class TrainSwarm:
     @property
     def description(self) -> str:
         c = self.config
-        return (f"random llama, hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
-                f"vocab {c.vocab_size} (the default model's tokenizer), tied embeddings")
+        return (
+            f"random llama, hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
+            f"vocab {c.vocab_size} (the default model's tokenizer), tied embeddings"
+        )
 
     def parts(self) -> list[tuple[str, Callable[[], list[Row]]]]:
-        parts = [("1 trainer", self.one_trainer), ("2 trainers", self.two_trainers), ("averaging", self.averaging),
-                 ("pipelining", self.pipelining)]
+        parts = [
+            ("1 trainer", self.one_trainer),
+            ("2 trainers", self.two_trainers),
+            ("averaging", self.averaging),
+            ("pipelining", self.pipelining),
+        ]
         if not self.plan.quick:
             parts.append(("default model", self.default_model))
-        return parts + [("loss curves", self.plot)]
+        return [*parts, ("loss curves", self.plot)]
 
     # --- processes ---
 
@@ -125,14 +131,31 @@ class TrainSwarm:
         return [str(model), "--initial-peers", *self.swarm.initial_peers, "--dht-prefix", prefix, "--run-id", run_id]
 
     @contextlib.contextmanager
-    def _peers(self, model: Path, prefix: str, run_id: str, spans: list[tuple[int, int]], target: int,
-               settings: tr.TrainSettings, ports: list[tuple[int, str]] | None = None) -> Iterator[list[str]]:
+    def _peers(
+        self,
+        model: Path,
+        prefix: str,
+        run_id: str,
+        spans: list[tuple[int, int]],
+        target: int,
+        settings: tr.TrainSettings,
+        ports: list[tuple[int, str]] | None = None,
+    ) -> Iterator[list[str]]:
         names: list[str] = []
         try:
             names += tr.start_training_peers(
-                self.swarm, model, load_config(model).num_hidden_layers, prefix=prefix, run_id=run_id, spans=spans,
-                target_batch=target, settings=settings, threads=self.plan.peer_threads, device=self.plan.device,
-                ports=ports)
+                self.swarm,
+                model,
+                load_config(model).num_hidden_layers,
+                prefix=prefix,
+                run_id=run_id,
+                spans=spans,
+                target_batch=target,
+                settings=settings,
+                threads=self.plan.peer_threads,
+                device=self.plan.device,
+                ports=ports,
+            )
             yield names
         finally:
             tr.stop_peers(self.swarm, names or [tr.peer_name(prefix, i) for i in range(len(spans))])
@@ -145,58 +168,112 @@ class TrainSwarm:
         with self._peers(self.model, prefix, "one", SPANS, s.batch_size, s) as names:
             ours = self._train({"one-swarm": [*self._remote(self.model, prefix, "one"), *s.args()]}, s)["one-swarm"]
             updates = [tr.updates_applied(self.swarm.log(name).read_text(), "one") for name in names]
-        self.curves["1 trainer"] = {f"local, batch {s.batch_size}": [r["loss"] for r in local],
-                                    "swarm, 1 trainer": [r["loss"] for r in ours]}
+        self.curves["1 trainer"] = {
+            f"local, batch {s.batch_size}": [r["loss"] for r in local],
+            "swarm, 1 trainer": [r["loss"] for r in ours],
+        }
         variant = f"1 trainer, 2 peers, batch {s.batch_size}x{s.seq_len}, {len(ours)} steps"
-        rows = [self._fidelity(variant, [r["loss"] for r in ours], [r["loss"] for r in local], NOTES["exact"]),
-                self._throughput(self.small, variant, ours, local)]
+        rows = [
+            self._fidelity(variant, [r["loss"] for r in ours], [r["loss"] for r in local], NOTES["exact"]),
+            self._throughput(self.small, variant, ours, local),
+        ]
         seconds = sum(tr.step_seconds(ours, s.seq_len))
         local_rate = sum(r["samples"] for r in local) / sum(tr.step_seconds(local, s.seq_len))
         for (start, end), count in zip(SPANS, updates):
-            rows.append(Row("train_swarm", tr.TRAIN_MODEL, variant, f"stage {start}:{end} samples/s", "samples/s",
-                            Summary.of([count * s.batch_size / seconds]), Summary.of([local_rate]), LOCAL,
-                            extra={"updates": count, "trainer_seconds": seconds, "notes": [NOTES["stage"]]}))
+            rows.append(
+                Row(
+                    "train_swarm",
+                    tr.TRAIN_MODEL,
+                    variant,
+                    f"stage {start}:{end} samples/s",
+                    "samples/s",
+                    Summary.of([count * s.batch_size / seconds]),
+                    Summary.of([local_rate]),
+                    LOCAL,
+                    extra={"updates": count, "trainer_seconds": seconds, "notes": [NOTES["stage"]]},
+                )
+            )
         return rows
 
     def two_trainers(self) -> list[Row]:
         s, prefix, joint = self.small, "bench-train-two", 2 * self.small.batch_size
-        local = self._train({"two-local": [str(self.model), "--local", "--run-id", "two",
-                                           *s.args(batch_size=joint)]}, s)["two-local"]
+        local = self._train(
+            {"two-local": [str(self.model), "--local", "--run-id", "two", *s.args(batch_size=joint)]}, s
+        )["two-local"]
         with self._peers(self.model, prefix, "two", [SPANS[0], SPANS[0], SPANS[1], SPANS[1]], joint, s) as names:
-            runs = self._train({f"two-swarm-seed{seed}": [*self._remote(self.model, prefix, "two"), *s.args(seed=seed)]
-                                for seed in (0, 1)}, s)
+            runs = self._train(
+                {
+                    f"two-swarm-seed{seed}": [*self._remote(self.model, prefix, "two"), *s.args(seed=seed)]
+                    for seed in (0, 1)
+                },
+                s,
+            )
             self.rounds_s = [t for name in names for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
         trainer_rounds = [t for name in runs for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
         trainers = [[r["loss"] for r in steps] for steps in runs.values()]
         ours = tr.mean_curve(trainers)
-        self.curves["2 trainers"] = {f"local, batch {joint}": [r["loss"] for r in local], "swarm, mean of 2 trainers":
-                                     ours, **{f"trainer seed {i}": curve for i, curve in enumerate(trainers)}}
+        self.curves["2 trainers"] = {
+            f"local, batch {joint}": [r["loss"] for r in local],
+            "swarm, mean of 2 trainers": ours,
+            **{f"trainer seed {i}": curve for i, curve in enumerate(trainers)},
+        }
         variant = f"2 trainers x batch {s.batch_size}, 2 peers per stage, vs local batch {joint}, {len(ours)} steps"
         rates = tr.summed_rates(list(runs.values()), SKIP)
-        return [self._fidelity(variant, ours, [r["loss"] for r in local], NOTES["seeds"]),
-                Row("train_swarm", tr.TRAIN_MODEL, variant, "training throughput, both trainers", "tokens/s",
-                    Summary.of(rates), Summary.of(tr.steady_rates(local, SKIP)), LOCAL,
-                    extra={"trainer_rounds_s": trainer_rounds, "notes": [NOTES["rates"], _two_note(
-                        trainer_rounds, self.rounds_s)]})]
+        return [
+            self._fidelity(variant, ours, [r["loss"] for r in local], NOTES["seeds"]),
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                variant,
+                "training throughput, both trainers",
+                "tokens/s",
+                Summary.of(rates),
+                Summary.of(tr.steady_rates(local, SKIP)),
+                LOCAL,
+                extra={
+                    "trainer_rounds_s": trainer_rounds,
+                    "notes": [NOTES["rates"], _two_note(trainer_rounds, self.rounds_s)],
+                },
+            ),
+        ]
 
     def averaging(self) -> list[Row]:
         if not self.rounds_s:
-            raise RuntimeError("the 2-trainer part logged no all-reduce of 2 members; see its peers' logs in "
-                               f"{self.swarm.log_dir}")
+            raise RuntimeError(
+                f"the 2-trainer part logged no all-reduce of 2 members; see its peers' logs in {self.swarm.log_dir}"
+            )
         shapes = tr.stage_tensor_shapes(self.model, SPANS[0])
         s = self.small
         # what a group's round carries (swarm/training/averaging.py): gradients in float64, weights and Adam's two
         # statistics in float32
         tensors = [(shape, torch.float64) for shape in shapes] + [(shape, torch.float32) for shape in shapes] * 3
-        bare, failed = tr.bare_allreduce_s(self.swarm.initial_peers, tensors, rounds=self.plan.repeats,
-                                           matchmaking_time_s=s.matchmaking_time_s,
-                                           averaging_timeout_s=s.averaging_timeout_s)
+        bare, failed = tr.bare_allreduce_s(
+            self.swarm.initial_peers,
+            tensors,
+            rounds=self.plan.repeats,
+            matchmaking_time_s=s.matchmaking_time_s,
+            averaging_timeout_s=s.averaging_timeout_s,
+        )
         numel = 4 * sum(math.prod(shape) for shape in shapes)
-        return [Row("train_swarm", tr.TRAIN_MODEL, f"2 peers per stage, {numel / 1e6:.1f}M floats a round",
-                    "group all-reduce", "s", Summary.of(self.rounds_s), Summary.of(bare),
-                    "bare hivemind DecentralizedAverager", AVERAGING_TARGET,
-                    extra={"rounds_s": self.rounds_s, "bare_s": bare, "bare_failed_rounds": failed,
-                           "notes": [NOTES["rounds"]]})]
+        return [
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                f"2 peers per stage, {numel / 1e6:.1f}M floats a round",
+                "group all-reduce",
+                "s",
+                Summary.of(self.rounds_s),
+                Summary.of(bare),
+                "bare hivemind DecentralizedAverager",
+                AVERAGING_TARGET,
+                extra={
+                    "rounds_s": self.rounds_s,
+                    "bare_s": bare,
+                    "bare_failed_rounds": failed,
+                    "notes": [NOTES["rounds"]],
+                },
+            )
+        ]
 
     def pipelining(self) -> list[Row]:
         s = tr.TrainSettings(seq_len=64, batch_size=8, micro_batch_size=2, steps=max(4, self.small.steps // 2))
@@ -207,23 +284,47 @@ class TrainSwarm:
                 port = tr.free_port()
                 ports.append((port, stack.enter_context(DelayProxy(f"127.0.0.1:{port}", DELAY_S)).endpoint))
             with self._peers(self.model, prefix, "pipe", SPANS, s.batch_size, s, ports=ports):
-                runs = {k: self._train({f"pipe-{k}-in-flight": [*self._remote(self.model, prefix, "pipe"),
-                                                                 *s.args(max_in_flight=k)]}, s)[f"pipe-{k}-in-flight"]
-                        for k in (in_flight, 1)}
+                runs = {
+                    k: self._train(
+                        {f"pipe-{k}-in-flight": [*self._remote(self.model, prefix, "pipe"), *s.args(max_in_flight=k)]},
+                        s,
+                    )[f"pipe-{k}-in-flight"]
+                    for k in (in_flight, 1)
+                }
         slow = statistics.median(tr.step_seconds(runs[1], s.seq_len)[SKIP:] or [math.nan])
         hidden = in_flight * 2 * len(SPANS) * 2 * DELAY_S  # micro-batches x forward+backward x stages x round trip
-        ceiling = (f"with 1 in flight a step took {slow:.2f} s, of which the delay is at most {hidden:.2f} s "
-                   f"({in_flight} micro-batches x forward+backward x {len(SPANS)} stages x {2 * DELAY_S * 1000:.0f} ms "
-                   f"round trip): hiding it all gives about {slow / max(slow - hidden, 1e-9):.2f}x; beyond that only "
-                   f"trainer and peers computing at once on the shared cores helps, and compute dominates here")
-        how = ("tc netem is available here but not used: it would delay the whole loopback" if netem_available()
-               else "tc netem is not available here")
-        return [Row("train_swarm", tr.TRAIN_MODEL,
-                    f"2 peers, {DELAY_S * 1000:.0f} ms one-way each, {in_flight} vs 1 micro-batches in flight",
-                    "training throughput", "tokens/s", Summary.of(tr.steady_rates(runs[in_flight], SKIP)),
-                    Summary.of(tr.steady_rates(runs[1], SKIP)), "--max-in-flight 1", PIPELINING_TARGET,
-                    extra={"notes": [f"delay: bench/proxy.py DelayProxy in front of each peer's gRPC port, which the "
-                                     f"peer announces ({how}); DHT traffic is not delayed", ceiling, NOTES["rates"]]})]
+        ceiling = (
+            f"with 1 in flight a step took {slow:.2f} s, of which the delay is at most {hidden:.2f} s "
+            f"({in_flight} micro-batches x forward+backward x {len(SPANS)} stages x {2 * DELAY_S * 1000:.0f} ms "
+            f"round trip): hiding it all gives about {slow / max(slow - hidden, 1e-9):.2f}x; beyond that only "
+            f"trainer and peers computing at once on the shared cores helps, and compute dominates here"
+        )
+        how = (
+            "tc netem is available here but not used: it would delay the whole loopback"
+            if netem_available()
+            else "tc netem is not available here"
+        )
+        return [
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                f"2 peers, {DELAY_S * 1000:.0f} ms one-way each, {in_flight} vs 1 micro-batches in flight",
+                "training throughput",
+                "tokens/s",
+                Summary.of(tr.steady_rates(runs[in_flight], SKIP)),
+                Summary.of(tr.steady_rates(runs[1], SKIP)),
+                "--max-in-flight 1",
+                PIPELINING_TARGET,
+                extra={
+                    "notes": [
+                        f"delay: bench/proxy.py DelayProxy in front of each peer's gRPC port, which the "
+                        f"peer announces ({how}); DHT traffic is not delayed",
+                        ceiling,
+                        NOTES["rates"],
+                    ]
+                },
+            )
+        ]
 
     def default_model(self) -> list[Row]:
         model = resolve_default_model(self.cache_dir)
@@ -242,24 +343,45 @@ class TrainSwarm:
     # --- rows ---
 
     def _fidelity(self, variant: str, ours: list[float], local: list[float], note: str) -> Row:
-        return Row("train_swarm", tr.TRAIN_MODEL, variant, "final loss, mean of last 5 steps", "nats",
-                   Summary.of([tr.final_loss(ours)]), Summary.of([tr.final_loss(local)]), LOCAL, FIDELITY_TARGET,
-                   extra={"loss": ours, "local_loss": local, "notes": [note]})
+        return Row(
+            "train_swarm",
+            tr.TRAIN_MODEL,
+            variant,
+            "final loss, mean of last 5 steps",
+            "nats",
+            Summary.of([tr.final_loss(ours)]),
+            Summary.of([tr.final_loss(local)]),
+            LOCAL,
+            FIDELITY_TARGET,
+            extra={"loss": ours, "local_loss": local, "notes": [note]},
+        )
 
-    def _throughput(self, s: tr.TrainSettings, variant: str, ours: list[dict], local: list[dict], *,
-                    config: str = tr.TRAIN_MODEL) -> Row:
-        return Row("train_swarm", config, variant, "training throughput", "tokens/s",
-                   Summary.of(tr.steady_rates(ours, SKIP)), Summary.of(tr.steady_rates(local, SKIP)), LOCAL,
-                   THROUGHPUT_TARGET, extra={"seq_len": s.seq_len, "notes": [NOTES["rates"]]})
+    def _throughput(
+        self, s: tr.TrainSettings, variant: str, ours: list[dict], local: list[dict], *, config: str = tr.TRAIN_MODEL
+    ) -> Row:
+        return Row(
+            "train_swarm",
+            config,
+            variant,
+            "training throughput",
+            "tokens/s",
+            Summary.of(tr.steady_rates(ours, SKIP)),
+            Summary.of(tr.steady_rates(local, SKIP)),
+            LOCAL,
+            THROUGHPUT_TARGET,
+            extra={"seq_len": s.seq_len, "notes": [NOTES["rates"]]},
+        )
 
 
 def _two_note(trainer_rounds: list[float], stage_rounds: list[float]) -> str:
     def median(xs: list[float]) -> str:
         return f"{statistics.median(xs):.2f} s" if xs else "none logged"
 
-    return (f"each step of two trainers averages the trainers' embeddings and head (their gradients, weights and "
-            f"Adam statistics; median round {median(trainer_rounds)}) after the stages' groups (median round "
-            f"{median(stage_rounds)}), one after the other")
+    return (
+        f"each step of two trainers averages the trainers' embeddings and head (their gradients, weights and "
+        f"Adam statistics; median round {median(trainer_rounds)}) after the stages' groups (median round "
+        f"{median(stage_rounds)}), one after the other"
+    )
 
 
 def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> Path:
@@ -273,8 +395,13 @@ def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> Path:
     for ax, (title, lines) in zip(axes[0], curves.items()):
         for label, losses in lines.items():
             thin = label.startswith("trainer")
-            ax.plot(range(1, len(losses) + 1), losses, label=label, linewidth=0.8 if thin else 1.8,
-                    linestyle=":" if thin else ("--" if label.startswith("swarm") else "-"))
+            ax.plot(
+                range(1, len(losses) + 1),
+                losses,
+                label=label,
+                linewidth=0.8 if thin else 1.8,
+                linestyle=":" if thin else ("--" if label.startswith("swarm") else "-"),
+            )
         ax.set_title(f"train_swarm: {title}", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats)")

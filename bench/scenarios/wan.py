@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from client.model import AutoDistributedModelForCausalLM
 from bench.harness import ModelRun, Split
 from bench.scenarios.decode import decode_swarm, prompt_ids
 from bench.stats import Row, Summary, Target
+from client.model import AutoDistributedModelForCausalLM
 
 TARGET = Target("ratio", "<=", 1.15, "<= 1.15x the floor")
 
@@ -34,11 +34,21 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     if not split.proxies:
         raise ValueError("the wan scenario needs a split whose peers are behind proxies (split(delayed=True))")
     client_driven = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model.path), initial_peers=model_run.swarm.initial_peers, dht_prefix=split.prefix,
-        dtype=split.client.dtype, directory_refresh_s=3600.0, forward_steps=False)
+        str(model.path),
+        initial_peers=model_run.swarm.initial_peers,
+        dht_prefix=split.prefix,
+        dtype=split.client.dtype,
+        directory_refresh_s=3600.0,
+        forward_steps=False,
+    )
     peer_to_peer = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model.path), initial_peers=model_run.swarm.initial_peers, dht_prefix=split.prefix,
-        dtype=split.client.dtype, directory_refresh_s=3600.0, forward_steps=True)
+        str(model.path),
+        initial_peers=model_run.swarm.initial_peers,
+        dht_prefix=split.prefix,
+        dtype=split.client.dtype,
+        directory_refresh_s=3600.0,
+        forward_steps=True,
+    )
     clients = {"peer to peer": (peer_to_peer, split.count + 1), "client-driven": (client_driven, 2 * split.count)}
     prompt = prompt_ids(model.config.vocab_size, plan.decode_prompt)
     long_prompt = prompt_ids(model.config.vocab_size, plan.wan_prefill, seed=1)
@@ -50,8 +60,9 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
                 proxy.delay_s = delay_ms / 1000
             for name, (client, _) in clients.items():
                 decode_swarm(client, prompt, 2)  # warm-up, and new connections at this delay
-                steps[name, delay_ms] = [t for _ in range(plan.repeats)
-                                         for t in decode_swarm(client, prompt, plan.wan_steps)[0]]
+                steps[name, delay_ms] = [
+                    t for _ in range(plan.repeats) for t in decode_swarm(client, prompt, plan.wan_steps)[0]
+                ]
                 prefills[name, delay_ms] = [_prefill_s(client, long_prompt) for _ in range(plan.repeats)]
     finally:
         client_driven.shutdown()
@@ -61,15 +72,30 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     rows = []
     for (name, delay_ms), times in steps.items():
         legs = clients[name][1]
-        for metric, measured in (("decode step", times), (f"prefill {plan.wan_prefill} tokens", prefills[name, delay_ms])):
+        for metric, measured in (
+            ("decode step", times),
+            (f"prefill {plan.wan_prefill} tokens", prefills[name, delay_ms]),
+        ):
             source = steps if metric == "decode step" else prefills
             compute = statistics.median(source[name, 0])
             floor = legs * delay_ms / 1000 + compute
-            rows.append(Row(
-                scenario="wan", config=model.name, variant=f"{split.count} peers, {delay_ms} ms one-way, {name}",
-                metric=metric, unit="ms", ours=Summary.of(measured).scaled(1e3), reference=Summary.of([floor]).scaled(1e3),
-                reference_name=f"floor: {legs} legs x {delay_ms} ms + the same at 0 ms",
-                target=TARGET if name == "peer to peer" and delay_ms and metric == "decode step" else None,
-                extra={"notes": ["delay: bench/proxy.py DelayProxy in front of each peer's gRPC port, which the peer "
-                                 "announces; DHT traffic is not delayed"]}))
+            rows.append(
+                Row(
+                    scenario="wan",
+                    config=model.name,
+                    variant=f"{split.count} peers, {delay_ms} ms one-way, {name}",
+                    metric=metric,
+                    unit="ms",
+                    ours=Summary.of(measured).scaled(1e3),
+                    reference=Summary.of([floor]).scaled(1e3),
+                    reference_name=f"floor: {legs} legs x {delay_ms} ms + the same at 0 ms",
+                    target=TARGET if name == "peer to peer" and delay_ms and metric == "decode step" else None,
+                    extra={
+                        "notes": [
+                            "delay: bench/proxy.py DelayProxy in front of each peer's gRPC port, which the peer "
+                            "announces; DHT traffic is not delayed"
+                        ]
+                    },
+                )
+            )
     return rows

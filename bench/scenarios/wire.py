@@ -24,21 +24,22 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import torch
 
+from bench.stats import Row, Summary, Target
+from client.loop import BackgroundLoop
+from client.transport import ChannelPool, InferenceStream
+from peer.cache import CacheBudget
+from peer.handler import HandlerLimits, PeerServicer
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.packing import Packer
 from protocol.service import make_generic_handler
-from peer.cache import CacheBudget
-from peer.handler import HandlerLimits, PeerServicer
-from client.loop import BackgroundLoop
-from client.transport import ChannelPool, InferenceStream
 from swarm.net.relay import RelayService, register
 from swarm.net.tunnel import TunnelPool, TunnelServer, tunnel_address
-from bench.stats import Row, Summary, Target
 
 WIRE_TARGET = Target("ratio", "<=", 1.5, "<= 1.5x bare echo")
 RELAY_TARGET = Target("excess", "<=", 2.0, "<= 2 ms over gRPC direct")
@@ -52,7 +53,7 @@ class _Config:
 
 
 class _NoCache:
-    layers: list = []  # nothing to rewind when a step starts over at position 0
+    layers: ClassVar[list] = []  # nothing to rewind when a step starts over at position 0
 
 
 class EchoSpan:
@@ -64,8 +65,9 @@ class EchoSpan:
     def new_cache(self) -> _NoCache:
         return _NoCache()
 
-    def __call__(self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None,
-                 between_layers=None):
+    def __call__(
+        self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None, between_layers=None
+    ):
         return hidden
 
 
@@ -147,8 +149,10 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
     server, port = await _bare_server(servicer)
     endpoint = f"127.0.0.1:{port}"
     pool = ChannelPool(_MAX_BYTES)
-    channel = grpc.aio.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", _MAX_BYTES),
-                                                           ("grpc.max_send_message_length", _MAX_BYTES)])
+    channel = grpc.aio.insecure_channel(
+        endpoint,
+        options=[("grpc.max_receive_message_length", _MAX_BYTES), ("grpc.max_send_message_length", _MAX_BYTES)],
+    )
     bare_call = channel.unary_unary("/bench.Echo/Unary")
     p2p_server = p2p_client = None
     libp2p_nodes, libp2p_pool, libp2p_addresses = [], None, {}
@@ -162,8 +166,10 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
             libp2p_nodes, libp2p_pool, libp2p_addresses = await _libp2p_paths(endpoint)
         except Exception as exc:
             results["libp2p_error"] = f"{type(exc).__name__}: {exc}"
-        paths = {"ours": (pool, endpoint), **{name: (libp2p_pool, address) for name, address in
-                                               libp2p_addresses.items()}}
+        paths = {
+            "ours": (pool, endpoint),
+            **{name: (libp2p_pool, address) for name, address in libp2p_addresses.items()},
+        }
         for payload in payloads:
             tensor = torch.randn(payload.shape).to(dtype)
             raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -181,21 +187,42 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
                     if stream is not None:
                         if session_id not in streams:
                             streams[session_id] = stream
-                            await stream.request(pb.InferenceRequest(open=pb.OpenSession(
-                                span=pb.Span(model=_PREFIX, start=0, end=1), session_id=session_id,
-                                max_length=seq, batch_size=payload.shape[0])), 30)
-                        request = packer.pack(pb.InferenceRequest(step=pb.InferenceStep(
-                            session_id=session_id, hidden_states=packer.tensor(tensor.to(dtype)),
-                            position_ids=packer.tensor(positions), prefix_length=0)))
+                            await stream.request(
+                                pb.InferenceRequest(
+                                    open=pb.OpenSession(
+                                        span=pb.Span(model=_PREFIX, start=0, end=1),
+                                        session_id=session_id,
+                                        max_length=seq,
+                                        batch_size=payload.shape[0],
+                                    )
+                                ),
+                                30,
+                            )
+                        request = packer.pack(
+                            pb.InferenceRequest(
+                                step=pb.InferenceStep(
+                                    session_id=session_id,
+                                    hidden_states=packer.tensor(tensor.to(dtype)),
+                                    position_ids=packer.tensor(positions),
+                                    prefix_length=0,
+                                )
+                            )
+                        )
                         response = await stream.request(request, 60)
-                        return decode_tensor(response.message.step.hidden_states, "hidden_states",
-                                             response.payload).to(tensor.dtype)
-                    request = packer.pack(pb.ForwardRequest(span=pb.Span(model=_PREFIX, start=0, end=1),
-                                                            hidden_states=packer.tensor(tensor.to(dtype)),
-                                                            position_ids=packer.tensor(positions)))
+                        return decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload).to(
+                            tensor.dtype
+                        )
+                    request = packer.pack(
+                        pb.ForwardRequest(
+                            span=pb.Span(model=_PREFIX, start=0, end=1),
+                            hidden_states=packer.tensor(tensor.to(dtype)),
+                            position_ids=packer.tensor(positions),
+                        )
+                    )
                     response = await path_pool.unary(address, "forward", request, 60)
-                    return decode_tensor(response.message.hidden_states, "hidden_states",
-                                         response.payload).to(tensor.dtype)
+                    return decode_tensor(response.message.hidden_states, "hidden_states", response.payload).to(
+                        tensor.dtype
+                    )
 
                 return call
 
@@ -226,8 +253,12 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
                     samples[name].append(time.perf_counter() - began)
             for stream in streams.values():
                 await stream.close()
-            results["payloads"][payload.name] = {"samples": samples, "errors": errors, "bytes": len(raw),
-                                                 "path": "inference stream step" if payload.stream else "Forward unary"}
+            results["payloads"][payload.name] = {
+                "samples": samples,
+                "errors": errors,
+                "bytes": len(raw),
+                "path": "inference stream step" if payload.stream else "Forward unary",
+            }
     finally:
         await channel.close(grace=None)
         await pool.close()
@@ -244,23 +275,52 @@ async def _measure(hidden_size: int, dtype: torch.dtype, payloads: list[Payload]
 
 
 def payloads_for(hidden_size: int, train_batch: int, train_seq: int) -> list[Payload]:
-    return [Payload("decode step", (1, 1, hidden_size), True), Payload("prefill 128", (1, 128, hidden_size), True),
-            Payload(f"train {train_batch}x{train_seq}", (train_batch, train_seq, hidden_size), False)]
+    return [
+        Payload("decode step", (1, 1, hidden_size), True),
+        Payload("prefill 128", (1, 128, hidden_size), True),
+        Payload(f"train {train_batch}x{train_seq}", (train_batch, train_seq, hidden_size), False),
+    ]
 
 
-def measure(hidden_size: int, dtype: str, *, train_batch: int, train_seq: int, calls: int, repeats: int,
-            threads: int, omp_passive: bool = True) -> dict:
+def measure(
+    hidden_size: int,
+    dtype: str,
+    *,
+    train_batch: int,
+    train_seq: int,
+    calls: int,
+    repeats: int,
+    threads: int,
+    omp_passive: bool = True,
+) -> dict:
     """Run the measurement in a fresh process and return its samples (seconds per call) and errors.
 
     A fresh process because a gRPC server leaves threads behind, and hivemind forks its DHT process: a fork
     after gRPC was used in-process can hang. It also gets the peers' torch threads and OpenMP wait policy.
     """
-    command = [sys.executable, "-m", "bench.scenarios.wire", "--hidden", str(hidden_size), "--dtype", dtype,
-               "--train-batch", str(train_batch), "--train-seq", str(train_seq), "--calls", str(calls),
-               "--repeats", str(repeats), "--threads", str(threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.scenarios.wire",
+        "--hidden",
+        str(hidden_size),
+        "--dtype",
+        dtype,
+        "--train-batch",
+        str(train_batch),
+        "--train-seq",
+        str(train_seq),
+        "--calls",
+        str(calls),
+        "--repeats",
+        str(repeats),
+        "--threads",
+        str(threads),
+    ]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else None
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).resolve().parents[2], env=env)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2], env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the wire measurement failed ({done.returncode}): {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -278,13 +338,34 @@ def rows_from(config_name: str, hidden_size: int, dtype: str, results: dict) -> 
         extra = {"hidden_size": hidden_size, "dtype": dtype, "bytes": found["bytes"], "path": found["path"]}
         if not p2p:
             extra["p2p"] = "not measured: " + (errors.get("p2p") or results.get("p2p_error") or "unknown")
-        rows.append(Row(scenario="wire", config=config_name, variant=variant, metric="ours per hop", unit="ms",
-                        ours=Summary.of(samples["ours"]).scaled(1e3), reference=bare, reference_name="bare gRPC echo",
-                        target=WIRE_TARGET, extra=extra))
+        rows.append(
+            Row(
+                scenario="wire",
+                config=config_name,
+                variant=variant,
+                metric="ours per hop",
+                unit="ms",
+                ours=Summary.of(samples["ours"]).scaled(1e3),
+                reference=bare,
+                reference_name="bare gRPC echo",
+                target=WIRE_TARGET,
+                extra=extra,
+            )
+        )
         if p2p:
-            rows.append(Row(scenario="wire", config=config_name, variant=variant, metric="hivemind P2P unary",
-                            unit="ms", ours=Summary.of(p2p).scaled(1e3), reference=bare,
-                            reference_name="bare gRPC echo", extra={"bytes": found["bytes"]}))
+            rows.append(
+                Row(
+                    scenario="wire",
+                    config=config_name,
+                    variant=variant,
+                    metric="hivemind P2P unary",
+                    unit="ms",
+                    ours=Summary.of(p2p).scaled(1e3),
+                    reference=bare,
+                    reference_name="bare gRPC echo",
+                    extra={"bytes": found["bytes"]},
+                )
+            )
         else:
             rows[-1].extra["p2p"] = extra.get("p2p")
         ours = Summary.of(samples["ours"]).scaled(1e3)
@@ -293,10 +374,20 @@ def rows_from(config_name: str, hidden_size: int, dtype: str, results: dict) -> 
                 extra[name] = "not measured: " + (errors.get(name) or results.get("libp2p_error") or "unknown")
                 continue
             target = RELAY_TARGET if name == "relay" and variant.startswith("decode step") else None
-            rows.append(Row(scenario="wire", config=config_name, variant=variant, metric=metric, unit="ms",
-                            ours=Summary.of(samples[name]).scaled(1e3), reference=ours,
-                            reference_name="ours, gRPC direct", target=target,
-                            extra={"bytes": found["bytes"], "path": found["path"]}))
+            rows.append(
+                Row(
+                    scenario="wire",
+                    config=config_name,
+                    variant=variant,
+                    metric=metric,
+                    unit="ms",
+                    ours=Summary.of(samples[name]).scaled(1e3),
+                    reference=ours,
+                    reference_name="ours, gRPC direct",
+                    target=target,
+                    extra={"bytes": found["bytes"], "path": found["path"]},
+                )
+            )
     return rows
 
 

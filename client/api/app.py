@@ -23,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from protocol.errors import SwarmError
 from client.api.config import ApiConfig
 from client.api.errors import ApiError, from_swarm_error, internal_error
 from client.api.generation import Backend, Finish, GenerationParams
@@ -31,6 +30,7 @@ from client.api.jobs import ClientGone, Failed, Job, JobRunner, Text
 from client.api.metrics import CONTENT_TYPE, ApiMetrics
 from client.api.responses import DONE, Shape, sse
 from client.api.schemas import ChatRequest, CompletionRequest, Sampling, parse_body
+from protocol.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +68,13 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        what = {404: f"no route {request.method} {request.url.path}; the API is under /v1 (GET /v1/models)",
-                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-        return answer_error(request, ApiError(exc.status_code, what, code="not_found" if exc.status_code == 404
-                                              else None))
+        what = {
+            404: f"no route {request.method} {request.url.path}; the API is under /v1 (GET /v1/models)",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, exc.detail)
+        return answer_error(
+            request, ApiError(exc.status_code, what, code="not_found" if exc.status_code == 404 else None)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -84,15 +87,20 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if not header:
-            raise ApiError(401, "missing API key: send it as the header `Authorization: Bearer KEY`",
-                           code="invalid_api_key")
+            raise ApiError(
+                401, "missing API key: send it as the header `Authorization: Bearer KEY`", code="invalid_api_key"
+            )
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
 
     def check_model(name: str) -> None:
         if name != config.model_id and name not in config.aliases:
-            raise ApiError(404, f"the model {name!r} does not exist on this server, which serves "
-                                f"{config.model_id!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {name!r} does not exist on this server, which serves {config.model_id!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     # --- routes ---
 
@@ -106,10 +114,17 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         if uncovered:
             count(request, 503)
             spans = block_ranges(uncovered)
-            return JSONResponse({"status": "unavailable", "model": config.model_id, "uncovered_blocks": spans,
-                                 "message": f"no usable peer serves blocks {', '.join(spans)} of "
-                                            f"{config.model_id}; start one with `swarmlm peer MODEL --blocks "
-                                            f"{spans[0]}`"}, 503)
+            return JSONResponse(
+                {
+                    "status": "unavailable",
+                    "model": config.model_id,
+                    "uncovered_blocks": spans,
+                    "message": f"no usable peer serves blocks {', '.join(spans)} of "
+                    f"{config.model_id}; start one with `swarmlm peer MODEL --blocks "
+                    f"{spans[0]}`",
+                },
+                503,
+            )
         count(request, 200)
         return {"status": "ok", "model": config.model_id}
 
@@ -154,10 +169,16 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         else:
             prompt_ids = await asyncio.to_thread(backend.encode_prompt, body.prompt_value())
         params = GenerationParams(
-            prompt_ids=tuple(prompt_ids), max_tokens=max_tokens(body, len(prompt_ids), chat),
-            sampling=Sampling(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed),
-            stop=body.stop_strings(), ignore_eos=bool(body.ignore_eos))
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens(body, len(prompt_ids), chat),
+            sampling=Sampling(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed,
+            ),
+            stop=body.stop_strings(),
+            ignore_eos=bool(body.ignore_eos),
+        )
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch_disconnect(request, gone))
         job: Job | None = None
@@ -188,19 +209,27 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         context = backend.context_length
         where = "messages" if chat else "prompt"
         if prompt_tokens >= context:
-            raise ApiError(400, f"this model's maximum context length is {context} tokens, and the {where} alone "
-                                f"take {prompt_tokens}; shorten {'them' if chat else 'it'}", param=where,
-                           code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {context} tokens, and the {where} alone "
+                f"take {prompt_tokens}; shorten {'them' if chat else 'it'}",
+                param=where,
+                code="context_length_exceeded",
+            )
         asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if asked is None:
             default = config.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
             return min(default, context - prompt_tokens)
         if prompt_tokens + asked > context:
             param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
-            raise ApiError(400, f"this model's maximum context length is {context} tokens; the {where} has "
-                                f"{prompt_tokens} and {param}={asked} asks for {prompt_tokens + asked} in all; "
-                                f"shorten the {where} or ask for at most {context - prompt_tokens} tokens",
-                           param=param, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {context} tokens; the {where} has "
+                f"{prompt_tokens} and {param}={asked} asks for {prompt_tokens + asked} in all; "
+                f"shorten the {where} or ask for at most {context - prompt_tokens} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         return asked
 
     async def whole_answer(request: Request, job: Job, event, shape: Shape):
@@ -214,8 +243,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
                 if event.reason == "cancelled":
                     raise ClientGone()
                 count(request, 200)
-                return shape.whole("".join(pieces), event.reason, len(job.params.prompt_ids),
-                                   event.completion_tokens)
+                return shape.whole("".join(pieces), event.reason, len(job.params.prompt_ids), event.completion_tokens)
             event = await job.next_event()
 
     async def stream_events(request: Request, job: Job, event, shape: Shape, include_usage: bool):
@@ -263,14 +291,16 @@ def generation_error(error: BaseException) -> ApiError:
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body has {declared} bytes, over this server's limit of {limit}",
-                       code="request_too_large")
+        raise ApiError(
+            413, f"the request body has {declared} bytes, over this server's limit of {limit}", code="request_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ApiError(413, f"the request body is over this server's limit of {limit} bytes",
-                           code="request_too_large")
+            raise ApiError(
+                413, f"the request body is over this server's limit of {limit} bytes", code="request_too_large"
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -302,8 +332,9 @@ class EventStream(StreamingResponse):
     """
 
     def __init__(self, events, on_close):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

@@ -21,30 +21,67 @@ API_KEY_ENV = "SWARMLM_API_KEY"
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog, description="Serve a model of the swarm over an OpenAI-compatible HTTP API "
-                               "(/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics).")
-    p.add_argument("model", help="checkpoint folder, a hub id in the local cache, or SmolLM2-135M-Instruct (the "
-                                 "built-in model); its embeddings, head and tokenizer are loaded here")
+        prog=prog,
+        description="Serve a model of the swarm over an OpenAI-compatible HTTP API "
+        "(/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics).",
+    )
+    p.add_argument(
+        "model",
+        help="checkpoint folder, a hub id in the local cache, or SmolLM2-135M-Instruct (the "
+        "built-in model); its embeddings, head and tokenizer are loaded here",
+    )
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000; 0: a free one)")
-    p.add_argument("--api-key", metavar="KEY",
-                   help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV} if set, else open)")
-    p.add_argument("--max-concurrency", type=int, default=8, metavar="N",
-                   help="generations at once, one inference session each (default: 8)")
-    p.add_argument("--max-queued", type=int, default=32, metavar="N",
-                   help="requests waiting for a slot beyond those; more get 429 at once (default: 32)")
-    p.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
-                   help="tokens a chat request gets when it sets no max_tokens (default: 256)")
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV} if set, else open)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="generations at once, one inference session each (default: 8)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=32,
+        metavar="N",
+        help="requests waiting for a slot beyond those; more get 429 at once (default: 32)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="tokens a chat request gets when it sets no max_tokens (default: 256)",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default: 4)")
-    p.add_argument("--wait-for-peers", type=float, default=10.0, metavar="S",
-                   help="how long a request waits for uncovered blocks to be served before 503 (default: 10)")
-    p.add_argument("--request-timeout", type=float, default=60.0, metavar="S",
-                   help="longest wait for one peer's answer before failing over (default: 60)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="dtype of the local embeddings and head (default: the checkpoint's)")
+    p.add_argument(
+        "--wait-for-peers",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="how long a request waits for uncovered blocks to be served before 503 (default: 10)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="longest wait for one peer's answer before failing over (default: 60)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="dtype of the local embeddings and head (default: the checkpoint's)",
+    )
     p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")
     return p
 
@@ -56,13 +93,20 @@ def config_from_args(args: argparse.Namespace):
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must lie in 0..65535, got {args.port}")
     if not args.wait_for_peers >= 0 or not args.request_timeout > 0 or not args.max_body_mb > 0:
-        raise SystemExit(f"error: --wait-for-peers must be >= 0, --request-timeout and --max-body-mb positive, got "
-                         f"{args.wait_for_peers}, {args.request_timeout}, {args.max_body_mb}")
+        raise SystemExit(
+            f"error: --wait-for-peers must be >= 0, --request-timeout and --max-body-mb positive, got "
+            f"{args.wait_for_peers}, {args.request_timeout}, {args.max_body_mb}"
+        )
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
-        return ApiConfig(model_id="pending", api_key=api_key, max_concurrency=args.max_concurrency,
-                         max_queued=args.max_queued, default_max_tokens=args.default_max_tokens,
-                         max_body_bytes=int(args.max_body_mb * 2**20))
+        return ApiConfig(
+            model_id="pending",
+            api_key=api_key,
+            max_concurrency=args.max_concurrency,
+            max_queued=args.max_queued,
+            default_max_tokens=args.default_max_tokens,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+        )
     except ValueError as exc:
         flag = str(exc).split(" ", 1)[0].replace("_", "-")
         raise SystemExit(f"error: --{flag}: {exc}") from None
@@ -74,8 +118,10 @@ def _check_model_arg(model: str) -> None:
 
     looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
     if looks_like_path and not Path(model).expanduser().exists():
-        raise SystemExit(f"error: model folder {model!r} does not exist; pass a Hugging Face checkpoint folder, a hub "
-                         f"id in the local cache, or the built-in model's name")
+        raise SystemExit(
+            f"error: model folder {model!r} does not exist; pass a Hugging Face checkpoint folder, a hub "
+            f"id in the local cache, or the built-in model's name"
+        )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -86,8 +132,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
-                         f"(0: a free one)") from None
+        raise SystemExit(
+            f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port (0: a free one)"
+        ) from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -136,39 +183,51 @@ def _serve(args, config, swarm_key, sock) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from protocol.errors import ModelNotFoundError, SwarmError
-    from protocol.records import prefix_for_model
     from client.api.app import create_app
     from client.api.engine import SwarmBackend
     from client.model import AutoDistributedModelForCausalLM
+    from protocol.errors import ModelNotFoundError, SwarmError
+    from protocol.records import prefix_for_model
 
     path = _model_path(args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        raise ModelNotFoundError(f"cannot load a tokenizer from {path}: {exc}; the API needs the model's "
-                                 f"tokenizer files beside its checkpoint") from None
+        raise ModelNotFoundError(
+            f"cannot load a tokenizer from {path}: {exc}; the API needs the model's "
+            f"tokenizer files beside its checkpoint"
+        ) from None
     model_id = args.dht_prefix or prefix_for_model(args.model)
     try:
         model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(path), initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, dtype=args.dtype,
-            swarm_key=swarm_key, wait_for_peers_s=args.wait_for_peers, request_timeout_s=args.request_timeout)
+            str(path),
+            initial_peers=args.initial_peers,
+            dht_prefix=args.dht_prefix,
+            dtype=args.dtype,
+            swarm_key=swarm_key,
+            wait_for_peers_s=args.wait_for_peers,
+            request_timeout_s=args.request_timeout,
+        )
     except (SwarmError, ValueError):
         raise
     except Exception as exc:  # hivemind's daemon errors: say which flag to check, without its traceback
-        raise SwarmError(f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise SwarmError(
+            f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     try:
         aliases = tuple({args.model, str(path)} - {model_id})
         config = dataclasses.replace(config, model_id=model_id, aliases=aliases)
         app = create_app(SwarmBackend(model, tokenizer, model_id), config)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
-                                               access_log=False))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         auth = "API key required" if config.api_key else "no API key"
-        print(f"swarmlm api: serving {model_id} at http://{shown}:{port}/v1 ({auth}; at most "
-              f"{config.max_concurrency} generations at once, {config.max_queued} queued)", flush=True)
+        print(
+            f"swarmlm api: serving {model_id} at http://{shown}:{port}/v1 ({auth}; at most "
+            f"{config.max_concurrency} generations at once, {config.max_queued} queued)",
+            flush=True,
+        )
         # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again: here, so that the client is
         # shut down (its DHT process stopped) on the way out
         signal.signal(signal.SIGTERM, _interrupt)

@@ -76,13 +76,17 @@ class SwarmBackend:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request(f"model {self.model_id!r} has no chat template; use /v1/completions with a prompt",
-                              "messages", code="no_chat_template")
+            raise bad_request(
+                f"model {self.model_id!r} has no chat template; use /v1/completions with a prompt",
+                "messages",
+                code="no_chat_template",
+            )
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may refuse an order of roles (jinja's raise_exception)
-            raise ApiError(400, f"messages: the model's chat template refused them: {exc}", param="messages",
-                           code="invalid_value") from None
+            raise ApiError(
+                400, f"messages: the model's chat template refused them: {exc}", param="messages", code="invalid_value"
+            ) from None
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise bad_request("messages: the chat template gave an empty prompt", "messages")
@@ -105,8 +109,7 @@ class SwarmBackend:
         sequence = self.model.sequence
         snapshot = await sequence.snapshot()
         banned = sequence.bans.banned(snapshot.expirations)
-        return [block for block in range(sequence.num_blocks)
-                if not set(snapshot.servers_of_block(block)) - banned]
+        return [block for block in range(sequence.num_blocks) if not set(snapshot.servers_of_block(block)) - banned]
 
     def failovers(self) -> int:
         sequence = self.model.sequence

@@ -7,15 +7,28 @@ caller's own bad input is 400.
 
 from __future__ import annotations
 
-from protocol.errors import (BadRequestError, CacheFullError, NoPeersError, OverloadedError, SequenceTooLongError,
-                             SwarmError)
+from protocol.errors import (
+    BadRequestError,
+    CacheFullError,
+    NoPeersError,
+    OverloadedError,
+    SequenceTooLongError,
+    SwarmError,
+)
 
 
 class ApiError(Exception):
     """An answer other than 200, in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -36,12 +49,18 @@ def from_swarm_error(error: SwarmError) -> ApiError:
     if isinstance(error, BadRequestError):
         return ApiError(400, str(error), code="invalid_value")
     if isinstance(error, (CacheFullError, OverloadedError)):
-        return ApiError(503, f"the swarm is overloaded: {error}; retry later", type="service_unavailable",
-                        code="overloaded")
-    return ApiError(503, f"the swarm failed to serve this request after failover ({type(error).__name__}): {error}",
-                    type="service_unavailable", code=error.code)
+        return ApiError(
+            503, f"the swarm is overloaded: {error}; retry later", type="service_unavailable", code="overloaded"
+        )
+    return ApiError(
+        503,
+        f"the swarm failed to serve this request after failover ({type(error).__name__}): {error}",
+        type="service_unavailable",
+        code=error.code,
+    )
 
 
 def internal_error(error: BaseException) -> ApiError:
-    return ApiError(500, f"internal error of the API server: {type(error).__name__}: {error}", type="server_error",
-                    code="internal")
+    return ApiError(
+        500, f"internal error of the API server: {type(error).__name__}: {error}", type="server_error", code="internal"
+    )

@@ -59,8 +59,13 @@ class Finish:
     completion_tokens: int
 
 
-def run_generation(backend: Backend, params: GenerationParams, cancel: threading.Event,
-                   emit: Callable[[str], None], on_token: Callable[[], None] = lambda: None) -> Finish:
+def run_generation(
+    backend: Backend,
+    params: GenerationParams,
+    cancel: threading.Event,
+    emit: Callable[[str], None],
+    on_token: Callable[[], None] = lambda: None,
+) -> Finish:
     """Generate until a stop rule or `cancel`; `emit` gets each new piece of text, `on_token` each token.
 
     Raises whatever the backend raises (swarm errors), after closing its token iterator.

@@ -58,8 +58,9 @@ class Failed:
 class Job:
     """One generation: events (Text, then a Finish or a Failed) arrive in `events` from its worker thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, params: GenerationParams, metrics: ApiMetrics,
-                 arrived_at: float):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, params: GenerationParams, metrics: ApiMetrics, arrived_at: float
+    ):
         self.loop, self.params, self.metrics, self.arrived_at = loop, params, metrics, arrived_at
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
@@ -84,8 +85,9 @@ class Job:
         self.metrics.active.inc()
         self.metrics.prompt_tokens.inc(len(self.params.prompt_ids))
         try:
-            finish = run_generation(backend, self.params, self.cancel, lambda text: self._post(Text(text)),
-                                    self._on_token)
+            finish = run_generation(
+                backend, self.params, self.cancel, lambda text: self._post(Text(text)), self._on_token
+            )
         except BaseException as exc:  # handed to the request, which answers with it
             if not self.cancel.is_set():
                 logger.warning("generation failed: %s: %s", type(exc).__name__, exc)
@@ -130,10 +132,14 @@ class JobRunner:
         """
         if self._running >= self.max_concurrency:
             if len(self._waiting) >= self.max_queued:
-                raise ApiError(429, f"the server is busy: {self._running} generations running (--max-concurrency "
-                                    f"{self.max_concurrency}) and {len(self._waiting)} waiting (--max-queued "
-                                    f"{self.max_queued}); retry later", type="rate_limit_error",
-                               code="rate_limit_exceeded")
+                raise ApiError(
+                    429,
+                    f"the server is busy: {self._running} generations running (--max-concurrency "
+                    f"{self.max_concurrency}) and {len(self._waiting)} waiting (--max-queued "
+                    f"{self.max_queued}); retry later",
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                )
             turn = asyncio.get_running_loop().create_future()
             self._waiting.append(turn)
             self.metrics.queued.set(len(self._waiting))

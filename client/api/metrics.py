@@ -19,28 +19,38 @@ class _Failovers:
         self.read = read
 
     def collect(self):
-        yield CounterMetricFamily("swarmlm_api_failovers", "Peer failures the client banned and routed around",
-                                  value=self.read())
+        yield CounterMetricFamily(
+            "swarmlm_api_failovers", "Peer failures the client banned and routed around", value=self.read()
+        )
 
 
 class ApiMetrics:
     def __init__(self, failovers: Callable[[], int]):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("swarmlm_api_requests", "Requests answered, by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
-        self.time_to_first_token = Histogram("swarmlm_api_time_to_first_token_seconds",
-                                             "From a request's arrival (queueing included) to its first token",
-                                             buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.time_per_token = Histogram("swarmlm_api_time_per_output_token_seconds",
-                                        "Between consecutive generated tokens of one request",
-                                        buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.requests = Counter(
+            "swarmlm_api_requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"], registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "swarmlm_api_time_to_first_token_seconds",
+            "From a request's arrival (queueing included) to its first token",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.time_per_token = Histogram(
+            "swarmlm_api_time_per_output_token_seconds",
+            "Between consecutive generated tokens of one request",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.prompt_tokens = Counter("swarmlm_api_prompt_tokens", "Prompt tokens processed", registry=r)
         self.completion_tokens = Counter("swarmlm_api_completion_tokens", "Tokens generated", registry=r)
-        self.cancelled = Counter("swarmlm_api_cancelled_generations",
-                                 "Generations stopped because their client went away", registry=r)
-        self.active = Gauge("swarmlm_api_active_sessions", "Generations running now (one inference session each)",
-                            registry=r)
+        self.cancelled = Counter(
+            "swarmlm_api_cancelled_generations", "Generations stopped because their client went away", registry=r
+        )
+        self.active = Gauge(
+            "swarmlm_api_active_sessions", "Generations running now (one inference session each)", registry=r
+        )
         self.queued = Gauge("swarmlm_api_queued_requests", "Requests waiting for a generation slot", registry=r)
         r.register(_Failovers(failovers))
 

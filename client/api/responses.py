@@ -18,8 +18,11 @@ DONE = sse("[DONE]")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 @dataclass
@@ -39,8 +42,12 @@ class Shape:
 
     def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             head = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

@@ -56,8 +56,9 @@ class _Common(_Strict):
             raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
         for stop in stops:
             if not stop or len(stop) > MAX_STOP_CHARS:
-                raise bad_request(f"stop: each stop string must have 1 to {MAX_STOP_CHARS} characters, "
-                                  f"got {stop!r:.80}", "stop")
+                raise bad_request(
+                    f"stop: each stop string must have 1 to {MAX_STOP_CHARS} characters, got {stop!r:.80}", "stop"
+                )
         return tuple(stops)
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -93,10 +94,15 @@ class CompletionRequest(_Common):
             found.append(("suffix", "suffix (insertion) is not supported"))
         if self.best_of not in (None, 1):
             found.append(("best_of", f"best_of={self.best_of}: one candidate per request only"))
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
-                and len(self.prompt) != 1:
-            found.append(("prompt", f"one prompt per request, got a batch of {len(self.prompt)}; send several "
-                                    f"requests"))
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], (str, list))
+            and len(self.prompt) != 1
+        ):
+            found.append(
+                ("prompt", f"one prompt per request, got a batch of {len(self.prompt)}; send several requests")
+            )
         return found
 
     def prompt_value(self) -> str | list[int]:
@@ -142,10 +148,14 @@ class ChatRequest(_Common):
             if getattr(self, name) not in (None, "none"):
                 found.append((name, f"{name} is not supported (no tools)"))
         if self.response_format and self.response_format.get("type", "text") != "text":
-            found.append(("response_format", f"response_format {self.response_format.get('type')!r} is not "
-                                             f"supported; only text"))
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
+            found.append(
+                ("response_format", f"response_format {self.response_format.get('type')!r} is not supported; only text")
+            )
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
             found.append(("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one"))
         return found
 
@@ -190,15 +200,18 @@ def parse_body(raw: bytes, model_cls: type[_Common]) -> _Common:
 _UNION_FIELDS = {  # fields of several accepted shapes: pydantic would report the first shape's complaint
     "stop": "must be a string or a list of strings",
     "prompt": "must be a string, a list of token ids, or a list of one of those",
-    "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "content": 'must be a string or a list of {"type": "text", "text": ...} parts',
 }
 
 
 def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     first = exc.errors()[0]
     # pydantic names the union member it tried ("str", "list[int]"): keep only the field path
-    loc = [str(part) for part in first["loc"] if not (isinstance(part, str) and ("[" in part or part in
-                                                                                   ("str", "int", "float", "bool")))]
+    loc = [
+        str(part)
+        for part in first["loc"]
+        if not (isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool")))
+    ]
     param = ".".join(loc) or None
     union = next((name for name in _UNION_FIELDS if loc and loc[-1] == name), None)
     if union is None and len(loc) > 1 and loc[-2] in _UNION_FIELDS and loc[-1].isdigit():
@@ -209,5 +222,8 @@ def _validation_error(exc: pydantic.ValidationError) -> ApiError:
     if union is not None and first["type"] != "missing":
         return bad_request(f"{param}: {_UNION_FIELDS[union]}{shown}", param, code="invalid_type")
     more = f"; and {exc.error_count() - 1} more problem(s)" if exc.error_count() > 1 else ""
-    return bad_request(f"{param or 'body'}: {first['msg']}{shown}{more}", param,
-                       code="missing_field" if first["type"] == "missing" else "invalid_type")
+    return bad_request(
+        f"{param or 'body'}: {first['msg']}{shown}{more}",
+        param,
+        code="missing_field" if first["type"] == "missing" else "invalid_type",
+    )

@@ -34,11 +34,11 @@ class Detokenizer:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        before = self.decode(self.ids[self._prefix:self._read])
-        after = self.decode(self.ids[self._prefix:])
+        before = self.decode(self.ids[self._prefix : self._read])
+        after = self.decode(self.ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith(_INCOMPLETE) and not final):
             return ""
-        new = after[len(before):]
+        new = after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
         return new
 
@@ -60,10 +60,10 @@ class StopMatcher:
         found = [index for index in (buffer.find(stop) for stop in self.stops) if index >= 0]
         if found:
             self.stopped, self._held = True, ""
-            return buffer[:min(found)], True
+            return buffer[: min(found)], True
         keep = self._partial_suffix(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], False
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
         held, self._held = self._held, ""

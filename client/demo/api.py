@@ -12,8 +12,8 @@ import socket
 import time
 from pathlib import Path
 
-from swarm.models.checkpoint import load_config
 from client.demo.local_swarm import LocalSwarm, split_blocks
+from swarm.models.checkpoint import load_config
 
 _START_TIMEOUT_S = 180.0
 _API_LINE = re.compile(r"swarmlm api: serving (\S+) at (http://\S+/v1)")
@@ -32,8 +32,10 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
             try:
                 sock.bind((host, port))
             except OSError as exc:
-                raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another "
-                                 f"{flag} (0: a free one)") from None
+                raise SystemExit(
+                    f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another "
+                    f"{flag} (0: a free one)"
+                ) from None
 
 
 def wait_for_line(swarm: LocalSwarm, name: str, pattern: re.Pattern, timeout_s: float) -> re.Match:
@@ -69,10 +71,31 @@ def run_with_api(args: argparse.Namespace, model_path: Path, cache_dir: Path, sw
     began = time.monotonic()
     maddrs, num_blocks, spans = start_demo_swarm(swarm, model_path, cache_dir, args.peers)
     # the API and the monitor start while the peers load: both wait for blocks themselves
-    swarm.start("api", "api", str(model_path), "--initial-peers", *maddrs, "--host", "127.0.0.1",
-                "--port", str(args.port), "--cache-dir", str(cache_dir), *key_args)
-    swarm.start("monitor", "monitor", "--initial-peers", *maddrs, "--host", "127.0.0.1",
-                "--port", str(args.monitor_port), *key_args)
+    swarm.start(
+        "api",
+        "api",
+        str(model_path),
+        "--initial-peers",
+        *maddrs,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--cache-dir",
+        str(cache_dir),
+        *key_args,
+    )
+    swarm.start(
+        "monitor",
+        "monitor",
+        "--initial-peers",
+        *maddrs,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.monitor_port),
+        *key_args,
+    )
     swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
     api = wait_for_line(swarm, "api", _API_LINE, _START_TIMEOUT_S)
     monitor = wait_for_line(swarm, "monitor", _MONITOR_LINE, _START_TIMEOUT_S)
@@ -80,9 +103,11 @@ def run_with_api(args: argparse.Namespace, model_path: Path, cache_dir: Path, sw
     print(f"swarm ready in {time.monotonic() - began:.1f}s\n")
     print(f"API:     {api_url}  (log: {swarm.log('api')})")
     print(f"monitor: {monitor.group(1)}  (log: {swarm.log('monitor')})")
-    print(f"try:     curl {api_url}/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
-          f"\"max_tokens\": 32}}'")
+    print(
+        f"try:     curl {api_url}/chat/completions -H 'Content-Type: application/json' "
+        f'-d \'{{"model": "{model_id}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+        f'"max_tokens": 32}}\''
+    )
     print("running until Ctrl+C", flush=True)
     while True:
         for name, child in swarm.children.items():

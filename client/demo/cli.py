@@ -16,13 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarm.models.default_model import DEFAULT_MODEL, resolve_default_model
-from swarm.paths import default_cache_dir
-from swarm.trust.swarmkey import load_optional
-from swarm.net.tunnel import describe_address
-from swarm.extras import require_extra
 from client.demo.api import check_ports, run_with_api, start_demo_swarm
 from client.demo.local_swarm import LocalSwarm
+from swarm.extras import require_extra
+from swarm.models.default_model import DEFAULT_MODEL, resolve_default_model
+from swarm.net.tunnel import describe_address
+from swarm.paths import default_cache_dir
+from swarm.trust.swarmkey import load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -32,27 +32,41 @@ _START_TIMEOUT_S = 180.0
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run a whole swarm on this machine, chat with it, then stop.")
     p.add_argument("--model", help=f"checkpoint folder (default: the built-in {DEFAULT_MODEL})")
-    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.",
-                   help="the chat question to ask")
+    p.add_argument(
+        "--prompt", default="What is the capital of France? Answer in one sentence.", help="the chat question to ask"
+    )
     p.add_argument("--peers", type=int, default=3, help="how many peers split the blocks (default: 3)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default: 48)")
     p.add_argument("--cache-dir", help="where the default model is converted to (default: ~/.cache/swarmlm)")
-    p.add_argument("--swarm-key", metavar="FILE",
-                   help="run the swarm private with this key file (see `swarmlm bootstrap --new-swarm-key`)")
+    p.add_argument(
+        "--swarm-key",
+        metavar="FILE",
+        help="run the swarm private with this key file (see `swarmlm bootstrap --new-swarm-key`)",
+    )
     a = p.add_argument_group("serving (--api)")
-    a.add_argument("--api", action="store_true",
-                   help="instead of one chat: serve the swarm over the OpenAI-compatible API and the monitor's "
-                        "web page on 127.0.0.1, print their URLs, and run until Ctrl+C")
+    a.add_argument(
+        "--api",
+        action="store_true",
+        help="instead of one chat: serve the swarm over the OpenAI-compatible API and the monitor's "
+        "web page on 127.0.0.1, print their URLs, and run until Ctrl+C",
+    )
     a.add_argument("--port", type=int, default=8000, help="the API's port (default: 8000; 0: a free one)")
     a.add_argument("--monitor-port", type=int, default=8080, help="the monitor's port (default: 8080; 0: a free one)")
     t = p.add_argument_group("training (--train)")
-    t.add_argument("--train", action="store_true",
-                   help="fine-tune the model on Shakespeare with two stages of training peers, then write a line")
+    t.add_argument(
+        "--train",
+        action="store_true",
+        help="fine-tune the model on Shakespeare with two stages of training peers, then write a line",
+    )
     t.add_argument("--steps", type=int, default=30, help="training steps (default: 30)")
     t.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: 64)")
     t.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: 4)")
-    t.add_argument("--train-mode", default="lora", choices=("full", "lora"),
-                   help="what the peers train (default: lora, small enough for a laptop)")
+    t.add_argument(
+        "--train-mode",
+        default="lora",
+        choices=("full", "lora"),
+        help="what the peers train (default: lora, small enough for a laptop)",
+    )
     t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
     t.add_argument("--peer-lr", type=float, default=1e-3, help="learning rate of the peers (default: 1e-3)")
     t.add_argument("--train-prompt", default="ROMEO:\n", help="what the trained model continues (default: ROMEO:)")
@@ -85,8 +99,10 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(args.model) if args.model else resolve_default_model(cache_dir)
     if args.train:
         if args.steps < 1 or args.seq_len < 2 or args.batch_size < 2 or args.batch_size % 2:
-            raise SystemExit(f"error: --steps must be >= 1, --seq-len >= 2 and --batch-size an even number >= 2, "
-                             f"got {args.steps}, {args.seq_len}, {args.batch_size}")
+            raise SystemExit(
+                f"error: --steps must be >= 1, --seq-len >= 2 and --batch-size an even number >= 2, "
+                f"got {args.steps}, {args.seq_len}, {args.batch_size}"
+            )
         return _run_training(args, model_path, cache_dir)
     if args.api:
         return _run_api(args, model_path, cache_dir)
@@ -97,19 +113,20 @@ def run(args: argparse.Namespace) -> int:
         began = time.monotonic()
         maddrs, num_blocks, spans = start_demo_swarm(swarm, model_path, cache_dir, args.peers)
         swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs,
-                                                                swarm_key=swarm_key)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_path), initial_peers=maddrs, swarm_key=swarm_key
+        )
         print(f"swarm ready in {time.monotonic() - began:.1f}s\n")
 
         messages = [{"role": "user", "content": args.prompt}]
-        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                  return_dict=True)["input_ids"]
+        input_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         with model.inference_session(max_length=input_ids.shape[1] + args.max_new_tokens) as session:
             started = time.perf_counter()
-            output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                    streamer=streamer)
+            output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=streamer)
             elapsed = time.perf_counter() - started
             route = [(s.hop.peer_id, s.hop.endpoint, s.hop.start, s.hop.end) for s in session.remote.spans]
         new_tokens = output.shape[1] - input_ids.shape[1]

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from protocol.records import ServerState, prefix_for_model
-from swarm.dht.node import start_dht
 from swarm.dht.directory import fetch_snapshot
+from swarm.dht.node import start_dht
 from swarm.trust.swarmkey import load_optional
 
 
@@ -40,7 +40,7 @@ class LocalSwarm:
         self.initial_peers: list[str] = []
         self._dht = None
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -52,8 +52,12 @@ class LocalSwarm:
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.log(name), "w") as log:
             child = subprocess.Popen(
-                [self.python, "-m", "swarm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, env=self._env(env),
+                [self.python, "-m", "swarm.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self._env(env),
             )
         self.children[name] = child
         return child
@@ -69,7 +73,9 @@ class LocalSwarm:
         child = self.start("bootstrap", "bootstrap", *self._key_args)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            maddrs = [line.strip() for line in self.log("bootstrap").read_text().splitlines() if line.startswith("/ip4/")]
+            maddrs = [
+                line.strip() for line in self.log("bootstrap").read_text().splitlines() if line.startswith("/ip4/")
+            ]
             if maddrs:
                 self.initial_peers = maddrs
                 return maddrs
@@ -81,13 +87,19 @@ class LocalSwarm:
     def start_peer(self, name: str, model: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         return self.start(name, "peer", model, "--initial-peers", *self.initial_peers, *self._key_args, *args, env=env)
 
-    def wait_online(self, model: str, num_blocks: int, spans: list[tuple[int, int]] | None = None,
-                    *, dht_prefix: str | None = None, timeout_s: float = 120.0) -> None:
+    def wait_online(
+        self,
+        model: str,
+        num_blocks: int,
+        spans: list[tuple[int, int]] | None = None,
+        *,
+        dht_prefix: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> None:
         """Wait until every block (or every span in `spans`) is served by an ONLINE peer."""
         prefix = dht_prefix or prefix_for_model(model)
         if self._dht is None:
-            self._dht = start_dht(self.initial_peers, client_mode=True,
-                                  swarm_key=load_optional(self.swarm_key_file))
+            self._dht = start_dht(self.initial_peers, client_mode=True, swarm_key=load_optional(self.swarm_key_file))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             snapshot = fetch_snapshot(self._dht, prefix, num_blocks)

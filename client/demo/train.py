@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from swarm.training.settings import AveragingSettings
-from client.training.data import Prefetcher, TokenBatches, default_corpus, tokenize_files
 from client.demo.local_swarm import LocalSwarm, split_blocks
+from client.training.data import Prefetcher, TokenBatches, default_corpus, tokenize_files
+from swarm.training.settings import AveragingSettings
 
 _START_TIMEOUT_S = 180.0
 # one trainer and one peer per stage: rounds need not wait for anyone
@@ -24,8 +24,8 @@ _AVERAGING = AveragingSettings(matchmaking_time_s=1.0, averaging_timeout_s=30.0,
 def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> int:
     from transformers import AutoTokenizer
 
-    from client.model import AutoDistributedModelForCausalLM
     from client.config import TrainConfig
+    from client.model import AutoDistributedModelForCausalLM
     from client.training.trainer import SwarmTrainer
     from swarm.models.checkpoint import load_config
 
@@ -36,27 +36,56 @@ def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> 
     maddrs = swarm.start_bootstrap()
     print(f"bootstrap node: {maddrs[0]}")
     for i, (start, end) in enumerate(spans):
-        swarm.start_peer(f"peer{i}", str(model_path), "--blocks", f"{start}:{end}", "--cache-dir", str(cache_dir),
-                         "--train", "--run-id", "demo", "--train-mode", args.train_mode, "--lr", str(args.peer_lr),
-                         "--target-batch-size", str(args.batch_size), "--matchmaking-time", "1")
+        swarm.start_peer(
+            f"peer{i}",
+            str(model_path),
+            "--blocks",
+            f"{start}:{end}",
+            "--cache-dir",
+            str(cache_dir),
+            "--train",
+            "--run-id",
+            "demo",
+            "--train-mode",
+            args.train_mode,
+            "--lr",
+            str(args.peer_lr),
+            "--target-batch-size",
+            str(args.batch_size),
+            "--matchmaking-time",
+            "1",
+        )
         print(f"training peer {i}: blocks {start}:{end} ({args.train_mode})  (log: {swarm.log(f'peer{i}')})")
-    batches = Prefetcher(TokenBatches(tokenize_files(tokenizer, default_corpus()), seq_len=args.seq_len,
-                                      batch_size=args.batch_size, seed=0))
+    batches = Prefetcher(
+        TokenBatches(
+            tokenize_files(tokenizer, default_corpus()), seq_len=args.seq_len, batch_size=args.batch_size, seed=0
+        )
+    )
     model = trainer = None
     try:
         swarm.wait_online(str(model_path), num_blocks, spans, timeout_s=_START_TIMEOUT_S)
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=maddrs,
-                                                                dtype=torch.float32)
-        trainer = SwarmTrainer(model, TrainConfig(run_id="demo", batch_size=args.batch_size, micro_batch_size=2,
-                                                  lr=args.lr, averaging=_AVERAGING))
-        print(f"swarm ready in {time.monotonic() - began:.1f}s; fine-tuning on Shakespeare "
-              f"({args.steps} steps of {args.batch_size}x{args.seq_len} tokens)\n")
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_path), initial_peers=maddrs, dtype=torch.float32
+        )
+        trainer = SwarmTrainer(
+            model,
+            TrainConfig(
+                run_id="demo", batch_size=args.batch_size, micro_batch_size=2, lr=args.lr, averaging=_AVERAGING
+            ),
+        )
+        print(
+            f"swarm ready in {time.monotonic() - began:.1f}s; fine-tuning on Shakespeare "
+            f"({args.steps} steps of {args.batch_size}x{args.seq_len} tokens)\n"
+        )
         losses = []
         for step in range(1, args.steps + 1):
             result = trainer.step(next(batches))
             losses.append(result.loss)
-            print(f"step {step:>3}/{args.steps}  loss {result.loss:.3f}  {result.tokens / result.seconds:6.0f} tokens/s"
-                  f"  stage updates {sorted(result.stage_epochs.values())}", flush=True)
+            print(
+                f"step {step:>3}/{args.steps}  loss {result.loss:.3f}  {result.tokens / result.seconds:6.0f} tokens/s"
+                f"  stage updates {sorted(result.stage_epochs.values())}",
+                flush=True,
+            )
         window = max(1, min(5, len(losses) // 4))
         first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
         print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last {window} steps)")

@@ -26,7 +26,7 @@ _STATIC = {  # path -> (file under static/, media type)
 }
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                               "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -66,8 +66,11 @@ def create_app(make_watcher: Callable[[], Any], refresh_s: float) -> FastAPI:
     async def api_state() -> Response:
         state = holder["watcher"].state
         if state is None:  # the first refresh is still under way
-            return JSONResponse({"error": "the first read of the swarm is still under way"}, status_code=503,
-                                headers={**_HEADERS, "Retry-After": "1"})
+            return JSONResponse(
+                {"error": "the first read of the swarm is still under way"},
+                status_code=503,
+                headers={**_HEADERS, "Retry-After": "1"},
+            )
         return JSONResponse(state, headers=_HEADERS)
 
     @app.get("/health")

@@ -18,16 +18,27 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Serve a live web page of a swarm: its models, which peers "
-                                "serve each block (gaps in red), each peer's state, throughput, cache, address and "
-                                "round-trip time, and training runs. The same data as JSON at /api/state.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a live web page of a swarm: its models, which peers "
+        "serve each block (gaps in red), each peer's state, throughput, cache, address and "
+        "round-trip time, and training runs. The same data as JSON at /api/state.",
+    )
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--host", default="127.0.0.1", help="address the page is served on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="TCP port of the page (default: 8080; 0: a free one)")
-    p.add_argument("--refresh-s", type=float, default=5.0,
-                   help="seconds between two reads of the swarm; the page refreshes as often (default: 5)")
-    p.add_argument("--ping-timeout-s", type=float, default=2.0,
-                   help="how long a peer may take to answer a ping before it shows as 'no answer' (default: 2)")
+    p.add_argument(
+        "--refresh-s",
+        type=float,
+        default=5.0,
+        help="seconds between two reads of the swarm; the page refreshes as often (default: 5)",
+    )
+    p.add_argument(
+        "--ping-timeout-s",
+        type=float,
+        default=2.0,
+        help="how long a peer may take to answer a ping before it shows as 'no answer' (default: 2)",
+    )
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     return p
 
@@ -46,8 +57,10 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(128)  # browsers that come before the server does wait in the backlog
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port "
-                         f"(0 for a free one) or --host") from None
+        raise SystemExit(
+            f"error: cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port "
+            f"(0 for a free one) or --host"
+        ) from None
     return sock
 
 
@@ -71,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(initial_peers: list[str], config: MonitorConfig, swarm_key, sock: socket.socket) -> int:
     import uvicorn  # the web stack and hivemind: only once the flags are known good
 
+    from client.monitor.app import create_app
+    from client.monitor.watcher import Watcher
     from protocol.errors import SwarmError
     from swarm.dht.node import stop_dht
     from swarm.runtime import wait_for_signal
     from swarm.status import join_swarm
-    from client.monitor.app import create_app
-    from client.monitor.watcher import Watcher
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -96,8 +109,9 @@ async def _serve(initial_peers: list[str], config: MonitorConfig, swarm_key, soc
         if stop.done():
             return 0
         app = create_app(lambda: Watcher(dht, config, swarm_key), config.refresh_s)
-        server = Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                       timeout_graceful_shutdown=2))
+        server = Server(
+            uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+        )
         serving = asyncio.create_task(server.serve(sockets=[sock]))
         host, port = sock.getsockname()[:2]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"

@@ -16,17 +16,17 @@ from typing import Any
 
 import hivemind
 
-from protocol import swarmlm_pb2 as pb
-from protocol.errors import SwarmError
-from protocol.records import ServerInfo
-from swarm.trust.identity import identity_challenge
-from swarm.dht.snapshot import SwarmSnapshot
-from swarm.dht.state import ANSWERED, NO_ANSWER, WRONG_KEY, Ping, build_state, read_state
-from swarm.trust.swarmkey import SwarmKey
-from swarm.net.tunnel import TunnelPool
 from client.monitor.config import MonitorConfig
 from client.routing import dial_candidates
 from client.transport import ChannelPool
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import SwarmError
+from protocol.records import ServerInfo
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.dht.state import ANSWERED, NO_ANSWER, WRONG_KEY, Ping, build_state, read_state
+from swarm.net.tunnel import TunnelPool
+from swarm.trust.identity import identity_challenge
+from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ class Watcher:
         for snapshot in snapshots.values():
             for peer_id, info in snapshot.online().items():
                 targets.setdefault(peer_id, (info, snapshot))
-        results = await asyncio.gather(*(self.ping(peer_id, info, snapshot)
-                                         for peer_id, (info, snapshot) in targets.items()))
+        results = await asyncio.gather(
+            *(self.ping(peer_id, info, snapshot) for peer_id, (info, snapshot) in targets.items())
+        )
         return dict(zip(targets, results))
 
     async def ping(self, peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot) -> Ping:
@@ -86,8 +87,7 @@ class Watcher:
             nonce = os.urandom(16)
             began = time.perf_counter()
             try:
-                answer = await self.pool.unary(address, "info", pb.InfoRequest(nonce=nonce),
-                                               self.config.ping_timeout_s)
+                answer = await self.pool.unary(address, "info", pb.InfoRequest(nonce=nonce), self.config.ping_timeout_s)
             except SwarmError as exc:
                 logger.debug("peer %s does not answer at %s: %s", peer_id, address, exc)
                 await self.pool.drop(address)

@@ -14,10 +14,10 @@ import signal
 import sys
 from pathlib import Path
 
+from client.config import TrainConfig
 from protocol.errors import SwarmError
 from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
-from client.config import TrainConfig
 
 # torch, transformers and hivemind are imported once the flags are known good: a wrong one is answered at once
 
@@ -36,8 +36,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step from this trainer (default: 8)")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per request (default: 2)")
-    p.add_argument("--max-in-flight", type=int, default=0,
-                   help="micro-batches in flight at once (default: 0, all of a step's)")
+    p.add_argument(
+        "--max-in-flight", type=int, default=0, help="micro-batches in flight at once (default: 0, all of a step's)"
+    )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default: 100)")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
@@ -46,9 +47,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT node listens on")
-    p.add_argument("--step-timeout", type=float, default=60.0, metavar="S",
-                   help="after a batch, how long to wait for the stages' update once no trainer adds samples to "
-                        "it; then the next batch adds to it (default: 60)")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="after a batch, how long to wait for the stages' update once no trainer adds samples to "
+        "it; then the next batch adds to it (default: 60)",
+    )
     add_averaging_arguments(p)
     p.add_argument("--log-json", help="append one JSON line per step to this file")
     p.add_argument("--save", metavar="DIR", help="save the trainer's state here after the run, and resume from it")
@@ -57,10 +63,18 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(run_id=args.run_id, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                       max_in_flight=args.max_in_flight, optimizer=args.optimizer, lr=args.lr,
-                       weight_decay=args.weight_decay, averaging=averaging_from_args(args),
-                       step_timeout_s=args.step_timeout, host=args.host)
+    return TrainConfig(
+        run_id=args.run_id,
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_in_flight=args.max_in_flight,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        averaging=averaging_from_args(args),
+        step_timeout_s=args.step_timeout,
+        host=args.host,
+    )
 
 
 def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None):
@@ -72,12 +86,14 @@ def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot load the tokenizer of {model_path}: {exc}; the checkpoint folder must hold one") \
-            from None
+        raise ValueError(
+            f"cannot load the tokenizer of {model_path}: {exc}; the checkpoint folder must hold one"
+        ) from None
     tokens = tokenize_files(tokenizer, files)
     batches = TokenBatches(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, state=state)
-    logger.info("data: %d files, %d tokens, %d sequences of %d", len(files), tokens.numel(), batches.num_chunks,
-                args.seq_len)
+    logger.info(
+        "data: %d files, %d tokens, %d sequences of %d", len(files), tokens.numel(), batches.num_chunks, args.seq_len
+    )
     return Prefetcher(batches)
 
 
@@ -131,9 +147,13 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
     from client.model import AutoDistributedModelForCausalLM
     from client.training.trainer import SwarmTrainer
 
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=args.initial_peers,
-                                                            dht_prefix=args.dht_prefix, dtype=torch.float32,
-                                                            swarm_key=swarm_key)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        str(model_path),
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        dtype=torch.float32,
+        swarm_key=swarm_key,
+    )
     try:
         if resume is not None:
             from client.training.export import TRAINER_FILE
@@ -148,18 +168,23 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
 def _train(trainer, batches, args, first: int) -> None:
     from tqdm import tqdm
 
-    log = open(args.log_json, "a") if args.log_json else None
+    log = open(args.log_json, "a") if args.log_json else None  # noqa: SIM115 (closed in the finally below)
     try:
         bar = tqdm(range(first, first + args.steps), disable=args.no_progress, unit="step", file=sys.stderr)
         for step in bar:
             result = trainer.step(next(batches))
             tokens_per_s = result.tokens / result.seconds if result.seconds > 0 else 0.0
             epochs = " ".join(f"{s}-{e}:{n}" for (s, e), n in sorted(result.stage_epochs.items()))
-            bar.set_postfix_str(f"loss {result.loss:.4f}, {tokens_per_s:.0f} tok/s" + (f", updates {epochs}"
-                                                                                       if epochs else ""))
+            bar.set_postfix_str(
+                f"loss {result.loss:.4f}, {tokens_per_s:.0f} tok/s" + (f", updates {epochs}" if epochs else "")
+            )
             if log is not None:
-                log.write(json.dumps({"step": step, "loss": result.loss, "samples": result.samples,
-                                      "tokens_per_s": tokens_per_s}) + "\n")
+                log.write(
+                    json.dumps(
+                        {"step": step, "loss": result.loss, "samples": result.samples, "tokens_per_s": tokens_per_s}
+                    )
+                    + "\n"
+                )
                 log.flush()
             if args.no_progress:
                 logger.info("step %d: loss %.4f, %.0f tokens/s %s", step, result.loss, tokens_per_s, epochs)
@@ -174,13 +199,17 @@ def _save(save: Path, trainer, batches, args) -> None:
     from safetensors.torch import save_file
 
     from client.training.export import TRAINER_FILE
+
     save.mkdir(parents=True, exist_ok=True)
     if args.local:
         trainer.save_pretrained(save)
     else:
         model = trainer.model
-        tensors = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
-                   "model.norm.weight": model.model.norm.weight, "lm_head.weight": model.lm_head.weight}
+        tensors = {
+            "model.embed_tokens.weight": model.model.embed_tokens.weight,
+            "model.norm.weight": model.model.norm.weight,
+            "lm_head.weight": model.lm_head.weight,
+        }
         if model.lm_head.weight is model.model.embed_tokens.weight:
             tensors.pop("lm_head.weight")
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(save / TRAINER_FILE))

@@ -15,29 +15,36 @@ import grpc
 import torch
 from safetensors.torch import load_file, save_file
 
+from client.config import ClientConfig
+from client.loop import BackgroundLoop
+from client.sequence import RemoteSequence
+from client.transport import ChannelPool
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import NoPeersError, SwarmError
 from protocol.records import check_prefix, prefix_for_model
 from protocol.service import error_from_rpc
-from swarm.models.checkpoint import load_config, load_tensors, resolve_model_path
 from swarm.dht.node import start_dht, stop_dht
+from swarm.models.checkpoint import load_config, load_tensors, resolve_model_path
 from swarm.trust.rpcauth import call_metadata
 from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
-from client.config import ClientConfig
-from client.loop import BackgroundLoop
-from client.sequence import RemoteSequence
-from client.transport import ChannelPool
 
 logger = logging.getLogger(__name__)
 
 TRAINER_FILE = "trainer.safetensors"
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja")
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
-async def fetch_peer_weights(pool: ChannelPool, endpoint: str, prefix: str, start: int,
-                             end: int) -> dict[str, torch.Tensor]:
+async def fetch_peer_weights(
+    pool: ChannelPool, endpoint: str, prefix: str, start: int, end: int
+) -> dict[str, torch.Tensor]:
     """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name."""
     request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
     pieces: dict[str, list[torch.Tensor]] = {}
@@ -45,7 +52,8 @@ async def fetch_peer_weights(pool: ChannelPool, endpoint: str, prefix: str, star
         stub = await pool.stub_for(endpoint)
         async for part in stub.state(request, timeout=600, metadata=call_metadata(pool.auth, "state")):
             pieces.setdefault(part.message.name, []).append(
-                decode_tensor(part.message.tensor, part.message.name, part.payload).clone())
+                decode_tensor(part.message.tensor, part.message.name, part.payload).clone()
+            )
     except grpc.RpcError as exc:
         raise error_from_rpc(exc, endpoint) from exc
     return {name: torch.cat(parts) if len(parts) > 1 else parts[0] for name, parts in pieces.items()}
@@ -58,15 +66,24 @@ async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> 
     snapshot = await sequence.snapshot()
     for hop in route:
         info = snapshot.servers[hop.peer_id]
-        weights = await fetch_peer_weights(sequence.pool, hop.endpoint, sequence.prefix, info.start_block,
-                                           info.end_block)
+        weights = await fetch_peer_weights(
+            sequence.pool, hop.endpoint, sequence.prefix, info.start_block, info.end_block
+        )
         wanted = {f"model.layers.{i}." for i in range(hop.start, hop.end)}
         tensors.update({name: t for name, t in weights.items() if any(name.startswith(w) for w in wanted)})
     return tensors
 
 
-def export_model(model: str, initial_peers: list[str], out: str | Path, *, trainer_dir: str | Path | None = None,
-                 run_id: str | None = None, dht_prefix: str | None = None, swarm_key: SwarmKey | None = None) -> Path:
+def export_model(
+    model: str,
+    initial_peers: list[str],
+    out: str | Path,
+    *,
+    trainer_dir: str | Path | None = None,
+    run_id: str | None = None,
+    dht_prefix: str | None = None,
+    swarm_key: SwarmKey | None = None,
+) -> Path:
     """Write the swarm's current weights of `model` to `out` as a checkpoint transformers loads.
 
     Args:
@@ -79,8 +96,13 @@ def export_model(model: str, initial_peers: list[str], out: str | Path, *, train
     prefix = check_prefix(dht_prefix or prefix_for_model(model))
     loop, dht = BackgroundLoop(), start_dht(initial_peers, client_mode=True, swarm_key=swarm_key)
     try:
-        sequence = RemoteSequence(dht, prefix, config.num_hidden_layers,
-                                  ClientConfig(initial_peers=tuple(initial_peers), swarm_key=swarm_key), run_id=run_id)
+        sequence = RemoteSequence(
+            dht,
+            prefix,
+            config.num_hidden_layers,
+            ClientConfig(initial_peers=tuple(initial_peers), swarm_key=swarm_key),
+            run_id=run_id,
+        )
         try:
             tensors = loop.run(fetch_span_weights(sequence, 0, config.num_hidden_layers))
         finally:
@@ -100,7 +122,9 @@ def export_model(model: str, initial_peers: list[str], out: str | Path, *, train
         raise NoPeersError(f"no weights came for blocks {missing}; start peers serving them")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     for name in _COPIED:
         if (path / name).exists():
             shutil.copy(path / name, out / name)
@@ -126,11 +150,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     try:
-        out = export_model(args.model, args.initial_peers, args.out, trainer_dir=args.trainer_dir,
-                           run_id=args.run_id, dht_prefix=args.dht_prefix, swarm_key=swarm_key)
+        out = export_model(
+            args.model,
+            args.initial_peers,
+            args.out,
+            trainer_dir=args.trainer_dir,
+            run_id=args.run_id,
+            dht_prefix=args.dht_prefix,
+            swarm_key=swarm_key,
+        )
     except (SwarmError, ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 1
     print(f"exported to {out}")
     return 0
-

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from swarm.training.optim import make_optimizer
 from client.config import TrainConfig
 from client.training.trainer import StepResult, lm_loss, local_parameters
+from swarm.training.optim import make_optimizer
 
 
 class LocalTrainer:
@@ -48,8 +48,14 @@ class LocalTrainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
-        return StepResult(self.steps_done, sum(losses) / batch.shape[0], batch.shape[0], batch.numel(),
-                          time.perf_counter() - began, {})
+        return StepResult(
+            self.steps_done,
+            sum(losses) / batch.shape[0],
+            batch.shape[0],
+            batch.numel(),
+            time.perf_counter() - began,
+            {},
+        )
 
     def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from protocol import swarmlm_pb2 as pb
-from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
-from swarm.training.averaging import TrainingGroup, group_key, has_nonfinite
-from swarm.dht.node import start_dht, stop_dht
-from swarm.training.optim import make_optimizer
 from client.config import TrainConfig
 from client.sequence import TrainingTag
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
+from swarm.dht.node import start_dht, stop_dht
+from swarm.training.averaging import TrainingGroup, group_key, has_nonfinite
+from swarm.training.optim import make_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +82,19 @@ class SwarmTrainer:
             p.requires_grad_(True)
         self.optimizer = make_optimizer(config.optimizer, self.params, lr=config.lr, weight_decay=config.weight_decay)
         # a node that accepts connections (the model's own DHT is a client): trainers average through it
-        self.dht = start_dht(self.sequence.config.initial_peers, host=config.host,
-                             swarm_key=self.sequence.config.swarm_key)
+        self.dht = start_dht(
+            self.sequence.config.initial_peers, host=config.host, swarm_key=self.sequence.config.swarm_key
+        )
         try:
-            self.group = TrainingGroup(self.dht, group_key(self.sequence.prefix, config.run_id, "trainers"),
-                                       self.params, self.optimizer, settings=config.averaging,
-                                       progress_ttl_s=TRAINER_PROGRESS_TTL_S, swarm_key=self.sequence.config.swarm_key)
+            self.group = TrainingGroup(
+                self.dht,
+                group_key(self.sequence.prefix, config.run_id, "trainers"),
+                self.params,
+                self.optimizer,
+                settings=config.averaging,
+                progress_ttl_s=TRAINER_PROGRESS_TTL_S,
+                swarm_key=self.sequence.config.swarm_key,
+            )
         except BaseException:
             stop_dht(self.dht)
             raise
@@ -147,8 +154,9 @@ class SwarmTrainer:
         self.steps_done += 1
         loss = sum(loss * ids.shape[0] for loss, ids in zip(losses, micro)) / batch.shape[0]
         stage_epochs = await self._wait_for_stages(wait=False)
-        return StepResult(self.steps_done, loss, batch.shape[0], batch.numel(), time.perf_counter() - began,
-                          stage_epochs)
+        return StepResult(
+            self.steps_done, loss, batch.shape[0], batch.numel(), time.perf_counter() - began, stage_epochs
+        )
 
     async def _micro_batch(self, ids: torch.Tensor, tag: TrainingTag, gate: asyncio.Semaphore, done: list) -> float:
         async with gate:
@@ -201,8 +209,11 @@ class SwarmTrainer:
             if response.run_id != self.config.run_id:
                 return None
             # a peer in the middle of an update counts as growing: its group has what it needs
-            return peer_id, ((info.start_block, info.end_block), int(response.epoch),
-                             int(response.samples) + (1 << 40 if response.updating else 0))
+            return peer_id, (
+                (info.start_block, info.end_block),
+                int(response.epoch),
+                int(response.samples) + (1 << 40 if response.updating else 0),
+            )
 
         answers = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
         return dict(answer for answer in answers if answer is not None)
@@ -244,8 +255,12 @@ class SwarmTrainer:
             if samples != last_samples:
                 last_samples, deadline = samples, time.monotonic() + self.config.step_timeout_s
             if time.monotonic() > deadline:
-                logger.warning("stages %s did not update, and got no samples for %.0fs; going on (the next batch "
-                               "adds to the same update)", sorted(pending), self.config.step_timeout_s)
+                logger.warning(
+                    "stages %s did not update, and got no samples for %.0fs; going on (the next batch "
+                    "adds to the same update)",
+                    sorted(pending),
+                    self.config.step_timeout_s,
+                )
                 return False
             await asyncio.sleep(0.05)
 
@@ -255,7 +270,9 @@ class SwarmTrainer:
         await self.sequence.report_failure(hop, SwarmError("left before its stage updated"))
         positions = torch.arange(inputs.shape[1]).unsqueeze(0)
         try:
-            _, records = await self.sequence.forward(inputs, None, positions, hop.start, hop.end, keep_for_backward=True)
+            _, records = await self.sequence.forward(
+                inputs, None, positions, hop.start, hop.end, keep_for_backward=True
+            )
             await self.sequence.backward(grad, records, None, positions, training=tag, done=done)
             self.redone += 1
         except StaleEpochError:  # the stage is updating already, without it
@@ -274,4 +291,3 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> 
     if a is None or b is None:
         return a if b is None else b
     return a + b
-

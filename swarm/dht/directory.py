@@ -18,8 +18,8 @@ from hivemind.utils import get_dht_time
 from protocol.errors import InvalidRecordError
 from protocol.records import MODEL_INDEX_KEY, ModelRecord, ServerInfo, block_key, check_prefix
 from swarm.dht.node import dht_result
-from swarm.trust.identity import parse_record_subkey
 from swarm.dht.snapshot import SwarmSnapshot
+from swarm.trust.identity import parse_record_subkey
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +33,17 @@ def _subkey_values(raw: Any) -> dict[Any, tuple[float, Any]]:
     """subkey -> (expiration time, value) of a dictionary record."""
     if not isinstance(raw, dict):
         return {}
-    return {subkey: (getattr(item, "expiration_time", 0.0), getattr(item, "value", item)) for subkey, item in raw.items()}
+    return {
+        subkey: (getattr(item, "expiration_time", 0.0), getattr(item, "value", item)) for subkey, item in raw.items()
+    }
 
 
 def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnapshot:
     """Read every block record of a model and merge them into one snapshot (one ServerInfo per peer)."""
     keys = [block_key(prefix, block) for block in range(num_blocks)]
-    found = dht_result(dht, dht.run_coroutine(partial(_get_many, keys=keys), return_future=True),
-                       f"reading the records of {prefix}")
+    found = dht_result(
+        dht, dht.run_coroutine(partial(_get_many, keys=keys), return_future=True), f"reading the records of {prefix}"
+    )
     taken_at = get_dht_time()
     # a peer that moved has records of its old span too: its latest announcement wins
     latest: dict[str, tuple[float, ServerInfo]] = {}
@@ -62,24 +65,43 @@ def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnap
                 logger.debug("skipping the record of %s under %s: %s", peer_id, key, exc)
                 continue
             if info.end_block > num_blocks:
-                logger.debug("skipping the record of %s under %s: span %d:%d is outside the model's 0:%d",
-                             peer_id, key, info.start_block, info.end_block, num_blocks)
+                logger.debug(
+                    "skipping the record of %s under %s: span %d:%d is outside the model's 0:%d",
+                    peer_id,
+                    key,
+                    info.start_block,
+                    info.end_block,
+                    num_blocks,
+                )
                 continue
             if not info.start_block <= block < info.end_block:
-                logger.debug("skipping the record of %s under %s: its span %d:%d does not hold block %d",
-                             peer_id, key, info.start_block, info.end_block, block)
+                logger.debug(
+                    "skipping the record of %s under %s: its span %d:%d does not hold block %d",
+                    peer_id,
+                    key,
+                    info.start_block,
+                    info.end_block,
+                    block,
+                )
                 continue
             latest[peer_id] = (expiration, info)
             public_keys[peer_id] = public_key
-    return SwarmSnapshot(num_blocks=num_blocks, servers={peer_id: info for peer_id, (_, info) in latest.items()},
-                         expirations={peer_id: expiration for peer_id, (expiration, _) in latest.items()},
-                         public_keys=public_keys, taken_at=taken_at)
+    return SwarmSnapshot(
+        num_blocks=num_blocks,
+        servers={peer_id: info for peer_id, (_, info) in latest.items()},
+        expirations={peer_id: expiration for peer_id, (expiration, _) in latest.items()},
+        public_keys=public_keys,
+        taken_at=taken_at,
+    )
 
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:
     """The model index: DHT prefix -> ModelRecord."""
-    found = dht_result(dht, dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]), return_future=True),
-                       "reading the model index")
+    found = dht_result(
+        dht,
+        dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]), return_future=True),
+        "reading the model index",
+    )
     models = {}
     for prefix, (_, value) in _subkey_values(found.get(MODEL_INDEX_KEY)).items():
         try:
@@ -126,8 +148,12 @@ def unstored(stored: dict[str, bool], what: str) -> list[str]:
     """The keys of an announcement (`announce`'s result) that no DHT node accepted, logged as a warning."""
     failed = [key for key, ok in stored.items() if not ok]
     if failed:
-        logger.warning("%s: the DHT did not store %s (refused by its nodes, or none answered in time); "
-                       "clients may not see this peer there until the next announcement", what, ", ".join(failed))
+        logger.warning(
+            "%s: the DHT did not store %s (refused by its nodes, or none answered in time); "
+            "clients may not see this peer there until the next announcement",
+            what,
+            ", ".join(failed),
+        )
     return failed
 
 

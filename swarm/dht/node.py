@@ -10,16 +10,16 @@ import os
 import signal
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import DHTUnavailableError, UnauthorizedError
+from swarm.dht.validators import SwarmRecordValidator
 from swarm.trust.identity import NodeIdentity, fresh_identity, load_identity
 from swarm.trust.swarmkey import SwarmKey, refused_message
-from swarm.dht.validators import SwarmRecordValidator
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,9 @@ class _OwnGroupDHT(hivemind.DHT):
         except OSError as exc:  # then it stays in the starter's group and goes down with it, as before
             logger.warning("the DHT process stays in its starter's process group: %r", exc)
         else:
-            threading.Thread(target=_exit_with_starter, args=(self._starter_pid,), name="exit-with-starter",
-                             daemon=True).start()
+            threading.Thread(
+                target=_exit_with_starter, args=(self._starter_pid,), name="exit-with-starter", daemon=True
+            ).start()
         super().run()
 
 
@@ -150,8 +151,10 @@ def dht_result(dht: hivemind.DHT, future, what: str, timeout_s: float = DHT_CALL
             if not dht.is_alive():
                 raise DHTUnavailableError(f"{what}: this process's DHT node has stopped") from None
             if time.monotonic() > deadline:
-                raise DHTUnavailableError(f"{what}: this process's DHT node did not answer within {timeout_s:g}s; "
-                                          f"if this repeats, restart the process") from None
+                raise DHTUnavailableError(
+                    f"{what}: this process's DHT node did not answer within {timeout_s:g}s; "
+                    f"if this repeats, restart the process"
+                ) from None
 
 
 def stop_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:

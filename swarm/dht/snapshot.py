@@ -22,8 +22,11 @@ class SwarmSnapshot:
 
     def live(self) -> dict[str, ServerInfo]:
         """Servers that are ONLINE, or JOINING since less than MAX_JOINING_S (OFFLINE ones are leaving)."""
-        return {pid: info for pid, info in self.servers.items()
-                if info.state == ServerState.ONLINE or (info.state == ServerState.JOINING and self.joining(info))}
+        return {
+            pid: info
+            for pid, info in self.servers.items()
+            if info.state == ServerState.ONLINE or (info.state == ServerState.JOINING and self.joining(info))
+        }
 
     def joining(self, info: ServerInfo) -> bool:
         """Whether a JOINING record still counts: it began joining at most MAX_JOINING_S before the read (and not

@@ -99,12 +99,20 @@ def _training(servers: Mapping[str, ServerInfo]) -> list[dict[str, Any]]:
     for info in servers.values():
         if info.run_id:
             runs.setdefault(info.run_id, []).append(info)
-    return [{"run_id": run_id, "peers": len(infos), "epoch_min": min(i.epoch for i in infos),
-             "epoch_max": max(i.epoch for i in infos)} for run_id, infos in sorted(runs.items())]
+    return [
+        {
+            "run_id": run_id,
+            "peers": len(infos),
+            "epoch_min": min(i.epoch for i in infos),
+            "epoch_max": max(i.epoch for i in infos),
+        }
+        for run_id, infos in sorted(runs.items())
+    ]
 
 
-def model_state(prefix: str, record: ModelRecord, snapshot: SwarmSnapshot,
-                pings: Mapping[str, Ping] | None = None) -> dict[str, Any]:
+def model_state(
+    prefix: str, record: ModelRecord, snapshot: SwarmSnapshot, pings: Mapping[str, Ping] | None = None
+) -> dict[str, Any]:
     """One model's entry of the document; `pings` (peer id -> Ping) None when the peers were not pinged."""
     online = snapshot.online()
     coverage = [0] * snapshot.num_blocks
@@ -127,14 +135,26 @@ def model_state(prefix: str, record: ModelRecord, snapshot: SwarmSnapshot,
         "gaps": gaps,
         "complete": not gaps,
         "training": _training(online),
-        "peers": [_peer(peer_id, info, snapshot, peer_id in live,
-                        pings.get(peer_id, Ping(NO_ANSWER)) if pings is not None and peer_id in online else None)
-                  for peer_id, info in servers],
+        "peers": [
+            _peer(
+                peer_id,
+                info,
+                snapshot,
+                peer_id in live,
+                pings.get(peer_id, Ping(NO_ANSWER)) if pings is not None and peer_id in online else None,
+            )
+            for peer_id, info in servers
+        ],
     }
 
 
-def build_state(models: Mapping[str, ModelRecord], snapshots: Mapping[str, SwarmSnapshot], *,
-                pings: Mapping[str, Ping] | None = None, taken_at: float | None = None) -> dict[str, Any]:
+def build_state(
+    models: Mapping[str, ModelRecord],
+    snapshots: Mapping[str, SwarmSnapshot],
+    *,
+    pings: Mapping[str, Ping] | None = None,
+    taken_at: float | None = None,
+) -> dict[str, Any]:
     """The whole document (see the module's docstring) for the models that have a snapshot, sorted by prefix.
 
     Args:
@@ -147,8 +167,11 @@ def build_state(models: Mapping[str, ModelRecord], snapshots: Mapping[str, Swarm
         "taken_at": time.time() if taken_at is None else taken_at,
         "rtt_measured": pings is not None,
         "error": None,
-        "models": [model_state(prefix, models[prefix], snapshots[prefix], pings)
-                   for prefix in sorted(models) if prefix in snapshots],
+        "models": [
+            model_state(prefix, models[prefix], snapshots[prefix], pings)
+            for prefix in sorted(models)
+            if prefix in snapshots
+        ],
     }
 
 

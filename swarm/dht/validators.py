@@ -45,8 +45,11 @@ class SwarmRecordValidator(RecordValidatorBase):
         if not is_index and not looks_like_record_subkey(subkey):
             return True  # not ours
         if record.expiration_time > get_dht_time() + self.max_ttl_s:
-            logger.debug("refusing a record expiring %.0fs ahead (at most %.0fs)",
-                         record.expiration_time - get_dht_time(), self.max_ttl_s)
+            logger.debug(
+                "refusing a record expiring %.0fs ahead (at most %.0fs)",
+                record.expiration_time - get_dht_time(),
+                self.max_ttl_s,
+            )
             return False
         try:
             value = MSGPackSerializer.loads(record.value)

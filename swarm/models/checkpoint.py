@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -60,11 +60,13 @@ def weight_files(path: Path) -> dict[str, Path]:
     single = path / SINGLE_FILE
     if single.is_file():
         with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return dict.fromkeys(f.keys(), single)
     raise ModelNotFoundError(f"{path} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
-def load_tensors(path: Path, wanted: Callable[[str], bool], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(
+    path: Path, wanted: Callable[[str], bool], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """Read just the tensors whose names pass `wanted`, shard by shard (the rest never enter memory)."""
     by_file: dict[Path, list[str]] = {}
     for name, file in weight_files(path).items():
@@ -97,5 +99,7 @@ def family_class(config: PretrainedConfig, suffix: str) -> type:
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     found = getattr(module, f"{family}{suffix}", None)
     if found is None:
-        raise ModelNotFoundError(f"model type {model_type!r} is not supported: no {family}{suffix} in {module.__name__}")
+        raise ModelNotFoundError(
+            f"model type {model_type!r} is not supported: no {family}{suffix} in {module.__name__}"
+        )
     return found

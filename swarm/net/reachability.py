@@ -27,8 +27,8 @@ from hivemind.p2p import PeerID
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
 from protocol.service import PeerStub
-from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 from swarm.net.tunnel import OPEN_TIMEOUT_S, read_message, write_message
+from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ async def _resolve(host: str) -> set[str]:
     return {str(ipaddress.ip_address(info[4][0])) for info in infos}
 
 
-async def check_endpoint(endpoint: str, peer_id: str, observed: str | None,
-                         auth: RpcAuth | None = None) -> pb.ProbeResponse:
+async def check_endpoint(
+    endpoint: str, peer_id: str, observed: str | None, auth: RpcAuth | None = None
+) -> pb.ProbeResponse:
     """Whether the gRPC server at `endpoint` answers Info as `peer_id`, trying only if its host is `observed`.
 
     In a private swarm (`auth`) the call is TLS with a tag, so only a member can answer, and only a member is asked.
@@ -77,13 +78,16 @@ async def check_endpoint(endpoint: str, peer_id: str, observed: str | None,
         return pb.ProbeResponse(reachable=False, detail=f"{endpoint!r} is not a host:port")
     host, port = match.group(1), int(match.group(2))
     if observed is None or observed not in await _resolve(host):
-        return pb.ProbeResponse(reachable=False, detail=f"the endpoint's host {host} is not the address this "
-                                                        f"request came from ({observed or 'unknown'})")
+        return pb.ProbeResponse(
+            reachable=False,
+            detail=f"the endpoint's host {host} is not the address this request came from ({observed or 'unknown'})",
+        )
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         async with open_channel(target, auth=auth) as channel:
-            answer = await PeerStub(channel).info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S,
-                                                  metadata=call_metadata(auth, "info"))
+            answer = await PeerStub(channel).info(
+                pb.InfoRequest(), timeout=PROBE_TIMEOUT_S, metadata=call_metadata(auth, "info")
+            )
     except grpc.RpcError as exc:
         return pb.ProbeResponse(reachable=False, detail=f"{endpoint} did not answer: {exc.code().name}")
     if answer.peer_id != peer_id:
@@ -112,8 +116,9 @@ class ProbeService:
                 answer = pb.ProbeResponse(reachable=False, detail="busy probing others; ask another neighbour")
             else:
                 async with self._slots:
-                    answer = await check_endpoint(request.endpoint, info.peer_id.to_base58(), observed_ip(info.addr),
-                                                  self.auth)
+                    answer = await check_endpoint(
+                        request.endpoint, info.peer_id.to_base58(), observed_ip(info.addr), self.auth
+                    )
             await write_message(writer, answer)
         except (BadRequestError, ConnectionError, OSError) as exc:
             logger.debug("a probe from %s failed: %r", info.peer_id, exc)
@@ -122,8 +127,9 @@ class ProbeService:
 
 
 async def _ask(p2p: hivemind.P2P, neighbour: PeerID, endpoint: str) -> pb.ProbeResponse:
-    _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(neighbour, PROBE_PROTOCOL),
-                                               OPEN_TIMEOUT_S)
+    _, reader, writer = await asyncio.wait_for(
+        p2p.call_binary_stream_handler(neighbour, PROBE_PROTOCOL), OPEN_TIMEOUT_S
+    )
     try:
         await write_message(writer, pb.ProbeRequest(endpoint=endpoint))
         return await read_message(reader, pb.ProbeResponse, timeout_s=PROBE_TIMEOUT_S + OPEN_TIMEOUT_S)

@@ -42,8 +42,16 @@ def _error(error: SwarmError) -> pb.Error:
 class RelayService:
     """Forwards streams to the peers registered with it, on `p2p` (a replica of this process's DHT daemon)."""
 
-    def __init__(self, p2p: hivemind.P2P, *, ttl_s: float = REGISTRATION_TTL_S, max_peers: int = 256,
-                 max_streams: int = 512, max_streams_per_peer: int = 64, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        p2p: hivemind.P2P,
+        *,
+        ttl_s: float = REGISTRATION_TTL_S,
+        max_peers: int = 256,
+        max_streams: int = 512,
+        max_streams_per_peer: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.p2p, self.ttl_s, self.clock = p2p, ttl_s, clock
         self.max_peers, self.max_streams, self.max_streams_per_peer = max_peers, max_streams, max_streams_per_peer
         self._expires: dict[PeerID, float] = {}
@@ -72,8 +80,13 @@ class RelayService:
             await read_message(reader, pb.RelayRegistration)
             peer = info.peer_id  # authenticated by libp2p: a peer can register only itself
             if peer not in self._expires and len(self.registered()) >= self.max_peers:
-                answer = pb.RelayRegistered(error=_error(PeerUnavailableError(
-                    f"this relay forwards to {self.max_peers} peers already; register with another relay")))
+                answer = pb.RelayRegistered(
+                    error=_error(
+                        PeerUnavailableError(
+                            f"this relay forwards to {self.max_peers} peers already; register with another relay"
+                        )
+                    )
+                )
             else:
                 self._expires[peer] = self.clock() + self.ttl_s
                 answer = pb.RelayRegistered(ttl_s=self.ttl_s)
@@ -94,17 +107,23 @@ class RelayService:
             except Exception:
                 raise BadRequestError(f"{request.peer_id!r} is not a peer id") from None
             if target not in self.registered():
-                raise PeerUnavailableError(f"peer {request.peer_id} is not registered with this relay (it left, or "
-                                           f"registered with another one)")
-            if sum(self._streams.values()) >= self.max_streams or \
-                    self._streams.get(target, 0) >= self.max_streams_per_peer:
-                raise PeerUnavailableError(f"this relay carries all the streams it can to {request.peer_id}; "
-                                           f"try again later")
+                raise PeerUnavailableError(
+                    f"peer {request.peer_id} is not registered with this relay (it left, or "
+                    f"registered with another one)"
+                )
+            if (
+                sum(self._streams.values()) >= self.max_streams
+                or self._streams.get(target, 0) >= self.max_streams_per_peer
+            ):
+                raise PeerUnavailableError(
+                    f"this relay carries all the streams it can to {request.peer_id}; try again later"
+                )
             self._streams[target] = self._streams.get(target, 0) + 1
             try:
                 try:
                     _, peer_reader, peer_writer = await asyncio.wait_for(
-                        self.p2p.call_binary_stream_handler(target, TUNNEL_PROTOCOL), OPEN_TIMEOUT_S)
+                        self.p2p.call_binary_stream_handler(target, TUNNEL_PROTOCOL), OPEN_TIMEOUT_S
+                    )
                 except Exception as exc:  # its connection to us is gone: the daemon's ControlFailure, a timeout
                     raise PeerUnavailableError(f"peer {request.peer_id} did not take a stream: {exc!r}") from exc
                 await write_message(writer, pb.RelayOpened())
@@ -131,12 +150,12 @@ async def register(p2p: hivemind.P2P, relay: PeerID, *, timeout_s: float = OPEN_
         PeerUnavailableError: the relay could not be reached, or refused.
     """
     try:
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(relay, REGISTER_PROTOCOL),
-                                                   timeout_s)
+        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(relay, REGISTER_PROTOCOL), timeout_s)
     except Exception as exc:  # no route, no such protocol (not a relay), a timeout
         if "protocols not supported" in str(exc):
-            raise PeerUnavailableError(f"{relay} does not relay (a bootstrap node started with --no-relay, or a "
-                                       f"peer without --relay)") from exc
+            raise PeerUnavailableError(
+                f"{relay} does not relay (a bootstrap node started with --no-relay, or a peer without --relay)"
+            ) from exc
         raise PeerUnavailableError(f"relay {relay} cannot be reached: {exc!r}") from exc
     try:
         await write_message(writer, pb.RelayRegistration())
@@ -154,8 +173,14 @@ class RelayRegistrar:
     """Keeps a peer behind NAT registered with up to `wanted` relays among `candidates`, and among those that
     `discover` finds (peers that announce that they relay), when it has fewer."""
 
-    def __init__(self, p2p: hivemind.P2P, candidates: Sequence[PeerID], *, wanted: int = 2,
-                 discover: Callable[[], Awaitable[Sequence[PeerID]]] | None = None):
+    def __init__(
+        self,
+        p2p: hivemind.P2P,
+        candidates: Sequence[PeerID],
+        *,
+        wanted: int = 2,
+        discover: Callable[[], Awaitable[Sequence[PeerID]]] | None = None,
+    ):
         self.p2p, self.candidates, self.wanted, self.discover = p2p, list(candidates), wanted, discover
         self.relays: list[PeerID] = []
         self._renew_s = REGISTRATION_TTL_S / 3

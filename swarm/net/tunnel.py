@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import struct
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import hivemind
 from hivemind.p2p import PeerID
@@ -88,8 +88,9 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
                 writer.close()
 
 
-async def splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 b: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+async def splice(
+    a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+) -> None:
     """Carry bytes both ways between two streams until one side is done with both directions or breaks."""
     try:
         await asyncio.gather(pipe(a[0], b[1]), pipe(b[0], a[1]))
@@ -146,8 +147,9 @@ class TunnelServer:
             # (each client address has its own cache quota, peer/cache.py)
             source = (loopback_source(info.peer_id), 0) if host.startswith("127.") else None
             try:
-                local = await asyncio.wait_for(asyncio.open_connection(host, int(port), local_addr=source),
-                                               OPEN_TIMEOUT_S)
+                local = await asyncio.wait_for(
+                    asyncio.open_connection(host, int(port), local_addr=source), OPEN_TIMEOUT_S
+                )
             except OSError:  # a system where only 127.0.0.1 is loopback: tunneled clients share one quota
                 local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)
             await splice((reader, writer), local)
@@ -177,10 +179,12 @@ async def open_tunnel(p2p: hivemind.P2P, address: str) -> tuple[asyncio.StreamRe
     try:
         if relay is None:
             _, reader, writer = await asyncio.wait_for(
-                p2p.call_binary_stream_handler(peer, TUNNEL_PROTOCOL), OPEN_TIMEOUT_S)
+                p2p.call_binary_stream_handler(peer, TUNNEL_PROTOCOL), OPEN_TIMEOUT_S
+            )
             return reader, writer
-        _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL),
-                                                   OPEN_TIMEOUT_S)
+        _, reader, writer = await asyncio.wait_for(
+            p2p.call_binary_stream_handler(relay, RELAY_PROTOCOL), OPEN_TIMEOUT_S
+        )
     except asyncio.TimeoutError:
         raise PeerUnavailableError(f"{address}: no libp2p stream within {OPEN_TIMEOUT_S:g}s") from None
     except Exception as exc:  # the daemon's ControlFailure: no route, dial failed, no such protocol

@@ -23,7 +23,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import AsyncIterator  # hivemind tells streaming RPCs by typing's name for it
+
+# typing's, not collections.abc's: hivemind tells streaming RPCs by the `_name` that only typing's alias has
+from typing import AsyncIterator  # noqa: UP035
 
 import hivemind
 import torch
@@ -35,9 +37,9 @@ from hivemind.utils import get_dht_time
 from protocol.errors import InvalidRecordError, StateDownloadError
 from protocol.records import TrainingProgress
 from swarm.dht.node import dht_result
-from swarm.trust.groupgate import TAG_FIELD, GroupGate
 from swarm.training.optim import set_step_count, state_tensors
 from swarm.training.settings import AveragingSettings
+from swarm.trust.groupgate import TAG_FIELD, GroupGate
 from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,9 @@ class _Averager(DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if self._gate is not None and not self._gate.admits(request.gather, context.remote_id.to_bytes()):
-            logger.warning("refused a join request of %s to %s: no valid swarm member tag", context.remote_id,
-                           self.prefix)
+            logger.warning(
+                "refused a join request of %s to %s: no valid swarm member tag", context.remote_id, self.prefix
+            )
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for response in super().rpc_join_group(request, context):
@@ -70,8 +73,9 @@ class _Averager(DecentralizedAverager):
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if self._gate is not None and not await self._published_progress(context.remote_id.to_base58()):
-            logger.warning("refused to send the state of %s to %s: not a member of the group", self.prefix,
-                           context.remote_id)
+            logger.warning(
+                "refused to send the state of %s to %s: not a member of the group", self.prefix, context.remote_id
+            )
             return
         async for part in super().rpc_download_state(request, context):
             yield part
@@ -135,9 +139,17 @@ class TrainingGroup:
     (a peer's compute thread); `average` blocks and runs anywhere.
     """
 
-    def __init__(self, dht: hivemind.DHT, key: str, params: Sequence[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, *, settings: AveragingSettings, progress_ttl_s: float | None = None,
-                 swarm_key: SwarmKey | None = None):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        key: str,
+        params: Sequence[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        *,
+        settings: AveragingSettings,
+        progress_ttl_s: float | None = None,
+        swarm_key: SwarmKey | None = None,
+    ):
         """`progress_ttl_s`: how long our published progress stays valid without renewal; by default 4 publish
         periods, so that a member that died soon stops counting towards the group's batch. A group that does not
         count samples (the trainers) can keep records longer, which survives DHT stores that lag under load.
@@ -160,17 +172,26 @@ class TrainingGroup:
         # difference, and in float32 that sum rounds to the ulp of the member's own gradient, which differs per
         # member; Adam divides by |g| + eps and so magnified it into whole 1e-5s between members. In float64 every
         # member rounds back to the same float32 average, and the group stays bit-identical.
-        shared = [*(torch.zeros_like(g, device="cpu", dtype=torch.float64) for g in self.grads),
-                  *(torch.zeros_like(t, device="cpu") for t in live)]
+        shared = [
+            *(torch.zeros_like(g, device="cpu", dtype=torch.float64) for g in self.grads),
+            *(torch.zeros_like(t, device="cpu") for t in live),
+        ]
         # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; put ours back
         handler = signal.getsignal(signal.SIGINT)
         self.averager = _Averager(
-            shared, dht, state=self._state, gate=self._gate, progress_key=f"{key}.progress",
-            prefix=key.replace(".", "_") + "_avg", min_group_size=2,
-            min_matchmaking_time=settings.matchmaking_time_s, allreduce_timeout=settings.averaging_timeout_s,
+            shared,
+            dht,
+            state=self._state,
+            gate=self._gate,
+            progress_key=f"{key}.progress",
+            prefix=key.replace(".", "_") + "_avg",
+            min_group_size=2,
+            min_matchmaking_time=settings.matchmaking_time_s,
+            allreduce_timeout=settings.averaging_timeout_s,
             # hivemind: a request timeout above the matchmaking time can deadlock matchmaking
             request_timeout=max(0.5, min(3.0, settings.matchmaking_time_s / 2)),
-            allow_state_sharing=False, declare_state_period=max(5.0, settings.progress_period_s * 10),
+            allow_state_sharing=False,
+            declare_state_period=max(5.0, settings.progress_period_s * 10),
             shutdown_timeout=2,
         )
         try:
@@ -214,13 +235,15 @@ class TrainingGroup:
         """Tell the group our epoch and samples (returns at once; the store completes in the background)."""
         ttl = self.progress_ttl_s
         value = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken).to_wire()
-        self.dht.store(f"{self.key}.progress", value, get_dht_time() + ttl, subkey=self.peer_id,
-                       return_future=True)
+        self.dht.store(f"{self.key}.progress", value, get_dht_time() + ttl, subkey=self.peer_id, return_future=True)
 
     def progress(self) -> dict[str, TrainingProgress]:
         """Peer id -> progress of every member heard from lately, ourselves included (as we are now)."""
-        found = dht_result(self.dht, self.dht.get(f"{self.key}.progress", latest=True, return_future=True),
-                           f"reading the progress of {self.key}")
+        found = dht_result(
+            self.dht,
+            self.dht.get(f"{self.key}.progress", latest=True, return_future=True),
+            f"reading the progress of {self.key}",
+        )
         members = {}
         if found is not None and isinstance(found.value, dict):
             for peer_id, item in found.value.items():
@@ -266,13 +289,19 @@ class TrainingGroup:
         try:
             # the whole timeout to find the group: under load, members see each other's progress seconds apart
             gathered = _bounded(
-                lambda: self.averager.step(weight=float(samples), gather=self._gather(),
-                                           timeout=self.settings.averaging_timeout_s),
-                self.averager, self.settings.averaging_timeout_s + 10, self._stop, f"averaging round of {self.key}")
+                lambda: self.averager.step(
+                    weight=float(samples), gather=self._gather(), timeout=self.settings.averaging_timeout_s
+                ),
+                self.averager,
+                self.settings.averaging_timeout_s + 10,
+                self._stop,
+                f"averaging round of {self.key}",
+            )
         except Exception as exc:
             self.failed_rounds += 1
-            logger.warning("averaging with the group %s failed (%r); updating with this member's own gradients",
-                           self.key, exc)
+            logger.warning(
+                "averaging with the group %s failed (%r); updating with this member's own gradients", self.key, exc
+            )
             return grads, None, self.epoch + 1
         self.last_round_s = time.perf_counter() - began
         epochs = [g.get("epoch", 0) for g in gathered.values() if isinstance(g, dict)] or [self.epoch]
@@ -350,7 +379,8 @@ class TrainingGroup:
                 raise StateDownloadError(
                     f"no member of training group {self.key} sent its state within "
                     f"{self.settings.load_state_timeout_s:g}s ({attempt} attempts); check that its peers are "
-                    f"reachable, raise the load-state timeout, or start a new run with another --run-id")
+                    f"reachable, raise the load-state timeout, or start a new run with another --run-id"
+                )
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
     def shutdown(self) -> None:
@@ -369,8 +399,7 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
     """sha256 of the tensors' bytes, to compare parameters across processes."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-                 if t.numel() else b"")
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

@@ -13,8 +13,9 @@ import torch
 from swarm.training.settings import OPTIMIZERS
 
 
-def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float,
-                   weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Sequence[torch.nn.Parameter], *, lr: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """An optimizer over `params` (adamw, adam or plain sgd) whose state already exists."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
@@ -32,8 +33,11 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter], *, lr: float
     for p in params:
         if name in ("adamw", "adam"):
             # what torch's first step would create (not capturable, not fused)
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
     return optimizer
 
 

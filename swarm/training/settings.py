@@ -30,20 +30,40 @@ class AveragingSettings:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.averaging_timeout_s <= self.matchmaking_time_s:
-            raise ValueError(f"averaging_timeout_s ({self.averaging_timeout_s}) must exceed matchmaking_time_s "
-                             f"({self.matchmaking_time_s})")
+            raise ValueError(
+                f"averaging_timeout_s ({self.averaging_timeout_s}) must exceed matchmaking_time_s "
+                f"({self.matchmaking_time_s})"
+            )
 
 
 def add_averaging_arguments(t) -> None:
     """The flags of AveragingSettings, shared by `swarmlm peer --train` and `swarmlm train`."""
-    t.add_argument("--matchmaking-time", type=float, default=15.0, metavar="S",
-                   help="how long an averaging round gathers its group (default: 15)")
-    t.add_argument("--averaging-timeout", type=float, default=60.0, metavar="S",
-                   help="a round not done in this long falls back to local gradients (default: 60)")
-    t.add_argument("--load-state-timeout", type=float, default=60.0, metavar="S",
-                   help="how long a joining member tries to copy its group's state (default: 60)")
+    t.add_argument(
+        "--matchmaking-time",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="how long an averaging round gathers its group (default: 15)",
+    )
+    t.add_argument(
+        "--averaging-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a round not done in this long falls back to local gradients (default: 60)",
+    )
+    t.add_argument(
+        "--load-state-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long a joining member tries to copy its group's state (default: 60)",
+    )
 
 
 def averaging_from_args(args: argparse.Namespace) -> AveragingSettings:
-    return AveragingSettings(matchmaking_time_s=args.matchmaking_time, averaging_timeout_s=args.averaging_timeout,
-                             load_state_timeout_s=args.load_state_timeout)
+    return AveragingSettings(
+        matchmaking_time_s=args.matchmaking_time,
+        averaging_timeout_s=args.averaging_timeout,
+        load_state_timeout_s=args.load_state_timeout,
+    )

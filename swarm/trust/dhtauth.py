@@ -19,7 +19,6 @@ import hashlib
 import hmac
 import logging
 import secrets
-from typing import Optional
 
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
@@ -47,7 +46,7 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         tag = message.auth.signature
         return len(tag) == hashlib.sha256().digest_size and hmac.compare_digest(tag, self._tag(kind, message))
 
-    async def sign_request(self, request: AuthorizedRequestBase, service_public_key: Optional[object]) -> None:
+    async def sign_request(self, request: AuthorizedRequestBase, service_public_key: object | None) -> None:
         request.auth.time = get_dht_time()
         request.auth.nonce = secrets.token_bytes(NONCE_BYTES)
         request.auth.signature = self._tag(b"request", request)

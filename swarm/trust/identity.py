@@ -112,7 +112,7 @@ def claim_identity(directory: str | os.PathLike) -> NodeIdentity:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     for slot in range(MAX_IDENTITY_SLOTS):
-        lock = open(directory / f"peer-{slot}.lock", "a")
+        lock = open(directory / f"peer-{slot}.lock", "a")  # noqa: SIM115 (held while the process runs)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -125,8 +125,10 @@ def claim_identity(directory: str | os.PathLike) -> NodeIdentity:
             raise
         identity.lock = lock
         return identity
-    raise OSError(f"all {MAX_IDENTITY_SLOTS} peer identities in {directory} are in use by running peers; "
-                  f"give this peer another cache dir")
+    raise OSError(
+        f"all {MAX_IDENTITY_SLOTS} peer identities in {directory} are in use by running peers; "
+        f"give this peer another cache dir"
+    )
 
 
 def peer_id_of(public_key: bytes) -> str:
@@ -139,8 +141,7 @@ def peer_id_of(public_key: bytes) -> str:
     key = serialization.load_ssh_public_key(public_key)
     if not isinstance(key, rsa.RSAPublicKey):
         raise ValueError("not an RSA public key")
-    der = key.public_bytes(encoding=serialization.Encoding.DER,
-                           format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    der = key.public_bytes(encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))).to_base58()
 

@@ -20,7 +20,7 @@ import hmac
 import secrets
 import time
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 
@@ -100,29 +100,39 @@ class _CheckCalls(grpc.aio.ServerInterceptor):
         reason = self.auth.check(details.method, details.invocation_metadata)
         if handler is None or reason is None:
             return handler
-        return _refusing(handler, UnauthorizedError(
-            f"this peer serves a private swarm and {reason}: pass the swarm's key file with --swarm-key FILE "
-            f"(ClientConfig.swarm_key)"))
+        return _refusing(
+            handler,
+            UnauthorizedError(
+                f"this peer serves a private swarm and {reason}: pass the swarm's key file with --swarm-key FILE "
+                f"(ClientConfig.swarm_key)"
+            ),
+        )
 
 
 def _refusing(handler: grpc.RpcMethodHandler, error: UnauthorizedError) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends every call with `error` before reading a request."""
     if handler.response_streaming:
+
         async def refuse_stream(request, context):
             await abort(context, error)
             yield  # unreachable: makes this an async generator, as a streaming handler must be
 
-        make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else \
-            grpc.unary_stream_rpc_method_handler
-        return make(refuse_stream, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        make = (
+            grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
+        )
+        return make(
+            refuse_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     async def refuse(request, context):
         await abort(context, error)
 
     make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return make(
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 def _certificate(key: SwarmKey) -> tuple[bytes, bytes]:
@@ -147,21 +157,24 @@ def _certificate(key: SwarmKey) -> tuple[bytes, bytes]:
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(SERVER_NAME)]), critical=False)
         .sign(private, hashes.SHA256(), ecdsa_deterministic=True)
     )
-    key_pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+    key_pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return key_pem, cert.public_bytes(serialization.Encoding.PEM)
 
 
 # --- where channels and servers are made ---
 
 
-def open_channel(target: str, options: Sequence[tuple[str, object]] = (),
-                 auth: RpcAuth | None = None) -> grpc.aio.Channel:
+def open_channel(
+    target: str, options: Sequence[tuple[str, object]] = (), auth: RpcAuth | None = None
+) -> grpc.aio.Channel:
     """A channel to a peer's gRPC server at `target`: plain for a public swarm, TLS to a swarm member with `auth`."""
     if auth is None:
         return grpc.aio.insecure_channel(target, options=list(options))
-    return grpc.aio.secure_channel(target, auth.channel_credentials(),
-                                   options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)])
+    return grpc.aio.secure_channel(
+        target, auth.channel_credentials(), options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)]
+    )
 
 
 def add_port(server: grpc.aio.Server, address: str, auth: RpcAuth | None = None) -> int:

@@ -28,8 +28,10 @@ class SwarmKey:
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) != KEY_BYTES:
-            raise ValueError(f"a swarm key is {KEY_BYTES} bytes, got "
-                             f"{len(self.secret) if isinstance(self.secret, bytes) else type(self.secret).__name__}")
+            raise ValueError(
+                f"a swarm key is {KEY_BYTES} bytes, got "
+                f"{len(self.secret) if isinstance(self.secret, bytes) else type(self.secret).__name__}"
+            )
 
     def derive(self, label: str) -> bytes:
         """A 32-byte key for one use (`label`), independent of the keys of other labels."""
@@ -54,8 +56,10 @@ class SwarmKey:
         try:
             text = path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
-            raise ValueError(f"swarm key file {path} does not exist; create one with "
-                             f"`swarmlm bootstrap --new-swarm-key {path}` and copy it to every member") from None
+            raise ValueError(
+                f"swarm key file {path} does not exist; create one with "
+                f"`swarmlm bootstrap --new-swarm-key {path}` and copy it to every member"
+            ) from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"cannot read swarm key file {path}: {exc}") from None
         try:
@@ -63,8 +67,10 @@ class SwarmKey:
         except ValueError:
             secret = b""
         if len(secret) != KEY_BYTES:
-            raise ValueError(f"swarm key file {path} does not hold a swarm key ({2 * KEY_BYTES} hex digits); "
-                             f"create one with `swarmlm bootstrap --new-swarm-key FILE`")
+            raise ValueError(
+                f"swarm key file {path} does not hold a swarm key ({2 * KEY_BYTES} hex digits); "
+                f"create one with `swarmlm bootstrap --new-swarm-key FILE`"
+            )
         return cls(secret, str(path))
 
 
@@ -79,8 +85,10 @@ def create_key_file(path: str | os.PathLike) -> SwarmKey:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
     except FileExistsError:
-        raise ValueError(f"{path} already exists; a swarm key is never overwritten (delete it first if you mean "
-                         f"to lock out everyone who holds it), or use it with --swarm-key {path}") from None
+        raise ValueError(
+            f"{path} already exists; a swarm key is never overwritten (delete it first if you mean "
+            f"to lock out everyone who holds it), or use it with --swarm-key {path}"
+        ) from None
     except OSError as exc:
         raise ValueError(f"cannot create swarm key file {path}: {exc}") from None
     with os.fdopen(fd, "w", encoding="ascii") as file:
@@ -96,10 +104,14 @@ def load_optional(path: str | None) -> SwarmKey | None:
 def refused_message(key: SwarmKey | None, initial_peers) -> str:
     """Why a node reached its initial peers but none answered its DHT requests, and what to do."""
     held = "this node has no swarm key" if key is None else f"this node holds {key.describe()}"
-    return (f"the initial peers {' '.join(initial_peers)} were reached, but none answered this node's DHT requests: "
-            f"they form another swarm, public or private, and {held}; pass the swarm's key file with "
-            f"--swarm-key FILE (the same file as its bootstrap node's), or none for a public swarm")
+    return (
+        f"the initial peers {' '.join(initial_peers)} were reached, but none answered this node's DHT requests: "
+        f"they form another swarm, public or private, and {held}; pass the swarm's key file with "
+        f"--swarm-key FILE (the same file as its bootstrap node's), or none for a public swarm"
+    )
 
 
-SWARM_KEY_HELP = ("key file of a private swarm (from `swarmlm bootstrap --new-swarm-key FILE`): only its holders "
-                  "can join the DHT, read its records and call peers (default: a public swarm)")
+SWARM_KEY_HELP = (
+    "key file of a private swarm (from `swarmlm bootstrap --new-swarm-key FILE`): only its holders "
+    "can join the DHT, read its records and call peers (default: a public swarm)"
+)

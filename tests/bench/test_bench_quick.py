@@ -27,8 +27,16 @@ def test_summary_and_targets_on_plain_numbers():
     assert percentile([0.0, 10.0], 10) == pytest.approx(1.0)
     summary = Summary.of([3.0, 1.0, 2.0])
     assert (summary.median, summary.min, summary.max, summary.n) == (2.0, 1.0, 3.0, 3)
-    row = Row("decode", "tiny", "3 peers", "decode step", "ms", Summary.of([12.0]), Summary.of([10.0]),
-              target=Target("ratio", "<=", 1.15, "<= 1.15x local"))
+    row = Row(
+        "decode",
+        "tiny",
+        "3 peers",
+        "decode step",
+        "ms",
+        Summary.of([12.0]),
+        Summary.of([10.0]),
+        target=Target("ratio", "<=", 1.15, "<= 1.15x local"),
+    )
     assert row.ratio == pytest.approx(1.2) and row.met is False
     row.ours = Summary.of([11.0])
     assert row.met is True
@@ -59,9 +67,24 @@ def _our_processes(marker: str) -> list[str]:
 def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
     out = tmp_path / "results"
     bench = subprocess.Popen(
-        [sys.executable, "-m", "bench", "--quick", "--configs", "tiny", "--repeats", "1", "--out", str(out),
-         "--models-dir", str(tmp_path / "models")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--configs",
+            "tiny",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--models-dir",
+            str(tmp_path / "models"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     with reaping_descendants(bench):  # its peers' DHT processes and p2pd too, also when it times out
         stdout, stderr = bench.communicate(timeout=400)
@@ -69,7 +92,9 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
 
     for name in ("results.json", "results.md", *(f"{s}.png" for s in QUICK_SCENARIOS)):
         path = out / name
-        assert path.is_file() and path.stat().st_size > 0, f"{name} missing from {sorted(p.name for p in out.iterdir())}"
+        assert path.is_file() and path.stat().st_size > 0, (
+            f"{name} missing from {sorted(p.name for p in out.iterdir())}"
+        )
 
     results = json.loads((out / "results.json").read_text())
     assert results["errors"] == []
@@ -87,10 +112,17 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
             assert row["met"] in (True, False), where
 
     metrics = {(row["scenario"], row["metric"]) for row in rows}
-    for expected in [("decode", "decode step"), ("prefill", "prefill time"), ("prefill", "prefill throughput"),
-                     ("train", "forward+backward"), ("wire", "ours per hop"), ("concurrency", "aggregate decode"),
-                     ("concurrency", "per-token latency p95"), ("startup", "launch to ONLINE"),
-                     ("startup", "peer RSS after decode")]:
+    for expected in [
+        ("decode", "decode step"),
+        ("prefill", "prefill time"),
+        ("prefill", "prefill throughput"),
+        ("train", "forward+backward"),
+        ("wire", "ours per hop"),
+        ("concurrency", "aggregate decode"),
+        ("concurrency", "per-token latency p95"),
+        ("startup", "launch to ONLINE"),
+        ("startup", "peer RSS after decode"),
+    ]:
         assert expected in metrics, expected
     decode = [row for row in rows if row["scenario"] == "decode"]
     assert {row["variant"] for row in decode} == {"3 peers"}

@@ -19,8 +19,13 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(240)
 def test_fuzz_run_has_no_crash_no_untyped_answer_and_an_exact_honest_session(tmp_path):
     out = tmp_path / "fuzz.json"
-    done = subprocess.run([sys.executable, "-m", "bench.fuzz", "--count", "300", "--minutes", "2", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=220)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.fuzz", "--count", "300", "--minutes", "2", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert out.is_file(), f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["total"] == 300 and set(result["tried"]) == {"forward", "backward", "open", "step", "info", "state"}

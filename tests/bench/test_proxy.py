@@ -216,8 +216,9 @@ def test_close_with_an_open_connection_leaves_no_thread_and_ends_the_connection(
         proxy.start()
 
 
-@pytest.mark.parametrize("target", ["", "localhost", "localhost:", ":80", "host:http", "host:0", "host:65536",
-                                    "host:-1"])
+@pytest.mark.parametrize(
+    "target", ["", "localhost", "localhost:", ":80", "host:http", "host:0", "host:65536", "host:-1"]
+)
 def test_a_malformed_target_is_a_value_error(target):
     with pytest.raises(ValueError, match="target="):
         DelayProxy(target, DELAY_S)

@@ -22,10 +22,38 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_short_soak_has_no_wrong_lost_or_leaked_generation(tmp_path):
     out = tmp_path / "soak.json"
-    done = subprocess.run([sys.executable, "-m", "bench.soak", "--seconds", "12", "--peers", "3", "--clients", "2",
-                           "--kill-every", "3", "6", "--bad-rate", "3", "--rss-every", "2", "--prompts", "3",
-                           "--max-new-tokens", "16", "--log-dir", str(tmp_path / "logs"), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--seconds",
+            "12",
+            "--peers",
+            "3",
+            "--clients",
+            "2",
+            "--kill-every",
+            "3",
+            "6",
+            "--bad-rate",
+            "3",
+            "--rss-every",
+            "2",
+            "--prompts",
+            "3",
+            "--max-new-tokens",
+            "16",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.is_file(), f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     generations, leaks, churn, traffic = result["generations"], result["leaks"], result["churn"], result["traffic"]

@@ -40,8 +40,12 @@ def test_final_loss_curves_and_rates(tmp_path):
     assert tr.mean_curve([[1.0, 2.0, 3.0], [3.0, 4.0]]) == [2.0, 3.0]
 
     log = tmp_path / "steps.jsonl"
-    log.write_text("".join(json.dumps({"step": i + 1, "loss": 5.0, "samples": 8, "tokens_per_s": rate}) + "\n"
-                           for i, rate in enumerate([100.0, 200.0, 512.0, 256.0])))
+    log.write_text(
+        "".join(
+            json.dumps({"step": i + 1, "loss": 5.0, "samples": 8, "tokens_per_s": rate}) + "\n"
+            for i, rate in enumerate([100.0, 200.0, 512.0, 256.0])
+        )
+    )
     steps = tr.read_steps(log)
     assert tr.steady_rates(steps) == [512.0, 256.0]
     assert tr.steady_rates(steps[:2]) == [100.0, 200.0]  # too short to skip a warm-up

@@ -14,11 +14,11 @@ import httpx2
 import openai
 import pytest
 
-from protocol.errors import NoPeersError, PeerUnavailableError
 from client.api.app import create_app
 from client.api.config import ApiConfig
 from client.api.errors import bad_request
 from client.api.server import serving_in_background as serving
+from protocol.errors import NoPeersError, PeerUnavailableError
 
 KEY = "sekret"
 REPLY = "Hello, wörld! "  # the scripted backend repeats it, one character per token
@@ -76,8 +76,17 @@ class ScriptedBackend:
 @pytest.fixture(scope="module")
 def served():
     backend = ScriptedBackend()
-    app = create_app(backend, ApiConfig(model_id="scripted", aliases=("/models/scripted",), api_key=KEY,
-                                        max_concurrency=1, max_queued=1, max_body_bytes=64 * 1024))
+    app = create_app(
+        backend,
+        ApiConfig(
+            model_id="scripted",
+            aliases=("/models/scripted",),
+            api_key=KEY,
+            max_concurrency=1,
+            max_queued=1,
+            max_body_bytes=64 * 1024,
+        ),
+    )
     with serving(app) as url:
         yield backend, url, app
 
@@ -111,8 +120,9 @@ def _wait(condition, what: str, timeout_s: float = 10.0):
 def _post(url, path, body, key=KEY, **kwargs):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx2.post(f"{url}{path}", content=data, headers={**headers, "Content-Type": "application/json"},
-                       timeout=30, **kwargs)
+    return httpx2.post(
+        f"{url}{path}", content=data, headers={**headers, "Content-Type": "application/json"}, timeout=30, **kwargs
+    )
 
 
 def _events(response) -> list:
@@ -120,7 +130,7 @@ def _events(response) -> list:
     out = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
 
@@ -140,6 +150,7 @@ def _assert_error(response, status, code=None, param=None, words=()):
 
 # --- answers ---
 
+
 def test_models_and_completions(backend, api):
     assert [m.id for m in api.models.list().data] == ["scripted"]
     assert api.models.retrieve("scripted").id == "scripted"
@@ -156,8 +167,11 @@ def test_chat_streamed_and_whole(backend, api):
     whole = api.chat.completions.create(model="scripted", messages=messages, max_completion_tokens=8)
     assert whole.choices[0].message.content == REPLY[:8] and whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens == len("<system>be brief<user>hi<assistant>")
-    chunks = list(api.chat.completions.create(model="scripted", messages=messages, max_tokens=8, stream=True,
-                                              stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model="scripted", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY[:8]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -165,9 +179,13 @@ def test_chat_streamed_and_whole(backend, api):
 
 
 def test_a_stream_ends_with_done(backend, url):
-    with httpx2.stream("POST", f"{url}/v1/completions", json={"model": "scripted", "prompt": "a", "max_tokens": 3,
-                                                               "stream": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": "scripted", "prompt": "a", "max_tokens": 3, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = _events(response)
     assert events[-1] == "[DONE]"
@@ -177,12 +195,14 @@ def test_a_stream_ends_with_done(backend, url):
 
 # --- errors ---
 
+
 def test_api_key(backend, url):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     _assert_error(httpx2.get(f"{url}/v1/models"), 401, "invalid_api_key", words=["Authorization: Bearer"])
-    _assert_error(_post(url, "/v1/completions", {"model": "scripted", "prompt": "a"}, key="nope"), 401,
-                  "invalid_api_key")
+    _assert_error(
+        _post(url, "/v1/completions", {"model": "scripted", "prompt": "a"}, key="nope"), 401, "invalid_api_key"
+    )
     assert httpx2.get(f"{url}/health").status_code == 200  # probes need no key
 
 
@@ -195,57 +215,86 @@ def test_unknown_model_and_routes(backend, api, url):
     _assert_error(httpx2.get(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}), 405)
 
 
-@pytest.mark.parametrize("body, status, param, code", [
-    (b"{not json", 400, None, "invalid_json"),
-    (b"[1, 2]", 400, None, "invalid_json"),
-    (b"\xff\xfe", 400, None, "invalid_json"),
-    (b"[" * 50_000, 400, None, "invalid_json"),
-    (b'{"model": "scripted", "prompt": "a", "temperature": NaN}', 400, "temperature", "invalid_type"),
-    ({"prompt": "a"}, 400, "model", "missing_field"),
-    ({"model": "scripted"}, 400, "prompt", "missing_field"),
-    ({"model": "scripted", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "temperature": "hot"}, 400, "temperature", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "temperature": 3}, 400, "temperature", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "top_p": 0}, 400, "top_p", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "stop": 5}, 400, "stop", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "stop": [""]}, 400, "stop", "invalid_value"),
-    ({"model": "scripted", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
-    ({"model": "scripted", "prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "seed": 1.5}, 400, "seed", "invalid_type"),
-    ({"model": "scripted", "prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
-    ({"model": "scripted", "prompt": "a", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
-    ({"model": "scripted", "prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
-    ({"model": "scripted", "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
-    ({"model": "scripted", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options",
-     "unsupported_parameter"),
-    ({"model": "scripted", "prompt": "", "max_tokens": 2}, 400, "prompt", "invalid_value"),
-    ({"model": "scripted", "prompt": "x" * 64}, 400, "prompt", "context_length_exceeded"),
-    ({"model": "scripted", "prompt": "x" * 60, "max_tokens": 5}, 400, "max_tokens", "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        (b"{not json", 400, None, "invalid_json"),
+        (b"[1, 2]", 400, None, "invalid_json"),
+        (b"\xff\xfe", 400, None, "invalid_json"),
+        (b"[" * 50_000, 400, None, "invalid_json"),
+        (b'{"model": "scripted", "prompt": "a", "temperature": NaN}', 400, "temperature", "invalid_type"),
+        ({"prompt": "a"}, 400, "model", "missing_field"),
+        ({"model": "scripted"}, 400, "prompt", "missing_field"),
+        ({"model": "scripted", "prompt": "a", "max_tokens": -1}, 400, "max_tokens", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "max_tokens": "5"}, 400, "max_tokens", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "temperature": "hot"}, 400, "temperature", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "temperature": 3}, 400, "temperature", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "top_p": 0}, 400, "top_p", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "stop": 5}, 400, "stop", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "stop": [""]}, 400, "stop", "invalid_value"),
+        ({"model": "scripted", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+        ({"model": "scripted", "prompt": "a", "stream": "yes"}, 400, "stream", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "seed": 1.5}, 400, "seed", "invalid_type"),
+        ({"model": "scripted", "prompt": "a", "n": 2}, 400, "n", "unsupported_parameter"),
+        ({"model": "scripted", "prompt": "a", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+        ({"model": "scripted", "prompt": "a", "echo": True}, 400, "echo", "unsupported_parameter"),
+        ({"model": "scripted", "prompt": ["a", "b"]}, 400, "prompt", "unsupported_parameter"),
+        (
+            {"model": "scripted", "prompt": "a", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+            "unsupported_parameter",
+        ),
+        ({"model": "scripted", "prompt": "", "max_tokens": 2}, 400, "prompt", "invalid_value"),
+        ({"model": "scripted", "prompt": "x" * 64}, 400, "prompt", "context_length_exceeded"),
+        ({"model": "scripted", "prompt": "x" * 60, "max_tokens": 5}, 400, "max_tokens", "context_length_exceeded"),
+    ],
+)
 def test_bad_completion_requests(backend, url, api, body, status, param, code):
     _assert_error(_post(url, "/v1/completions", body), status, code, param)
     assert api.completions.create(model="scripted", prompt="ok", max_tokens=2).choices[0].text == "He"
 
 
-@pytest.mark.parametrize("body, param, code", [
-    ({"model": "scripted", "messages": []}, "messages", "invalid_type"),
-    ({"model": "scripted", "messages": "hi"}, "messages", "invalid_type"),
-    ({"model": "scripted", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "invalid_type"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_type"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}] * 100}, "messages",
-     "context_length_exceeded"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools", "unsupported_parameter"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 3}, "n", "unsupported_parameter"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs",
-     "unsupported_parameter"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     "response_format", "unsupported_parameter"),
-    ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
-     "max_completion_tokens", "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"model": "scripted", "messages": []}, "messages", "invalid_type"),
+        ({"model": "scripted", "messages": "hi"}, "messages", "invalid_type"),
+        ({"model": "scripted", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "invalid_type"),
+        ({"model": "scripted", "messages": [{"role": "user", "content": 5}]}, "messages.0.content", "invalid_type"),
+        (
+            {"model": "scripted", "messages": [{"role": "user", "content": "hi"}] * 100},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            "tools",
+            "unsupported_parameter",
+        ),
+        ({"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "n": 3}, "n", "unsupported_parameter"),
+        (
+            {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+            "logprobs",
+            "unsupported_parameter",
+        ),
+        (
+            {
+                "model": "scripted",
+                "messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "unsupported_parameter",
+        ),
+        (
+            {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
+            "max_completion_tokens",
+            "invalid_type",
+        ),
+    ],
+)
 def test_bad_chat_requests(backend, url, body, param, code):
     _assert_error(_post(url, "/v1/chat/completions", body), 400, code, param)
 
@@ -265,24 +314,31 @@ def test_a_huge_body_is_refused_and_the_server_goes_on(backend, url, api):
     def chunks():  # no Content-Length: the limit holds while reading
         yield huge
 
-    chunked = httpx2.post(f"{url}/v1/completions", content=chunks(), headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=30)
+    chunked = httpx2.post(
+        f"{url}/v1/completions", content=chunks(), headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
     _assert_error(chunked, 413, "request_too_large")
     assert api.completions.create(model="scripted", prompt="ok", max_tokens=1).choices[0].text == "H"
 
 
 def test_errors_before_the_first_token_are_http_errors_and_after_it_an_event(backend, url, api):
-    backend.fail_after = (0, NoPeersError("no peer serves blocks 2:4 of scripted; start one with `swarmlm peer "
-                                          "MODEL --blocks 2:4`"))
+    backend.fail_after = (
+        0,
+        NoPeersError("no peer serves blocks 2:4 of scripted; start one with `swarmlm peer MODEL --blocks 2:4`"),
+    )
     response = _post(url, "/v1/completions", {"model": "scripted", "prompt": "a", "stream": True})
     _assert_error(response, 503, "no_peers", words=["2:4"])
     with pytest.raises(openai.InternalServerError, match="2:4"):
         api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
 
     backend.fail_after = (3, PeerUnavailableError("peer X vanished"))
-    with httpx2.stream("POST", f"{url}/v1/completions", json={"model": "scripted", "prompt": "a", "max_tokens": 9,
-                                                               "stream": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": "scripted", "prompt": "a", "max_tokens": 9, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
         assert response.status_code == 200
         events = _events(response)
     assert "".join(e["choices"][0]["text"] for e in events[:3]) == "Hel"
@@ -294,6 +350,7 @@ def test_errors_before_the_first_token_are_http_errors_and_after_it_an_event(bac
 
 
 # --- admission, disconnects, health, metrics ---
+
 
 def _metric(url, name: str, labels: str = "") -> float:
     for line in httpx2.get(f"{url}/metrics").text.splitlines():
@@ -326,10 +383,13 @@ def test_beyond_the_queue_requests_get_429(backend, url, api):
 def test_a_client_that_disconnects_cancels_its_generation(backend, url):
     backend.step_s = 0.01  # endless output unless stopped
     before = _metric(url, "swarmlm_api_cancelled_generations_total")
-    with httpx2.stream("POST", f"{url}/v1/chat/completions",
-                       json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                             "max_tokens": 40},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as response:
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"model": "scripted", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 40},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         assert backend.open_sessions == 1
@@ -349,11 +409,17 @@ def test_health(backend, url):
 def test_metrics(backend, url, api):
     api.completions.create(model="scripted", prompt="abc", max_tokens=4)
     text = httpx2.get(f"{url}/metrics").text
-    for name in ("swarmlm_api_requests_total", "swarmlm_api_time_to_first_token_seconds_bucket",
-                 "swarmlm_api_time_per_output_token_seconds_count", "swarmlm_api_prompt_tokens_total",
-                 "swarmlm_api_completion_tokens_total", "swarmlm_api_failovers_total 3.0",
-                 "swarmlm_api_active_sessions", 'endpoint="/v1/completions",status="200"',
-                 'endpoint="/v1/completions",status="400"'):
+    for name in (
+        "swarmlm_api_requests_total",
+        "swarmlm_api_time_to_first_token_seconds_bucket",
+        "swarmlm_api_time_per_output_token_seconds_count",
+        "swarmlm_api_prompt_tokens_total",
+        "swarmlm_api_completion_tokens_total",
+        "swarmlm_api_failovers_total 3.0",
+        "swarmlm_api_active_sessions",
+        'endpoint="/v1/completions",status="200"',
+        'endpoint="/v1/completions",status="400"',
+    ):
         assert name in text, name
 
 

@@ -15,8 +15,10 @@ HEAVY = "sorted({'torch', 'transformers', 'hivemind', 'grpc', 'fastapi'} & set(s
 
 def _run_cli(argv: list[str]) -> tuple[str, str]:
     """(what `run` exited or printed with, the heavy modules imported by then)."""
-    code = (f"import sys, client.api.cli as m\ntry:\n    print(m.run(m.build_parser('x').parse_args({argv!r})))\n"
-            f"except SystemExit as exc:\n    print(exc)\nprint({HEAVY})")
+    code = (
+        f"import sys, client.api.cli as m\ntry:\n    print(m.run(m.build_parser('x').parse_args({argv!r})))\n"
+        f"except SystemExit as exc:\n    print(exc)\nprint({HEAVY})"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     message, heavy = result.stdout.strip().rsplit("\n", 1)
@@ -24,20 +26,25 @@ def _run_cli(argv: list[str]) -> tuple[str, str]:
 
 
 def test_the_command_is_listed_and_has_help():
-    listed = subprocess.run([sys.executable, "-m", "swarm.cli", "--help"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert "  api " in listed.stdout
-    helped = subprocess.run([sys.executable, "-m", "swarm.cli", "api", "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    helped = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", "api", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert helped.returncode == 0 and "--max-concurrency" in helped.stdout and "--api-key" in helped.stdout
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--port", "70000"], "--port must lie in 0..65535"),
-    (["--max-concurrency", "0"], "--max-concurrency: max_concurrency must be >= 1, got 0"),
-    (["--max-queued", "-1"], "--max-queued: max_queued must be >= 0"),
-    (["--wait-for-peers", "-2"], "--wait-for-peers must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--port", "70000"], "--port must lie in 0..65535"),
+        (["--max-concurrency", "0"], "--max-concurrency: max_concurrency must be >= 1, got 0"),
+        (["--max-queued", "-1"], "--max-queued: max_queued must be >= 0"),
+        (["--wait-for-peers", "-2"], "--wait-for-peers must be >= 0"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_heavy(flags, words):
     message, heavy = _run_cli(["model", "--initial-peers", "/ip4/127.0.0.1/tcp/1", *flags])
     assert words in message

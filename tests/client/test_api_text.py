@@ -43,14 +43,17 @@ def _feed(stops, pieces):
     return "".join(out) + matcher.flush(), False
 
 
-@pytest.mark.parametrize("stops, pieces, expected", [
-    (["END"], ["ab", "cE", "N", "Dx"], ("abc", True)),  # split over three pieces
-    (["END"], ["abEN", "x"], ("abENx", False)),  # a false start is emitted once it cannot match
-    (["\n\n", "b"], ["a", "\n", "\nb"], ("a", True)),  # the earliest occurrence wins
-    (["xx", "x"], ["ax"], ("a", True)),
-    (["stop"], ["no stop here"], ("no ", True)),
-    (["zz"], ["ab", "cz"], ("abcz", False)),  # held back until the end, then flushed
-])
+@pytest.mark.parametrize(
+    "stops, pieces, expected",
+    [
+        (["END"], ["ab", "cE", "N", "Dx"], ("abc", True)),  # split over three pieces
+        (["END"], ["abEN", "x"], ("abENx", False)),  # a false start is emitted once it cannot match
+        (["\n\n", "b"], ["a", "\n", "\nb"], ("a", True)),  # the earliest occurrence wins
+        (["xx", "x"], ["ax"], ("a", True)),
+        (["stop"], ["no stop here"], ("no ", True)),
+        (["zz"], ["ab", "cz"], ("abcz", False)),  # held back until the end, then flushed
+    ],
+)
 def test_stop_strings(stops, pieces, expected):
     assert _feed(stops, pieces) == expected
 
@@ -84,8 +87,12 @@ class ScriptedBackend:
 
 def _run(script, max_tokens=10, stop=(), cancel=None, ignore_eos=False):
     backend, out = ScriptedBackend(script), []
-    finish = run_generation(backend, GenerationParams((1,), max_tokens, Sampling(), tuple(stop), ignore_eos),
-                            cancel or threading.Event(), out.append)
+    finish = run_generation(
+        backend,
+        GenerationParams((1,), max_tokens, Sampling(), tuple(stop), ignore_eos),
+        cancel or threading.Event(),
+        out.append,
+    )
     assert backend.closed or backend.steps == 0  # an iterator never started opened nothing
     return "".join(out), finish, backend
 

@@ -18,8 +18,13 @@ def head():
     return torch.nn.Sequential(torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False))
 
 
-def _members(batcher: HeadBatcher, inputs: list[list[torch.Tensor]], results: dict, errors: list,
-             leave_after: dict[int, int] | None = None):
+def _members(
+    batcher: HeadBatcher,
+    inputs: list[list[torch.Tensor]],
+    results: dict,
+    errors: list,
+    leave_after: dict[int, int] | None = None,
+):
     """One thread per member, each handing in its inputs one round after the other, once all are members."""
     joined = threading.Barrier(len(inputs))
 

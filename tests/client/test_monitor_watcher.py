@@ -5,21 +5,29 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from client.monitor import watcher as watcher_module
+from client.monitor.config import MonitorConfig
+from client.monitor.watcher import Watcher
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import DHTUnavailableError, PeerUnavailableError
 from protocol.records import ModelRecord, ServerInfo, ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.net.tunnel import tunnel_address
-from client.monitor import watcher as watcher_module
-from client.monitor.config import MonitorConfig
-from client.monitor.watcher import Watcher
 
 PEER = "12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"
 
 
 def info(**changes) -> ServerInfo:
-    fields = dict(state=ServerState.ONLINE, start_block=0, end_block=2, throughput=100.0, cache_tokens_left=64,
-                  dtype="float32", version="1", endpoint="127.0.0.1:5000")
+    fields = dict(
+        state=ServerState.ONLINE,
+        start_block=0,
+        end_block=2,
+        throughput=100.0,
+        cache_tokens_left=64,
+        dtype="float32",
+        version="1",
+        endpoint="127.0.0.1:5000",
+    )
     return ServerInfo(**(fields | changes))
 
 
@@ -73,8 +81,11 @@ def test_a_ping_counts_only_an_answer_that_proves_the_key_and_tries_the_next_add
 
 def test_a_failed_refresh_keeps_the_last_document_and_says_why(monkeypatch):
     models = {"m": ModelRecord(num_blocks=2, repository="r")}
-    reads = [(models, {"m": Signed(num_blocks=2, servers={PEER: info()})}), DHTUnavailableError("DHT gone"),
-             RuntimeError("surprise")]
+    reads = [
+        (models, {"m": Signed(num_blocks=2, servers={PEER: info()})}),
+        DHTUnavailableError("DHT gone"),
+        RuntimeError("surprise"),
+    ]
 
     def read_state(dht):
         result = reads.pop(0)

@@ -257,9 +257,11 @@ def test_forward_missing_blocks_raise_with_range_and_command() -> None:
 
 # --- how each peer is reached ---
 
-PEER, RELAY_A, RELAY_B = ("12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG",
-                          "12D3KooWT241nwFhv13PBe9xCSj7sSKjYiy6BSPNBWa2UJFijRdw",
-                          "12D3KooWQdEtvjX6SGNMXWFXTEFBjRD4Ru13eUg3efSEcALscQkZ")
+PEER, RELAY_A, RELAY_B = (
+    "12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG",
+    "12D3KooWT241nwFhv13PBe9xCSj7sSKjYiy6BSPNBWa2UJFijRdw",
+    "12D3KooWQdEtvjX6SGNMXWFXTEFBjRD4Ru13eUg3efSEcALscQkZ",
+)
 
 
 def test_a_direct_peer_is_tried_on_its_endpoint_then_over_libp2p() -> None:

@@ -41,7 +41,7 @@ def test_writing_to_a_finished_stream_is_a_peer_failure():
             # wait for the call itself to end (the server returned), not some time: the next write meets a finished call
             # (its status is OK, or INTERNAL when the request's write raced the server's end: 1 run in ~8)
             assert await asyncio.wait_for(stream._call.code(), 5) in (grpc.StatusCode.OK, grpc.StatusCode.INTERNAL)
-            with pytest.raises(PeerUnavailableError, match="127.0.0.1"):
+            with pytest.raises(PeerUnavailableError, match=r"127\.0\.0\.1"):
                 await stream.request(request, 5)  # the call is finished: writing must not escape as InvalidStateError
         finally:
             await stream.close()

@@ -190,7 +190,7 @@ for _i, _block in enumerate(BLOCKS):
 
 
 def _run(hop: RouteHop, hidden: torch.Tensor) -> torch.Tensor:
-    for block in BLOCKS[hop.start:hop.end]:
+    for block in BLOCKS[hop.start : hop.end]:
         hidden = torch.tanh(block(hidden))
     return hidden
 

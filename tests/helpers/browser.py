@@ -19,8 +19,10 @@ from tests.helpers.processes import LeftoverProcessError, describe
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
 CHROMEDRIVER_CANDIDATES = ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
-INSTALL_HINT = ("install Chromium and its driver (Debian/Ubuntu: `apt-get install chromium chromium-driver`; "
-                "`.ci/setup` does it as root on Debian) and selenium (`pip install -e .[test]`)")
+INSTALL_HINT = (
+    "install Chromium and its driver (Debian/Ubuntu: `apt-get install chromium chromium-driver`; "
+    "`.ci/setup` does it as root on Debian) and selenium (`pip install -e .[test]`)"
+)
 
 
 def find_browser() -> tuple[str, str] | None:
@@ -54,10 +56,21 @@ def headless_chromium(profile_dir: Path, *, width: int = 1400, height: int = 100
     profile_dir.mkdir(parents=True, exist_ok=True)
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={width},{height}", f"--user-data-dir={profile_dir}", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-default-apps", "--disable-extensions", "--disable-crash-reporter"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        f"--user-data-dir={profile_dir}",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+        "--disable-extensions",
+        "--disable-crash-reporter",
+    ):
         options.add_argument(arg)
     service = Service(executable_path=driver_path)  # a path given: Selenium Manager is never asked
     try:

@@ -40,13 +40,13 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: import this repository's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import grpc  # noqa: E402
-import torch  # noqa: E402
+import grpc
+import torch
 
-from protocol import swarmlm_pb2 as pb  # noqa: E402
-from protocol.codec import decode_tensor  # noqa: E402
-from protocol.packing import Packer, unpack  # noqa: E402
-from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME  # noqa: E402
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.packing import Packer, unpack
+from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME
 
 LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id")
 TENSOR_FIELD = {"Forward": "hidden_states", "Backward": "grad_inputs"}
@@ -156,8 +156,11 @@ class Liar:
         mode = self.mode("inference")
         lie = mode["lie"]
         asked = unpack(pb.InferenceRequest, request).message
-        if lie == "honest" or asked.WhichOneof("kind") != "step" or asked.step.prefix_length < mode.get(
-                "from_position", 0):
+        if (
+            lie == "honest"
+            or asked.WhichOneof("kind") != "step"
+            or asked.step.prefix_length < mode.get("from_position", 0)
+        ):
             return answer
         received = unpack(pb.InferenceResponse, answer)
         if received.message.WhichOneof("kind") != "step":
@@ -173,8 +176,11 @@ class Liar:
         step = received.message.step
         hidden = decode_tensor(step.hidden_states, "hidden_states", received.payload)
         packer = Packer()
-        result = pb.StepResult(hidden_states=packer.tensor(corrupt(hidden, lie)),
-                               step_id=step.step_id + (lie == "step_id"), position=step.position + (lie == "position"))
+        result = pb.StepResult(
+            hidden_states=packer.tensor(corrupt(hidden, lie)),
+            step_id=step.step_id + (lie == "step_id"),
+            position=step.position + (lie == "position"),
+        )
         return packer.pack(pb.InferenceResponse(step=result)).SerializeToString()
 
 
@@ -194,17 +200,23 @@ def main(argv: list[str]) -> int:
     mode_file, args = Path(argv[0]), argv[1:]
     assert args[:1] == ["peer"], "usage: liar.py MODE_FILE peer MODEL [flags]"
     private = _free_port()
-    proxy = grpc.server(ThreadPoolExecutor(max_workers=32, thread_name_prefix="liar"),
-                        options=[("grpc.max_receive_message_length", _MAX_BYTES),
-                                 ("grpc.max_send_message_length", _MAX_BYTES), ("grpc.so_reuseport", 0)])
+    proxy = grpc.server(
+        ThreadPoolExecutor(max_workers=32, thread_name_prefix="liar"),
+        options=[
+            ("grpc.max_receive_message_length", _MAX_BYTES),
+            ("grpc.max_send_message_length", _MAX_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     liar = Liar(mode_file, f"127.0.0.1:{private}")
     proxy.add_generic_rpc_handlers((liar.handler(),))
     public = proxy.add_insecure_port("127.0.0.1:0")
     proxy.start()
     print(f"liar: proxy at 127.0.0.1:{public} for the peer at 127.0.0.1:{private}", flush=True)
     try:  # the last of repeated flags wins: these override any the caller gave
-        return swarmlm([*args, "--port", str(private), "--announce-host", f"127.0.0.1:{public}",
-                        "--transport", "direct"])
+        return swarmlm(
+            [*args, "--port", str(private), "--announce-host", f"127.0.0.1:{public}", "--transport", "direct"]
+        )
     finally:
         proxy.stop(None)
         liar.channel.close()

@@ -101,22 +101,27 @@ def nat_network() -> Iterator[NatNetwork]:
         _run("ip", "link", "set", root_veth, "up")
         _in(net.public, "ip", "link", "set", root_peer, "master", "br0", "up")
         # the router's public side
-        _run("ip", "link", "add", wan, "netns", net.router, "type", "veth", "peer", "name", wan_peer, "netns",
-             net.public)
+        _run(
+            "ip", "link", "add", wan, "netns", net.router, "type", "veth", "peer", "name", wan_peer, "netns", net.public
+        )
         _in(net.public, "ip", "link", "set", wan_peer, "master", "br0", "up")
         _in(net.router, "ip", "addr", "add", f"{ROUTER_PUBLIC_IP}/24", "dev", wan)
         _in(net.router, "ip", "link", "set", wan, "up")
         # home, behind it
-        _run("ip", "link", "add", lan, "netns", net.router, "type", "veth", "peer", "name", lan_peer, "netns",
-             net.home)
+        _run("ip", "link", "add", lan, "netns", net.router, "type", "veth", "peer", "name", lan_peer, "netns", net.home)
         _in(net.router, "ip", "addr", "add", f"{ROUTER_HOME_IP}/24", "dev", lan)
         _in(net.router, "ip", "link", "set", lan, "up")
         _in(net.home, "ip", "addr", "add", f"{HOME_IP}/24", "dev", lan_peer)
         _in(net.home, "ip", "link", "set", lan_peer, "up")
         _in(net.home, "ip", "route", "add", "default", "via", ROUTER_HOME_IP)
         _in(net.router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
-        rules = subprocess.run(["ip", "netns", "exec", net.router, "nft", "-f", "-"], input=ROUTER_RULES.format(
-            wan=wan, lan=lan), capture_output=True, text=True, timeout=30)
+        rules = subprocess.run(
+            ["ip", "netns", "exec", net.router, "nft", "-f", "-"],
+            input=ROUTER_RULES.format(wan=wan, lan=lan),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if rules.returncode != 0:
             raise RuntimeError(f"nft rules for the router failed: {rules.stderr.strip()}")
         yield net

@@ -107,8 +107,15 @@ def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
 class ManagedProcess:
     """One `swarmlm` process in its own session, with stdout/stderr in files."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str],
-                 zygote: Zygote | None = None, argv: Sequence[str] = ()):
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_dir: Path,
+        env: dict[str, str],
+        zygote: Zygote | None = None,
+        argv: Sequence[str] = (),
+    ):
         """Runs `args`; or, given a zygote, forks `swarmlm ARGV...` there (`args` is then what it stands for)."""
         self.name = name
         self.args = list(args)
@@ -221,7 +228,7 @@ class Swarm:
 
     # lifecycle
 
-    def __enter__(self) -> "Swarm":
+    def __enter__(self) -> Swarm:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -270,7 +277,7 @@ class Swarm:
             dht.shutdown()
         except Exception as exc:  # still reap its processes below
             print(f"watching DHT shutdown failed: {exc!r}", file=sys.stderr)
-        gone, alive = psutil.wait_procs(self._dht_members, timeout=KILL_TIMEOUT_S)
+        _gone, alive = psutil.wait_procs(self._dht_members, timeout=KILL_TIMEOUT_S)
         for proc in alive:
             try:
                 proc.kill()
@@ -287,8 +294,9 @@ class Swarm:
         network namespace `netns` if given (`ip netns exec` keeps the pid, so signals reach swarmlm itself)."""
         return self._spawn(ManagedProcess, name, list(args), netns)
 
-    def _spawn(self, cls: type[T], name: str, args: list[str], netns: str | None = None,
-               command: Sequence[str] | None = None) -> T:
+    def _spawn(
+        self, cls: type[T], name: str, args: list[str], netns: str | None = None, command: Sequence[str] | None = None
+    ) -> T:
         assert not self._closed, "this swarm was closed"
         count = self._names.get(name, 0)
         self._names[name] = count + 1
@@ -315,8 +323,9 @@ class Swarm:
         self.initial_peers = proc.maddrs
         return proc.maddrs
 
-    def start_peer(self, model_path: str | Path, *extra_args: str, netns: str | None = None,
-                   command: Sequence[str] | None = None) -> PeerProcess:
+    def start_peer(
+        self, model_path: str | Path, *extra_args: str, netns: str | None = None, command: Sequence[str] | None = None
+    ) -> PeerProcess:
         """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`.
 
         `command` replaces `swarmlm` (a test's own launcher that takes the same arguments, e.g. tests/helpers/liar.py).
@@ -507,7 +516,7 @@ class DescendantWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"watch-{root_pid}", daemon=True)
 
-    def start(self) -> "DescendantWatch":
+    def start(self) -> DescendantWatch:
         self._thread.start()
         return self
 

@@ -18,15 +18,23 @@ def hidden(*shape, seed: int = 0) -> torch.Tensor:
 
 
 def open_request(prefix: str, end: int, session_id: str, max_length: int) -> pb.InferenceRequest:
-    return pb.InferenceRequest(open=pb.OpenSession(span=pb.Span(model=prefix, start=0, end=end),
-                                                   session_id=session_id, max_length=max_length, batch_size=1))
+    return pb.InferenceRequest(
+        open=pb.OpenSession(
+            span=pb.Span(model=prefix, start=0, end=end), session_id=session_id, max_length=max_length, batch_size=1
+        )
+    )
 
 
 def step_request(session_id: str, hidden_states: torch.Tensor, prefix_length: int) -> pb.InferenceRequest:
     positions = torch.arange(prefix_length, prefix_length + hidden_states.shape[1]).unsqueeze(0)
-    return pb.InferenceRequest(step=pb.InferenceStep(session_id=session_id, prefix_length=prefix_length,
-                                                     hidden_states=encode_tensor(hidden_states),
-                                                     position_ids=encode_tensor(positions)))
+    return pb.InferenceRequest(
+        step=pb.InferenceStep(
+            session_id=session_id,
+            prefix_length=prefix_length,
+            hidden_states=encode_tensor(hidden_states),
+            position_ids=encode_tensor(positions),
+        )
+    )
 
 
 def forward_request(prefix: str, end: int, hidden_states: torch.Tensor) -> pb.ForwardRequest:
@@ -35,8 +43,7 @@ def forward_request(prefix: str, end: int, hidden_states: torch.Tensor) -> pb.Fo
 
 def backward_request(prefix: str, end: int, hidden_states: torch.Tensor) -> pb.BackwardRequest:
     encoded = encode_tensor(hidden_states)
-    return pb.BackwardRequest(span=pb.Span(model=prefix, start=0, end=end), hidden_states=encoded,
-                              grad_outputs=encoded)
+    return pb.BackwardRequest(span=pb.Span(model=prefix, start=0, end=end), hidden_states=encoded, grad_outputs=encoded)
 
 
 async def end_stream(stream: InferenceStream, timeout_s: float) -> None:
@@ -49,25 +56,34 @@ class Witness:
     """An honest session stepping through a fixed sequence of `length` tokens over `span` (a peer.blocks.BlockSpan
     from block 0, loaded locally from the same checkpoint); every output must match the local span's."""
 
-    def __init__(self, stream: InferenceStream, prefix: str, span, *, length: int = 16, timeout_s: float = 30.0,
-                 atol: float = 1e-5):
+    def __init__(
+        self,
+        stream: InferenceStream,
+        prefix: str,
+        span,
+        *,
+        length: int = 16,
+        timeout_s: float = 30.0,
+        atol: float = 1e-5,
+    ):
         self.stream, self.prefix, self.end = stream, prefix, span.end
         self.length, self.timeout_s, self.atol = length, timeout_s, atol
         self.tokens = hidden(1, length, HIDDEN_SIZE, seed=1)
         torch.set_num_threads(1)  # as the peer computes: alike rounding
         cache = span.new_cache()
         with torch.inference_mode():
-            self.expected = torch.cat([span(self.tokens[:, i:i + 1], None, torch.tensor([[i]]), cache, i)
-                                       for i in range(length)], dim=1)
+            self.expected = torch.cat(
+                [span(self.tokens[:, i : i + 1], None, torch.tensor([[i]]), cache, i) for i in range(length)], dim=1
+            )
         self.position = 0
 
-    async def open(self) -> "Witness":
+    async def open(self) -> Witness:
         await self.stream.request(open_request(self.prefix, self.end, "witness", self.length), self.timeout_s)
         return self
 
     async def step(self) -> None:
         p = self.position
-        response = await self.stream.request(step_request("witness", self.tokens[:, p:p + 1], p), self.timeout_s)
+        response = await self.stream.request(step_request("witness", self.tokens[:, p : p + 1], p), self.timeout_s)
         out = decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload)
-        torch.testing.assert_close(out, self.expected[:, p:p + 1], atol=self.atol, rtol=0)
+        torch.testing.assert_close(out, self.expected[:, p : p + 1], atol=self.atol, rtol=0)
         self.position = (p + 1) % self.length

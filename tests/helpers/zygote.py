@@ -36,8 +36,17 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
-PRELOAD = ("swarm.cli", "swarm.bootstrap", "swarm.status", "peer.cli", "peer.server", "client.training.cli",
-           "client.training.export", "client.api.cli", "client.monitor.cli")
+PRELOAD = (
+    "swarm.cli",
+    "swarm.bootstrap",
+    "swarm.status",
+    "peer.cli",
+    "peer.server",
+    "client.training.cli",
+    "client.training.export",
+    "client.api.cli",
+    "client.monitor.cli",
+)
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 30.0
 ORPHAN_EXIT_CODE = 255  # what a Forked reports when the zygote ended before it did
@@ -52,7 +61,7 @@ _replies_fd = 1  # the zygote's stdout at start; stray prints of what it imports
 def _send(message: dict) -> None:
     data = (json.dumps(message) + "\n").encode()
     while data:
-        data = data[os.write(_replies_fd, data):]
+        data = data[os.write(_replies_fd, data) :]
 
 
 def _reap() -> None:
@@ -181,15 +190,22 @@ class Zygote:
     """The zygote process, seen from the test process: `start()` forks a command in it."""
 
     def __init__(self, env: dict[str, str]):
-        self._log = tempfile.NamedTemporaryFile(prefix="swarmlm-zygote-", suffix=".err", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.zygote"], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     start_new_session=True)
+        self._log = tempfile.NamedTemporaryFile(prefix="swarmlm-zygote-", suffix=".err", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.zygote"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+        )
         self._lock = threading.Lock()  # one request at a time, so replies come in the order they are read
         self._replies: queue.Queue[dict | None] = queue.Queue()  # None: the zygote is gone
         self._children: dict[int, Forked] = {}
         self.alive = True
-        threading.Thread(target=self._read, name="zygote-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
         ready = self._reply(READY_TIMEOUT_S)
         if ready is None or ready["threads"] != 1:  # forking a process with threads can deadlock its child
             log = Path(self._log.name).read_text(errors="replace")[-4000:]
@@ -229,8 +245,9 @@ class Zygote:
             self.proc.stdin.flush()
             reply = self._reply(REPLY_TIMEOUT_S)
             if reply is None or "error" in reply:
-                raise ZygoteError(f"the tests' zygote did not fork `{' '.join(args)}` "
-                                  f"within {REPLY_TIMEOUT_S} s: {reply}")
+                raise ZygoteError(
+                    f"the tests' zygote did not fork `{' '.join(args)}` within {REPLY_TIMEOUT_S} s: {reply}"
+                )
             reply["child"].args = args
             return reply["child"]
 
@@ -242,6 +259,9 @@ class Zygote:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(5)  # it reads to EOF, which the zygote's exit gave it
+        self.proc.stdout.close()
+        self._log.close()
         os.unlink(self._log.name)
 
 

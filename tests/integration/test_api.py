@@ -21,8 +21,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protocol import swarmlm_pb2 as pb
 from client.transport import ChannelPool
+from protocol import swarmlm_pb2 as pb
 from tests.helpers.models import make_tiny_llama
 from tests.helpers.processes import Swarm
 from tests.helpers.tokenizer import save_char_tokenizer
@@ -32,8 +32,10 @@ pytestmark = pytest.mark.timeout(240)
 PREFIX = "tiny-api"
 KEY = "test-key"
 CACHE_TOKENS = 8192  # the peers' default --cache-tokens
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def _model_with_tokenizer(folder):
@@ -52,11 +54,27 @@ def served(tmp_path_factory):
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
         peers = {span: swarm.start_peer(path, "--blocks", span) for span in ("0:2", "2:4")}
-        api = swarm.spawn("api", "api", str(path), "--initial-peers", *swarm.initial_peers, "--port", "0",
-                          "--api-key", KEY, "--max-concurrency", "4", "--max-queued", "8", "--wait-for-peers", "2")
+        api = swarm.spawn(
+            "api",
+            "api",
+            str(path),
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--port",
+            "0",
+            "--api-key",
+            KEY,
+            "--max-concurrency",
+            "4",
+            "--max-queued",
+            "8",
+            "--wait-for-peers",
+            "2",
+        )
         swarm.wait_online(PREFIX, [(0, 2), (2, 4)], timeout_s=120)
-        url = swarm.wait_for(lambda: re.search(r"serving \S+ at (http://\S+)/v1", api.stdout()), 120,
-                             "the API server to listen").group(1)
+        url = swarm.wait_for(
+            lambda: re.search(r"serving \S+ at (http://\S+)/v1", api.stdout()), 120, "the API server to listen"
+        ).group(1)
         yield swarm, url, api, path, peers
 
 
@@ -81,18 +99,20 @@ def _reference(local, ids: list[int], max_new_tokens: int, seed: int | None = No
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny steps: more threads only spin against the peers on a loaded machine
     try:
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                             pad_token_id=0, **options)
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens, pad_token_id=0, **options
+        )
     finally:
         torch.set_num_threads(threads)
-    new = out[0, len(ids):].tolist()
+    new = out[0, len(ids) :].tolist()
     return tokenizer.decode(new, skip_special_tokens=True), len(new)
 
 
 def _chat_ids(local, messages) -> list[int]:
     tokenizer = local[1]
-    return tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)["input_ids"]
+    return tokenizer(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
 
 
 def _prompt_ids(local, prompt: str) -> list[int]:
@@ -100,6 +120,7 @@ def _prompt_ids(local, prompt: str) -> list[int]:
 
 
 # --- exact generation ---
+
 
 def test_greedy_completion_equals_the_local_model(api, local):
     prompt = "The swarm says: "
@@ -119,8 +140,16 @@ def test_greedy_chat_equals_the_local_model_streamed_and_whole(api, local):
     whole = api.chat.completions.create(model=PREFIX, messages=messages, max_completion_tokens=20, temperature=0)
     assert whole.choices[0].message.content == expected
     assert whole.usage.prompt_tokens == len(_chat_ids(local, messages)) and whole.usage.completion_tokens == new
-    chunks = list(api.chat.completions.create(model=PREFIX, messages=messages, max_tokens=20, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model=PREFIX,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == new
 
@@ -128,8 +157,10 @@ def test_greedy_chat_equals_the_local_model_streamed_and_whole(api, local):
 def test_seeded_sampling_is_reproducible_and_equals_the_local_model(api, local):
     prompt, options = "Once upon a time", dict(temperature=0.8, top_p=0.9)
     expected, _ = _reference(local, _prompt_ids(local, prompt), 20, seed=1234, **options)
-    first, second, other = (api.completions.create(model=PREFIX, prompt=prompt, max_tokens=20, seed=seed, **options)
-                            .choices[0].text for seed in (1234, 1234, 99))
+    first, second, other = (
+        api.completions.create(model=PREFIX, prompt=prompt, max_tokens=20, seed=seed, **options).choices[0].text
+        for seed in (1234, 1234, 99)
+    )
     assert first == second == expected
     assert other != expected  # the seed matters: sampling really happened
 
@@ -139,7 +170,7 @@ def test_a_stop_string_ends_the_text_before_it(api, local):
     expected, _ = _reference(local, _prompt_ids(local, prompt), 24)
     stop = expected[8:10]
     done = api.completions.create(model=PREFIX, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\x00"])
-    assert done.choices[0].text == expected[:expected.index(stop)]
+    assert done.choices[0].text == expected[: expected.index(stop)]
     assert done.choices[0].finish_reason == "stop"
 
 
@@ -151,8 +182,7 @@ def test_eight_concurrent_streams_are_each_exact(api, local):
 
     def ask(i):
         try:
-            stream = api.completions.create(model=PREFIX, prompt=prompts[i], max_tokens=12, temperature=0,
-                                            stream=True)
+            stream = api.completions.create(model=PREFIX, prompt=prompts[i], max_tokens=12, temperature=0, stream=True)
             got[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         except Exception as exc:  # reported below with the others
             errors.append(repr(exc))
@@ -168,6 +198,7 @@ def test_eight_concurrent_streams_are_each_exact(api, local):
 
 # --- errors ---
 
+
 def test_errors_in_openai_shape(api, served, local):
     url = served[1]
     with pytest.raises(openai.NotFoundError, match=PREFIX):
@@ -179,13 +210,18 @@ def test_errors_in_openai_shape(api, served, local):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     missing = httpx2.post(f"{url}/v1/completions", json={"model": PREFIX, "prompt": "a"}, timeout=30)
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
-    bad = httpx2.post(f"{url}/v1/chat/completions", content=b'{"model": "tiny-api", "messages": [',
-                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
+    bad = httpx2.post(
+        f"{url}/v1/chat/completions",
+        content=b'{"model": "tiny-api", "messages": [',
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json", bad.text
     assert [m.id for m in api.models.list().data] == [PREFIX]
 
 
 # --- the swarm's side: sessions freed, peers lost ---
+
 
 def _peer_states(swarm: Swarm, prefix: str) -> list[tuple[int, int]]:
     """(open sessions, cache tokens left) of each peer serving `prefix`, asked directly (Info)."""
@@ -212,10 +248,13 @@ def _metric(url: str, name: str) -> float:
 def test_a_client_that_disconnects_frees_its_session_on_every_peer(served):
     swarm, url = served[0], served[1]
     assert _peer_states(swarm, PREFIX) == [(0, CACHE_TOKENS)] * 2
-    with httpx2.stream("POST", f"{url}/v1/completions",
-                       json={"model": PREFIX, "prompt": "Tell me everything: ", "max_tokens": 200, "stream": True,
-                             "ignore_eos": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": PREFIX, "prompt": "Tell me everything: ", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
         next(events), next(events)
         states = _peer_states(swarm, PREFIX)
@@ -228,12 +267,18 @@ def test_a_client_that_disconnects_frees_its_session_on_every_peer(served):
 
 def test_metrics_count_requests_tokens_and_latency(served):
     text = httpx2.get(f"{served[1]}/metrics").text
-    for line in ('swarmlm_api_requests_total{endpoint="/v1/completions",status="200"}',
-                 'swarmlm_api_requests_total{endpoint="/v1/completions",status="404"}',
-                 'swarmlm_api_requests_total{endpoint="/v1/completions",status="499"}',
-                 "swarmlm_api_time_to_first_token_seconds_count", "swarmlm_api_time_per_output_token_seconds_count",
-                 "swarmlm_api_prompt_tokens_total", "swarmlm_api_completion_tokens_total",
-                 "swarmlm_api_failovers_total", "swarmlm_api_active_sessions", "swarmlm_api_queued_requests"):
+    for line in (
+        'swarmlm_api_requests_total{endpoint="/v1/completions",status="200"}',
+        'swarmlm_api_requests_total{endpoint="/v1/completions",status="404"}',
+        'swarmlm_api_requests_total{endpoint="/v1/completions",status="499"}',
+        "swarmlm_api_time_to_first_token_seconds_count",
+        "swarmlm_api_time_per_output_token_seconds_count",
+        "swarmlm_api_prompt_tokens_total",
+        "swarmlm_api_completion_tokens_total",
+        "swarmlm_api_failovers_total",
+        "swarmlm_api_active_sessions",
+        "swarmlm_api_queued_requests",
+    ):
         assert line in text, line
     assert _metric(served[1], "swarmlm_api_completion_tokens_total") > 100
 
@@ -241,15 +286,18 @@ def test_metrics_count_requests_tokens_and_latency(served):
 def test_losing_the_only_peer_of_some_blocks_mid_stream_is_an_error_event_then_503(served, api):
     swarm, url, peers = served[0], served[1], served[4]
     assert httpx2.get(f"{url}/health").status_code == 200
-    with httpx2.stream("POST", f"{url}/v1/completions",
-                       json={"model": PREFIX, "prompt": "Go on: ", "max_tokens": 200, "stream": True,
-                             "ignore_eos": True},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": PREFIX, "prompt": "Go on: ", "max_tokens": 200, "stream": True, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as response:
         lines = (line for line in response.iter_lines() if line.startswith("data: "))
-        first = json.loads(next(lines)[len("data: "):])
+        first = json.loads(next(lines)[len("data: ") :])
         assert first["choices"][0]["finish_reason"] is None
         swarm.kill(peers["2:4"], signal.SIGKILL)
-        rest = [line[len("data: "):] for line in lines]
+        rest = [line[len("data: ") :] for line in lines]
     assert rest[-1] == "[DONE]"
     errors = [json.loads(data)["error"] for data in rest[:-1] if "error" in json.loads(data)]
     assert len(errors) == 1 and rest[-2].startswith('{"error"'), rest[-3:]

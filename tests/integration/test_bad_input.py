@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from client.transport import ChannelPool, InferenceStream
-from swarm.net.tunnel import TunnelPool, tunnel_address
 from peer.blocks import BlockSpan, load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
@@ -43,6 +42,7 @@ from protocol.errors import (
 from protocol.packing import Packer
 from protocol.records import prefix_for_model
 from swarm.models.checkpoint import load_config
+from swarm.net.tunnel import TunnelPool, tunnel_address
 from tests.helpers.models import HIDDEN_SIZE, MAX_POSITIONS
 
 NUM_LAYERS = 4
@@ -75,8 +75,9 @@ def _stepwise(span: BlockSpan, tokens: torch.Tensor) -> torch.Tensor:
     def run():
         cache = span.new_cache()
         with torch.inference_mode():
-            return torch.cat([span(tokens[:, i : i + 1], None, torch.tensor([[i]]), cache, i)
-                              for i in range(tokens.shape[1])], dim=1)
+            return torch.cat(
+                [span(tokens[:, i : i + 1], None, torch.tensor([[i]]), cache, i) for i in range(tokens.shape[1])], dim=1
+            )
 
     return _local(run)
 
@@ -119,15 +120,19 @@ def _tensors(fields: dict) -> dict:
 
 def _open(prefix: str, session_id: str, max_length: int, span: str | None = None, **fields) -> pb.InferenceRequest:
     fields.setdefault("batch_size", 1)
-    return pb.InferenceRequest(open=pb.OpenSession(span=_span(prefix, span), session_id=session_id,
-                                                   max_length=max_length, **fields))
+    return pb.InferenceRequest(
+        open=pb.OpenSession(span=_span(prefix, span), session_id=session_id, max_length=max_length, **fields)
+    )
 
 
 def _step(session_id: str, hidden: torch.Tensor | None, prefix_length: int, **fields) -> pb.InferenceRequest:
     if hidden is not None and hidden.ndim == 3 and "position_ids" not in fields:
         fields["position_ids"] = torch.arange(prefix_length, prefix_length + hidden.shape[1]).unsqueeze(0)
-    return pb.InferenceRequest(step=pb.InferenceStep(session_id=session_id, prefix_length=prefix_length,
-                                                     **_tensors({"hidden_states": hidden, **fields})))
+    return pb.InferenceRequest(
+        step=pb.InferenceStep(
+            session_id=session_id, prefix_length=prefix_length, **_tensors({"hidden_states": hidden, **fields})
+        )
+    )
 
 
 def _result(response) -> torch.Tensor:
@@ -141,8 +146,9 @@ class Session:
     forever within a small max_length.
     """
 
-    def __init__(self, stream: InferenceStream, prefix: str, session_id: str, tokens: torch.Tensor,
-                 expected: torch.Tensor):
+    def __init__(
+        self, stream: InferenceStream, prefix: str, session_id: str, tokens: torch.Tensor, expected: torch.Tensor
+    ):
         self.stream, self.prefix, self.session_id = stream, prefix, session_id
         self.tokens, self.expected = tokens, expected
         self.position = 0
@@ -154,7 +160,7 @@ class Session:
     async def request(self, request):
         return await self.stream.request(request, TIMEOUT_S)
 
-    async def open(self) -> "Session":
+    async def open(self) -> Session:
         await self.request(_open(self.prefix, self.session_id, max_length=self.length))
         return self
 
@@ -163,8 +169,13 @@ class Session:
         p = self.position
         response = await self.request(_step(self.session_id, self.tokens[:, p : p + 1], p))
         assert response.message.step.position == p + 1
-        torch.testing.assert_close(_result(response), self.expected[:, p : p + 1], atol=ATOL, rtol=0,
-                                   msg=lambda m: f"session {self.session_id!r}, step at position {p}: {m}")
+        torch.testing.assert_close(
+            _result(response),
+            self.expected[:, p : p + 1],
+            atol=ATOL,
+            rtol=0,
+            msg=lambda m: f"session {self.session_id!r}, step at position {p}: {m}",
+        )
         self.position = (p + 1) % self.length
 
     async def close(self) -> None:
@@ -203,15 +214,31 @@ def peer(request, tmp_path_factory, tiny_llama_path) -> Peer:
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
         process = swarm.start_peer(
-            tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--max-message-mb", str(MAX_MESSAGE_MB),
-            "--cache-tokens", str(CACHE_TOKENS), "--alloc-timeout", "0.5", "--transport", request.param,
-            "--max-cache-share", "1",  # the cases here fill the whole budget; quotas are test_limits.py's
+            tiny_llama_path,
+            "--blocks",
+            f"0:{NUM_LAYERS}",
+            "--max-message-mb",
+            str(MAX_MESSAGE_MB),
+            "--cache-tokens",
+            str(CACHE_TOKENS),
+            "--alloc-timeout",
+            "0.5",
+            "--transport",
+            request.param,
+            "--max-cache-share",
+            "1",  # the cases here fill the whole budget; quotas are test_limits.py's
         )
         prefix = prefix_for_model(str(tiny_llama_path))
         ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
         assert info.transport == request.param, info
-        span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 0, NUM_LAYERS,
-                         dtype=torch.float32, device=torch.device("cpu"))
+        span = load_span(
+            Path(tiny_llama_path),
+            load_config(Path(tiny_llama_path)),
+            0,
+            NUM_LAYERS,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
         endpoint = info.endpoint if request.param == "direct" else tunnel_address(peer_id)
         yield Peer(endpoint, prefix, span, process, swarm.dht, swarm.initial_peers)
 
@@ -317,9 +344,13 @@ def settled(guard):
 
 # --- forward and backward ---
 
-_GOOD = {"forward": {"hidden_states": _hidden(1, 3, HIDDEN_SIZE, seed=4)},
-         "backward": {"hidden_states": _hidden(1, 3, HIDDEN_SIZE, seed=4),
-                      "grad_outputs": _hidden(1, 3, HIDDEN_SIZE, seed=5)}}
+_GOOD = {
+    "forward": {"hidden_states": _hidden(1, 3, HIDDEN_SIZE, seed=4)},
+    "backward": {
+        "hidden_states": _hidden(1, 3, HIDDEN_SIZE, seed=4),
+        "grad_outputs": _hidden(1, 3, HIDDEN_SIZE, seed=5),
+    },
+}
 
 
 def _unary_request(method: str, prefix: str, fields: dict):
@@ -342,53 +373,132 @@ async def _good_unary(guard: Guard, method: str) -> None:
 
 
 _INPUT_CASES = [  # bad in forward and backward alike: fields replacing the good request's, error, words
-    pytest.param({"hidden_states": _hidden(1, 3, HIDDEN_SIZE + 1)}, BadRequestError,
-                 ["hidden_states has hidden size 65", "this model's is 64"], id="hidden-size"),
-    pytest.param({"hidden_states": _hidden(1, 3, HIDDEN_SIZE, dtype=torch.float64)}, BadRequestError,
-                 ["hidden_states has dtype torch.float64", "send torch.float32"], id="hidden-dtype"),
-    pytest.param({"hidden_states": _hidden(3, HIDDEN_SIZE)}, BadRequestError,
-                 ["hidden_states must be [batch, seq, hidden], got shape [3, 64]"], id="hidden-rank"),
-    pytest.param({"hidden_states": _hidden(1, 0, HIDDEN_SIZE)}, BadRequestError,
-                 ["at least one sequence and one token", "[1, 0, 64]"], id="hidden-empty"),
-    pytest.param({"hidden_states": torch.full((1, 3, HIDDEN_SIZE), float("nan"))}, BadRequestError,
-                 ["hidden_states contains NaN or inf"], id="hidden-nan"),
-    pytest.param({"hidden_states": torch.full((1, 3, HIDDEN_SIZE), float("inf"))}, BadRequestError,
-                 ["hidden_states contains NaN or inf"], id="hidden-inf"),
+    pytest.param(
+        {"hidden_states": _hidden(1, 3, HIDDEN_SIZE + 1)},
+        BadRequestError,
+        ["hidden_states has hidden size 65", "this model's is 64"],
+        id="hidden-size",
+    ),
+    pytest.param(
+        {"hidden_states": _hidden(1, 3, HIDDEN_SIZE, dtype=torch.float64)},
+        BadRequestError,
+        ["hidden_states has dtype torch.float64", "send torch.float32"],
+        id="hidden-dtype",
+    ),
+    pytest.param(
+        {"hidden_states": _hidden(3, HIDDEN_SIZE)},
+        BadRequestError,
+        ["hidden_states must be [batch, seq, hidden], got shape [3, 64]"],
+        id="hidden-rank",
+    ),
+    pytest.param(
+        {"hidden_states": _hidden(1, 0, HIDDEN_SIZE)},
+        BadRequestError,
+        ["at least one sequence and one token", "[1, 0, 64]"],
+        id="hidden-empty",
+    ),
+    pytest.param(
+        {"hidden_states": torch.full((1, 3, HIDDEN_SIZE), float("nan"))},
+        BadRequestError,
+        ["hidden_states contains NaN or inf"],
+        id="hidden-nan",
+    ),
+    pytest.param(
+        {"hidden_states": torch.full((1, 3, HIDDEN_SIZE), float("inf"))},
+        BadRequestError,
+        ["hidden_states contains NaN or inf"],
+        id="hidden-inf",
+    ),
     pytest.param({"hidden_states": None}, BadRequestError, ["hidden_states is missing"], id="hidden-missing"),
-    pytest.param({"hidden_states": pb.Tensor(shape=[1, 3, HIDDEN_SIZE], dtype="float8", data=bytes(192))},
-                 BadRequestError, ["unknown tensor dtype 'float8'"], id="unknown-dtype"),
-    pytest.param({"hidden_states": pb.Tensor(shape=[1, 3, HIDDEN_SIZE], dtype="float32", data=bytes(10))},
-                 BadRequestError, ["hidden_states: shape [1, 3, 64] of float32 needs 768 bytes, got 10"],
-                 id="short-data"),
-    pytest.param({"attention_mask": torch.ones(1, 4, dtype=torch.int64)}, BadRequestError,
-                 ["attention_mask must have shape [1, 3], got [1, 4]"], id="mask-shape"),
-    pytest.param({"attention_mask": torch.tensor([[1, 2, 1]])}, BadRequestError,
-                 ["attention_mask values must be 0 or 1"], id="mask-values"),
-    pytest.param({"attention_mask": torch.ones(1, 3)}, BadRequestError,
-                 ["attention_mask must be an integer or bool tensor, got torch.float32"], id="mask-float"),
-    pytest.param({"position_ids": torch.tensor([[0, 1, 9999]])}, BadRequestError,
-                 [f"position_ids must lie in [0, {MAX_POSITIONS}), got 0..9999"], id="positions-range"),
-    pytest.param({"position_ids": torch.tensor([[-1, 0, 1]])}, BadRequestError,
-                 [f"position_ids must lie in [0, {MAX_POSITIONS}), got -1..1"], id="positions-negative"),
-    pytest.param({"position_ids": torch.tensor([[0, 1]])}, BadRequestError,
-                 ["position_ids must have shape [1 or 1, 3], got [1, 2]"], id="positions-shape"),
-    pytest.param({"position_ids": torch.tensor([[0.0, 1.0, 2.0]])}, BadRequestError,
-                 ["position_ids must be integers, got torch.float32"], id="positions-float"),
-    pytest.param({"hidden_states": _hidden(4, 300, HIDDEN_SIZE), "grad_outputs": _hidden(4, 300, HIDDEN_SIZE)},
-                 MessageTooLargeError, ["larger than max"], id="too-large"),
+    pytest.param(
+        {"hidden_states": pb.Tensor(shape=[1, 3, HIDDEN_SIZE], dtype="float8", data=bytes(192))},
+        BadRequestError,
+        ["unknown tensor dtype 'float8'"],
+        id="unknown-dtype",
+    ),
+    pytest.param(
+        {"hidden_states": pb.Tensor(shape=[1, 3, HIDDEN_SIZE], dtype="float32", data=bytes(10))},
+        BadRequestError,
+        ["hidden_states: shape [1, 3, 64] of float32 needs 768 bytes, got 10"],
+        id="short-data",
+    ),
+    pytest.param(
+        {"attention_mask": torch.ones(1, 4, dtype=torch.int64)},
+        BadRequestError,
+        ["attention_mask must have shape [1, 3], got [1, 4]"],
+        id="mask-shape",
+    ),
+    pytest.param(
+        {"attention_mask": torch.tensor([[1, 2, 1]])},
+        BadRequestError,
+        ["attention_mask values must be 0 or 1"],
+        id="mask-values",
+    ),
+    pytest.param(
+        {"attention_mask": torch.ones(1, 3)},
+        BadRequestError,
+        ["attention_mask must be an integer or bool tensor, got torch.float32"],
+        id="mask-float",
+    ),
+    pytest.param(
+        {"position_ids": torch.tensor([[0, 1, 9999]])},
+        BadRequestError,
+        [f"position_ids must lie in [0, {MAX_POSITIONS}), got 0..9999"],
+        id="positions-range",
+    ),
+    pytest.param(
+        {"position_ids": torch.tensor([[-1, 0, 1]])},
+        BadRequestError,
+        [f"position_ids must lie in [0, {MAX_POSITIONS}), got -1..1"],
+        id="positions-negative",
+    ),
+    pytest.param(
+        {"position_ids": torch.tensor([[0, 1]])},
+        BadRequestError,
+        ["position_ids must have shape [1 or 1, 3], got [1, 2]"],
+        id="positions-shape",
+    ),
+    pytest.param(
+        {"position_ids": torch.tensor([[0.0, 1.0, 2.0]])},
+        BadRequestError,
+        ["position_ids must be integers, got torch.float32"],
+        id="positions-float",
+    ),
+    pytest.param(
+        {"hidden_states": _hidden(4, 300, HIDDEN_SIZE), "grad_outputs": _hidden(4, 300, HIDDEN_SIZE)},
+        MessageTooLargeError,
+        ["larger than max"],
+        id="too-large",
+    ),
     pytest.param({"span": "2:6"}, WrongSpanError, ["this peer serves blocks 0:4, not 2:6"], id="wrong-span"),
     pytest.param({"span": "other-model"}, WrongSpanError, ["not 'other-model'"], id="wrong-model"),
 ]
 
 _GRAD_CASES = [  # bad in backward only
-    pytest.param({"grad_outputs": _hidden(1, 2, HIDDEN_SIZE)}, BadRequestError,
-                 ["grad_outputs has shape [1, 2, 64], hidden_states [1, 3, 64]"], id="grad-shape"),
-    pytest.param({"grad_outputs": _hidden(1, 3, HIDDEN_SIZE, dtype=torch.float64)}, BadRequestError,
-                 ["grad_outputs has dtype torch.float64, hidden_states torch.float32"], id="grad-dtype"),
-    pytest.param({"grad_outputs": torch.full((1, 3, HIDDEN_SIZE), float("nan"))}, BadRequestError,
-                 ["grad_outputs contains NaN or inf"], id="grad-nan"),
-    pytest.param({"grad_outputs": torch.full((1, 3, HIDDEN_SIZE), float("-inf"))}, BadRequestError,
-                 ["grad_outputs contains NaN or inf"], id="grad-inf"),
+    pytest.param(
+        {"grad_outputs": _hidden(1, 2, HIDDEN_SIZE)},
+        BadRequestError,
+        ["grad_outputs has shape [1, 2, 64], hidden_states [1, 3, 64]"],
+        id="grad-shape",
+    ),
+    pytest.param(
+        {"grad_outputs": _hidden(1, 3, HIDDEN_SIZE, dtype=torch.float64)},
+        BadRequestError,
+        ["grad_outputs has dtype torch.float64, hidden_states torch.float32"],
+        id="grad-dtype",
+    ),
+    pytest.param(
+        {"grad_outputs": torch.full((1, 3, HIDDEN_SIZE), float("nan"))},
+        BadRequestError,
+        ["grad_outputs contains NaN or inf"],
+        id="grad-nan",
+    ),
+    pytest.param(
+        {"grad_outputs": torch.full((1, 3, HIDDEN_SIZE), float("-inf"))},
+        BadRequestError,
+        ["grad_outputs contains NaN or inf"],
+        id="grad-inf",
+    ),
     pytest.param({"grad_outputs": None}, BadRequestError, ["grad_outputs is missing"], id="grad-missing"),
 ]
 
@@ -429,34 +539,55 @@ def test_forward_with_payload_matches_local_span(guard):
 
 
 def test_payload_reference_past_the_payload_is_bad_request(guard):
-    request = pb.ForwardRequest(span=_span(guard.peer.prefix), payload=bytes(64), hidden_states=pb.Tensor(
-        shape=[1, 2, HIDDEN_SIZE], dtype="float32", in_payload=True, offset=32))
-    guard.run(guard.refused(guard.unary("forward", request), BadRequestError,
-                            "hidden_states: shape [1, 2, 64] of float32 needs 512 bytes at offset 32 of the payload, "
-                            "which has 64"))
+    request = pb.ForwardRequest(
+        span=_span(guard.peer.prefix),
+        payload=bytes(64),
+        hidden_states=pb.Tensor(shape=[1, 2, HIDDEN_SIZE], dtype="float32", in_payload=True, offset=32),
+    )
+    guard.run(
+        guard.refused(
+            guard.unary("forward", request),
+            BadRequestError,
+            "hidden_states: shape [1, 2, 64] of float32 needs 512 bytes at offset 32 of the payload, which has 64",
+        )
+    )
 
 
 # --- opening an inference session ---
 
 _OPEN_CASES = [  # session id, OpenSession fields replacing good ones, error, words
-    pytest.param(Guard.WITNESS_ID, {}, BadRequestError, ["session 'witness' is already open on this peer"],
-                 id="duplicate-id"),
+    pytest.param(
+        Guard.WITNESS_ID, {}, BadRequestError, ["session 'witness' is already open on this peer"], id="duplicate-id"
+    ),
     pytest.param("s", {"span": "2:6"}, WrongSpanError, ["this peer serves blocks 0:4, not 2:6"], id="wrong-span"),
     pytest.param("s", {"span": "other-model"}, WrongSpanError, ["not 'other-model'"], id="wrong-model"),
     pytest.param("", {}, BadRequestError, ["session_id is empty"], id="empty-id"),
-    pytest.param("s", {"max_length": 0}, BadRequestError, ["max_length and batch_size must be >= 1, got 0, 1"],
-                 id="zero-length"),
-    pytest.param("s", {"batch_size": 0}, BadRequestError, ["max_length and batch_size must be >= 1, got 8, 0"],
-                 id="zero-batch"),
-    pytest.param("s", {"max_length": MAX_POSITIONS + 1}, BadRequestError,
-                 [f"max_length {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions"],
-                 id="past-positions"),
-    pytest.param("s", {"max_length": 50, "batch_size": 2}, CacheFullError,
-                 [f"needs 100 cache tokens but this peer's whole budget is {CACHE_TOKENS}"], id="over-budget"),
-    pytest.param("s", {"alloc_timeout_s": -1.0}, BadRequestError, ["alloc_timeout_s", "got -1.0"],
-                 id="negative-alloc-timeout"),
-    pytest.param("s", {"alloc_timeout_s": float("nan")}, BadRequestError, ["alloc_timeout_s", "got nan"],
-                 id="nan-alloc-timeout"),
+    pytest.param(
+        "s", {"max_length": 0}, BadRequestError, ["max_length and batch_size must be >= 1, got 0, 1"], id="zero-length"
+    ),
+    pytest.param(
+        "s", {"batch_size": 0}, BadRequestError, ["max_length and batch_size must be >= 1, got 8, 0"], id="zero-batch"
+    ),
+    pytest.param(
+        "s",
+        {"max_length": MAX_POSITIONS + 1},
+        BadRequestError,
+        [f"max_length {MAX_POSITIONS + 1} exceeds the model's {MAX_POSITIONS} positions"],
+        id="past-positions",
+    ),
+    pytest.param(
+        "s",
+        {"max_length": 50, "batch_size": 2},
+        CacheFullError,
+        [f"needs 100 cache tokens but this peer's whole budget is {CACHE_TOKENS}"],
+        id="over-budget",
+    ),
+    pytest.param(
+        "s", {"alloc_timeout_s": -1.0}, BadRequestError, ["alloc_timeout_s", "got -1.0"], id="negative-alloc-timeout"
+    ),
+    pytest.param(
+        "s", {"alloc_timeout_s": float("nan")}, BadRequestError, ["alloc_timeout_s", "got nan"], id="nan-alloc-timeout"
+    ),
 ]
 
 
@@ -515,47 +646,120 @@ _AT = 2  # tokens in the session's cache when the bad step comes
 _X = _hidden(1, 1, HIDDEN_SIZE, seed=6)  # one good new token
 
 _STEP_CASES = [  # a bad request on the stream of Session `s`, error, words
-    pytest.param(lambda s: _step(s.session_id, _hidden(1, 1, HIDDEN_SIZE + 1), _AT), BadRequestError,
-                 ["hidden_states has hidden size 65"], id="hidden-size"),
-    pytest.param(lambda s: _step(s.session_id, _X.double(), _AT), BadRequestError,
-                 ["hidden_states has dtype torch.float64"], id="hidden-dtype"),
-    pytest.param(lambda s: _step(s.session_id, _hidden(1, HIDDEN_SIZE), _AT), BadRequestError,
-                 ["hidden_states must be [batch, seq, hidden]"], id="hidden-rank"),
-    pytest.param(lambda s: _step(s.session_id, _hidden(1, 0, HIDDEN_SIZE), _AT), BadRequestError,
-                 ["at least one sequence and one token"], id="hidden-empty"),
-    pytest.param(lambda s: _step(s.session_id, torch.full((1, 1, HIDDEN_SIZE), float("nan")), _AT), BadRequestError,
-                 ["hidden_states contains NaN or inf"], id="hidden-nan"),
-    pytest.param(lambda s: _step(s.session_id, torch.full((1, 1, HIDDEN_SIZE), float("inf")), _AT), BadRequestError,
-                 ["hidden_states contains NaN or inf"], id="hidden-inf"),
-    pytest.param(lambda s: _step(s.session_id, None, _AT), BadRequestError, ["hidden_states is missing"],
-                 id="hidden-missing"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.ones(1, 1, dtype=torch.int64)),
-                 BadRequestError, [f"attention_mask must have shape [1, {_AT + 1}], got [1, 1]"], id="mask-shape"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.tensor([[1, 1, 3]])), BadRequestError,
-                 ["attention_mask values must be 0 or 1"], id="mask-values"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.ones(1, _AT + 1)), BadRequestError,
-                 ["attention_mask must be an integer or bool tensor, got torch.float32"], id="mask-float"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[MAX_POSITIONS + 5]])),
-                 BadRequestError, [f"position_ids must lie in [0, {MAX_POSITIONS}), got {MAX_POSITIONS + 5}"],
-                 id="positions-range"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[2, 3]])), BadRequestError,
-                 ["position_ids must have shape [1 or 1, 1], got [1, 2]"], id="positions-shape"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[2.0]])), BadRequestError,
-                 ["position_ids must be integers, got torch.float32"], id="positions-float"),
-    pytest.param(lambda s: _step(s.session_id, _hidden(1, 7, HIDDEN_SIZE), _AT), SequenceTooLongError,
-                 [f"{_AT} cached + 7 new tokens exceed the session's max_length 8"], id="too-long"),
-    pytest.param(lambda s: _step(s.session_id, _hidden(2, 1, HIDDEN_SIZE), _AT), BadRequestError,
-                 ["the session was opened for batch 1, got batch 2"], id="batch"),
-    pytest.param(lambda s: _step(s.session_id, _X, _AT + 3), BadRequestError,
-                 [f"step builds on {_AT + 3} tokens but the session's cache holds {_AT}"], id="ahead-of-cache"),
-    pytest.param(lambda s: _step("no-such-session", _X, _AT), UnknownSessionError,
-                 ["unknown session 'no-such-session' on this stream"], id="unknown-session"),
-    pytest.param(lambda s: pb.InferenceRequest(), BadRequestError, ["must be one of open, step or close"],
-                 id="no-kind"),
-    pytest.param(lambda s: _open(s.prefix, "another", max_length=4), BadRequestError,
-                 ["is already open on this stream"], id="second-open"),
-    pytest.param(lambda s: _step(s.session_id, _hidden(1, 1100, HIDDEN_SIZE), _AT), MessageTooLargeError,
-                 ["larger than max"], id="too-large"),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(1, 1, HIDDEN_SIZE + 1), _AT),
+        BadRequestError,
+        ["hidden_states has hidden size 65"],
+        id="hidden-size",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X.double(), _AT),
+        BadRequestError,
+        ["hidden_states has dtype torch.float64"],
+        id="hidden-dtype",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(1, HIDDEN_SIZE), _AT),
+        BadRequestError,
+        ["hidden_states must be [batch, seq, hidden]"],
+        id="hidden-rank",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(1, 0, HIDDEN_SIZE), _AT),
+        BadRequestError,
+        ["at least one sequence and one token"],
+        id="hidden-empty",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, torch.full((1, 1, HIDDEN_SIZE), float("nan")), _AT),
+        BadRequestError,
+        ["hidden_states contains NaN or inf"],
+        id="hidden-nan",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, torch.full((1, 1, HIDDEN_SIZE), float("inf")), _AT),
+        BadRequestError,
+        ["hidden_states contains NaN or inf"],
+        id="hidden-inf",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, None, _AT), BadRequestError, ["hidden_states is missing"], id="hidden-missing"
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.ones(1, 1, dtype=torch.int64)),
+        BadRequestError,
+        [f"attention_mask must have shape [1, {_AT + 1}], got [1, 1]"],
+        id="mask-shape",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.tensor([[1, 1, 3]])),
+        BadRequestError,
+        ["attention_mask values must be 0 or 1"],
+        id="mask-values",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, attention_mask=torch.ones(1, _AT + 1)),
+        BadRequestError,
+        ["attention_mask must be an integer or bool tensor, got torch.float32"],
+        id="mask-float",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[MAX_POSITIONS + 5]])),
+        BadRequestError,
+        [f"position_ids must lie in [0, {MAX_POSITIONS}), got {MAX_POSITIONS + 5}"],
+        id="positions-range",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[2, 3]])),
+        BadRequestError,
+        ["position_ids must have shape [1 or 1, 1], got [1, 2]"],
+        id="positions-shape",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT, position_ids=torch.tensor([[2.0]])),
+        BadRequestError,
+        ["position_ids must be integers, got torch.float32"],
+        id="positions-float",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(1, 7, HIDDEN_SIZE), _AT),
+        SequenceTooLongError,
+        [f"{_AT} cached + 7 new tokens exceed the session's max_length 8"],
+        id="too-long",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(2, 1, HIDDEN_SIZE), _AT),
+        BadRequestError,
+        ["the session was opened for batch 1, got batch 2"],
+        id="batch",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _X, _AT + 3),
+        BadRequestError,
+        [f"step builds on {_AT + 3} tokens but the session's cache holds {_AT}"],
+        id="ahead-of-cache",
+    ),
+    pytest.param(
+        lambda s: _step("no-such-session", _X, _AT),
+        UnknownSessionError,
+        ["unknown session 'no-such-session' on this stream"],
+        id="unknown-session",
+    ),
+    pytest.param(
+        lambda s: pb.InferenceRequest(), BadRequestError, ["must be one of open, step or close"], id="no-kind"
+    ),
+    pytest.param(
+        lambda s: _open(s.prefix, "another", max_length=4),
+        BadRequestError,
+        ["is already open on this stream"],
+        id="second-open",
+    ),
+    pytest.param(
+        lambda s: _step(s.session_id, _hidden(1, 1100, HIDDEN_SIZE), _AT),
+        MessageTooLargeError,
+        ["larger than max"],
+        id="too-large",
+    ),
 ]
 
 
@@ -615,11 +819,17 @@ def test_cache_budget_is_enforced_with_a_timeout(guard):
         streams = [InferenceStream(guard.pool, guard.peer.endpoint) for _ in range(4)]
         first, second, third, fourth = streams
         try:
-            await guard.refused(first.request(_open(prefix, "huge", max_length=200), TIMEOUT_S), CacheFullError,
-                                f"a session needs 200 cache tokens but this peer's whole budget is {CACHE_TOKENS}")
+            await guard.refused(
+                first.request(_open(prefix, "huge", max_length=200), TIMEOUT_S),
+                CacheFullError,
+                f"a session needs 200 cache tokens but this peer's whole budget is {CACHE_TOKENS}",
+            )
             await second.request(_open(prefix, "holds-64", max_length=64), TIMEOUT_S)
-            await guard.refused(third.request(_open(prefix, "waits", max_length=64), TIMEOUT_S), CacheFullError,
-                                f"no room for 64 cache tokens after waiting 0.5s ({free - 64} of {CACHE_TOKENS} left)")
+            await guard.refused(
+                third.request(_open(prefix, "waits", max_length=64), TIMEOUT_S),
+                CacheFullError,
+                f"no room for 64 cache tokens after waiting 0.5s ({free - 64} of {CACHE_TOKENS} left)",
+            )
             await second.close()  # frees its 64 tokens, though the peer may see that a moment later
             # waits for them, bounded: a CacheFullError if closing the stream did not free them
             await fourth.request(_open(prefix, "fits-now", max_length=64, alloc_timeout_s=10.0), TIMEOUT_S)

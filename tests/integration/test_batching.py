@@ -35,7 +35,9 @@ def served(tmp_path_factory, tiny_llama_path):
         for start, end in SPANS:
             swarm.start_peer(tiny_llama_path, "--blocks", f"{start}:{end}", "--max-batch-tokens", str(MAX_BATCH_TOKENS))
         snapshot = swarm.wait_online(prefix_for_model(str(tiny_llama_path)), SPANS)
-        remote = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers)
+        remote = AutoDistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path), initial_peers=swarm.initial_peers
+        )
         local = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
         try:
             yield remote, local, [info.endpoint for info in snapshot.online().values()]
@@ -73,16 +75,18 @@ async def _greedy(remote, prompt: torch.Tensor, new_tokens: int, progress: list 
 
 def _assert_local_model_agrees(local, prompt: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
     """The local model's greedy generation of as many tokens (it may stop earlier, at EOS), logits included."""
-    out = local.generate(prompt, max_new_tokens=logits.shape[0], do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
+    out = local.generate(
+        prompt, max_new_tokens=logits.shape[0], do_sample=False, output_logits=True, return_dict_in_generate=True
+    )
     expected = torch.stack(out.logits, dim=1)[0]
-    assert tokens[:, :out.sequences.shape[1]].tolist() == out.sequences.tolist()
-    torch.testing.assert_close(logits[:expected.shape[0]], expected, atol=ATOL, rtol=0)
+    assert tokens[:, : out.sequences.shape[1]].tolist() == out.sequences.tolist()
+    torch.testing.assert_close(logits[: expected.shape[0]], expected, atol=ATOL, rtol=0)
 
 
 def _infos(remote, endpoints) -> list[pb.InfoResponse]:
     async def read():
         return [await remote.sequence.pool.unary(e, "info", pb.InfoRequest(), 10.0) for e in endpoints]
+
     return remote._run(read())
 
 
@@ -90,6 +94,7 @@ def test_concurrent_sessions_are_batched_and_each_stays_exact(served):
     remote, local, endpoints = served
     prompts = [_prompt(length, seed) for seed, length in enumerate([3, 9, 5, 14, 7, 11])]
     before = _infos(remote, endpoints)
+
     async def together():
         return await asyncio.gather(*(_greedy(remote, p, NEW_TOKENS) for p in prompts))
 
@@ -98,8 +103,9 @@ def test_concurrent_sessions_are_batched_and_each_stays_exact(served):
     for prompt, (tokens, logits) in zip(prompts, results):
         _assert_local_model_agrees(local, prompt, tokens, logits)
     for then, now in zip(before, after):
-        assert now.batched_steps - then.batched_steps > now.decode_batches - then.decode_batches, \
+        assert now.batched_steps - then.batched_steps > now.decode_batches - then.decode_batches, (
             "no peer ever computed two sessions' steps together"
+        )
         timings = now.step_timings  # every step's phases were timed (peer/timings.py)
         assert timings.steps - then.step_timings.steps == len(prompts) * NEW_TOKENS
         phases = (timings.parse_s, timings.wait_s, timings.compute_s, timings.reply_s)
@@ -107,14 +113,15 @@ def test_concurrent_sessions_are_batched_and_each_stays_exact(served):
 
 
 def test_a_long_prompt_among_short_sessions_is_chunked_and_nobody_starves(served):
-    remote, local, endpoints = served
+    remote, local, _endpoints = served
     long_prompt = _prompt(10 * MAX_BATCH_TOKENS + 3, seed=50)  # 11 chunks on each peer
     shorts = [_prompt(4 + i, seed=60 + i) for i in range(5)]
     progress: list[int] = []
 
     async def together():
-        return await asyncio.gather(_greedy(remote, long_prompt, 4, progress),
-                                    *(_greedy(remote, p, 3 * NEW_TOKENS, progress) for p in shorts))
+        return await asyncio.gather(
+            _greedy(remote, long_prompt, 4, progress), *(_greedy(remote, p, 3 * NEW_TOKENS, progress) for p in shorts)
+        )
 
     results = remote._run(together())
     for prompt, (tokens, logits) in zip([long_prompt, *shorts], results):

@@ -39,8 +39,9 @@ def model_path(tmp_path_factory):
 def test_generations_complete_and_match_under_churn(swarm, model_path):
     prefix = prefix_for_model(str(model_path))
     local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    prompts = [torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(seed))
-               for seed in range(NUM_PROMPTS)]
+    prompts = [
+        torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(seed)) for seed in range(NUM_PROMPTS)
+    ]
     references = [generate_with_logits(local, ids, max_new_tokens=48, do_sample=False) for ids in prompts]
     swarm.start_bootstrap()
     live = [(swarm.start_peer(model_path, "--blocks", f"{a}:{b}"), (a, b)) for a, b in SPANS]
@@ -68,18 +69,22 @@ def test_generations_complete_and_match_under_churn(swarm, model_path):
         # takes a peer of the generation in progress, so that sessions are repaired, not only re-opened
         nonlocal kills
         while not stop.wait(KILL_EVERY_S):
-            spare = [entry for entry in live if any(other is not entry and other[1] == entry[1] and _online(other[0])
-                                                    for other in live)]
+            spare = [
+                entry
+                for entry in live
+                if any(other is not entry and other[1] == entry[1] and _online(other[0]) for other in live)
+            ]
             if not spare:  # replacements still starting: the swarm keeps an ONLINE peer of every span
                 continue
             victim = (kills % 2 == 0 and in_use(spare)) or rng.choice(spare)
             live.remove(victim)
             swarm.kill(victim[0])
             kills += 1
-            live.append((swarm.start_peer(model_path, "--blocks", "%d:%d" % victim[1]), victim[1]))
+            live.append((swarm.start_peer(model_path, "--blocks", f"{victim[1][0]}:{victim[1][1]}"), victim[1]))
 
-    remote = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers,
-                                                            wait_for_peers_s=30)
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        str(model_path), initial_peers=swarm.initial_peers, wait_for_peers_s=30
+    )
     killer = threading.Thread(target=churn, daemon=True)
     generations = 0
     began = time.monotonic()
@@ -96,8 +101,10 @@ def test_generations_complete_and_match_under_churn(swarm, model_path):
         sequence = remote.sequence
         failovers, recoveries, recovery_s = sequence.failovers, sequence.recoveries, sequence.recovery_s
         remote.shutdown()
-    print(f"\nchurn: {generations} generations, {kills} kills, {failovers} failovers, {recoveries} recoveries, "
-          f"{recovery_s:.2f}s in recovery over {time.monotonic() - began:.0f}s")
+    print(
+        f"\nchurn: {generations} generations, {kills} kills, {failovers} failovers, {recoveries} recoveries, "
+        f"{recovery_s:.2f}s in recovery over {time.monotonic() - began:.0f}s"
+    )
     assert kills >= CHURN_S // KILL_EVERY_S // 2  # kills wait while no other peer of a span is ONLINE
     assert generations >= 5
     # every other kill took a peer of the generation in progress: sessions were repaired, not only re-opened

@@ -86,8 +86,9 @@ def stoppable(tmp_path_factory, tiny_llama_path):
     prefix = prefix_for_model(str(tiny_llama_path))
     with Swarm(tmp_path_factory.mktemp("stops")) as swarm:
         swarm.start_bootstrap()
-        procs = {way: swarm.start_peer(tiny_llama_path, "--blocks", f"{a}:{b}", *QUIET)
-                 for way, (a, b) in STOPPED_BY.items()}
+        procs = {
+            way: swarm.start_peer(tiny_llama_path, "--blocks", f"{a}:{b}", *QUIET) for way, (a, b) in STOPPED_BY.items()
+        }
         snapshot = swarm.wait_online(prefix, list(STOPPED_BY.values()))
         ids = {(info.start_block, info.end_block): peer_id for peer_id, info in snapshot.online().items()}
         yield swarm, {way: (procs[way], ids[span]) for way, span in STOPPED_BY.items()}
@@ -178,7 +179,10 @@ BAD_ARGUMENTS = [
     (["peer", MODEL, "--port", "70000"], "0..65535"),
     (["peer", MODEL, "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
     (["peer", MODEL, "--train"], "a training peer needs fixed blocks: pass --blocks"),
-    (["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time", "70"], "averaging_timeout_s (60.0) must exceed"),
+    (
+        ["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time", "70"],
+        "averaging_timeout_s (60.0) must exceed",
+    ),
     (["train", MODEL], "pass --initial-peers"),
     (["train", MODEL, "--local", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
     (["train", MODEL, "--local", "--data", "/no/such/text"], "/no/such/text"),
@@ -188,8 +192,10 @@ BAD_ARGUMENTS = [
 def test_commands_reject_bad_arguments(swarm, tiny_llama_path):
     # every case is its own process, started all at once: each must exit with a clear error, no traceback, and
     # leave nothing running
-    runs = [(swarm.spawn(command[0], *(arg.replace(MODEL, str(tiny_llama_path)) for arg in command)), message)
-            for command, message in BAD_ARGUMENTS]
+    runs = [
+        (swarm.spawn(command[0], *(arg.replace(MODEL, str(tiny_llama_path)) for arg in command)), message)
+        for command, message in BAD_ARGUMENTS
+    ]
     for proc, message in runs:
         left = proc.wait_gone(120)
         assert not left, f"{proc.name} is still running or left processes:\n{proc.logs()}"
@@ -200,8 +206,10 @@ def test_commands_reject_bad_arguments(swarm, tiny_llama_path):
 
 
 def test_help(swarm):
-    top, peer, unknown = (swarm.spawn(name, *args) for name, args in [
-        ("help", ["--help"]), ("peer-help", ["peer", "--help"]), ("unknown", ["frobnicate"])])
+    top, peer, unknown = (
+        swarm.spawn(name, *args)
+        for name, args in [("help", ["--help"]), ("peer-help", ["peer", "--help"]), ("unknown", ["frobnicate"])]
+    )
     for proc in (top, peer, unknown):
         assert not proc.wait_gone(60), proc.logs()
     assert top.returncode == 0, top.stderr()

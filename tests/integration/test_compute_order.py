@@ -34,26 +34,39 @@ def peer(tmp_path_factory, tiny_llama_path):
 
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
-        process = swarm.start_peer(tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}",
-                                   "--max-queued-tokens", str(4 * HEAVY * HEAVY_SHAPE[0] * HEAVY_SHAPE[1]))
+        process = swarm.start_peer(
+            tiny_llama_path,
+            "--blocks",
+            f"0:{NUM_LAYERS}",
+            "--max-queued-tokens",
+            str(4 * HEAVY * HEAVY_SHAPE[0] * HEAVY_SHAPE[1]),
+        )
         prefix = prefix_for_model(str(tiny_llama_path))
         ((_, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
-        span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 0, NUM_LAYERS,
-                         dtype=torch.float32, device=torch.device("cpu"))
+        span = load_span(
+            Path(tiny_llama_path),
+            load_config(Path(tiny_llama_path)),
+            0,
+            NUM_LAYERS,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
         yield {"process": process, "prefix": prefix, "endpoint": info.endpoint, "span": span}
 
 
 def run(peer, fn) -> None:
     async def main():
         pool = ChannelPool(1 << 28)
-        witness = await Witness(InferenceStream(pool, peer["endpoint"]), peer["prefix"], peer["span"],
-                                timeout_s=TIMEOUT_S).open()
+        witness = await Witness(
+            InferenceStream(pool, peer["endpoint"]), peer["prefix"], peer["span"], timeout_s=TIMEOUT_S
+        ).open()
         heavy: list[asyncio.Task] = []
         try:
             await witness.step()
             request = backward_request(peer["prefix"], NUM_LAYERS, hidden(*HEAVY_SHAPE))
-            heavy = [asyncio.create_task(pool.unary(peer["endpoint"], "backward", request, TIMEOUT_S))
-                     for _ in range(HEAVY)]
+            heavy = [
+                asyncio.create_task(pool.unary(peer["endpoint"], "backward", request, TIMEOUT_S)) for _ in range(HEAVY)
+            ]
             # once the first is answered the others have long been queued behind it
             await asyncio.wait(heavy, return_when=asyncio.FIRST_COMPLETED)
             await fn(pool, witness, heavy)
@@ -80,8 +93,9 @@ def test_decode_steps_go_ahead_of_queued_training_work(peer):
             await witness.step()  # exact, and each waits for at most the layer under way
         overtaken = sum(not task.done() for task in heavy)
         # computed in order of arrival, the first step would have waited for every heavy request
-        assert overtaken >= HEAVY - answered - 2, \
+        assert overtaken >= HEAVY - answered - 2, (
             f"3 decode steps waited for {HEAVY - answered - overtaken} of {HEAVY - answered} heavy requests"
+        )
         for result in await asyncio.gather(*heavy):
             assert list(result.message.grad_inputs.shape) == list(HEAVY_SHAPE)
 
@@ -106,8 +120,12 @@ def test_work_of_a_client_that_went_away_is_dropped(peer):
         # the one under way stops at its next layer, the queued ones never start (one may finish meanwhile)
         assert dropped >= len(left) - 1, f"{dropped} of {len(left)} cancelled requests were dropped"
         await witness.step()
-        result = await pool.unary(peer["endpoint"], "backward",
-                                  backward_request(peer["prefix"], NUM_LAYERS, hidden(2, 8, HIDDEN_SIZE)), TIMEOUT_S)
+        result = await pool.unary(
+            peer["endpoint"],
+            "backward",
+            backward_request(peer["prefix"], NUM_LAYERS, hidden(2, 8, HIDDEN_SIZE)),
+            TIMEOUT_S,
+        )
         assert list(result.message.grad_inputs.shape) == [2, 8, HIDDEN_SIZE]
 
     run(peer, fn)

@@ -33,7 +33,9 @@ def cache_dir(tmp_path_factory) -> Path:
 def _start(cache_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [SWARMLM, "demo", "--max-new-tokens", str(MAX_NEW_TOKENS), "--prompt", PROMPT, "--cache-dir", str(cache_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
     )
 
@@ -49,11 +51,12 @@ def _local_answer(model_dir: Path) -> str:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    input_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                              return_tensors="pt", return_dict=True)["input_ids"]
+    input_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     with torch.no_grad():
         output = model.generate(input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_demo_chats_like_the_local_model_and_stops_everything(cache_dir):

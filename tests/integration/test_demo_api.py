@@ -67,9 +67,28 @@ def test_demo_api_serves_the_api_and_the_monitor_until_ctrl_c(tmp_path):
     save_char_tokenizer(model)
     env = {**child_env(tmp_path / "cache"), "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     demo = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli", "demo", "--api", "--model", str(model), "--peers", "2",
-         "--port", "0", "--monitor-port", "0", "--cache-dir", str(tmp_path / "cache")],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "swarm.cli",
+            "demo",
+            "--api",
+            "--model",
+            str(model),
+            "--peers",
+            "2",
+            "--port",
+            "0",
+            "--monitor-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
     )
     with reaping_descendants(demo) as watch:  # nothing it started may outlive it, also if this test fails

@@ -61,7 +61,8 @@ def test_the_client_follows_joins_departures_and_crashes_within_the_bounds(swarm
     slow = swarm.start_peer(tiny_llama_path, "--blocks", "0:4")
     swarm.wait_online(prefix, [(0, 4)])
     remote = AutoDistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama_path), initial_peers=swarm.initial_peers, directory_refresh_s=REFRESH_S)
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, directory_refresh_s=REFRESH_S
+    )
     try:
         ids = torch.randint(3, 128, (1, 5))
         with torch.no_grad():
@@ -71,33 +72,49 @@ def test_the_client_follows_joins_departures_and_crashes_within_the_bounds(swarm
         # a much faster peer joins: forward routing (by throughput) moves to it once the client has seen it
         fast = swarm.start_peer(tiny_llama_path, "--blocks", "0:4", "--throughput", "1000000")
         fast_id = wait_for_new_peer(swarm, prefix, known={slow_id})
-        poll_until(lambda: fast_id in used_route(remote, ids, expected), time.monotonic() + REFRESH_S + SLACK_S,
-                   "the client routes through the new peer")
+        poll_until(
+            lambda: fast_id in used_route(remote, ids, expected),
+            time.monotonic() + REFRESH_S + SLACK_S,
+            "the client routes through the new peer",
+        )
 
         # it leaves cleanly: OFFLINE is announced before it exits, and the client stops routing to it without a
         # failure. Its route is planned without sending requests: a forward through the stale view would reach
         # the departed peer and fail over, which is what this bound is about.
         assert swarm.terminate(fast) == 0
-        poll_until(lambda: planned_route(remote) == {slow_id}, time.monotonic() + REFRESH_S + SLACK_S,
-                   "the client's route leaves the departed peer")
+        poll_until(
+            lambda: planned_route(remote) == {slow_id},
+            time.monotonic() + REFRESH_S + SLACK_S,
+            "the client's route leaves the departed peer",
+        )
         for _ in range(3):
             assert used_route(remote, ids, expected) == {slow_id}
         assert remote.sequence.failovers == 0
 
         # another fast peer joins, re-announcing every second, and crashes before the client sent it anything:
         # no OFFLINE, its records just expire, and then the client routes around it without a failure
-        doomed = swarm.start_peer(tiny_llama_path, "--blocks", "0:4", "--throughput", "1000000",
-                                  "--update-period", str(CRASH_UPDATE_PERIOD_S))
+        doomed = swarm.start_peer(
+            tiny_llama_path, "--blocks", "0:4", "--throughput", "1000000", "--update-period", str(CRASH_UPDATE_PERIOD_S)
+        )
         doomed_id = wait_for_new_peer(swarm, prefix, known={slow_id, fast_id})
-        poll_until(lambda: planned_route(remote) == {doomed_id}, time.monotonic() + REFRESH_S + SLACK_S,
-                   "the client plans to route through the new peer")
+        poll_until(
+            lambda: planned_route(remote) == {doomed_id},
+            time.monotonic() + REFRESH_S + SLACK_S,
+            "the client plans to route through the new peer",
+        )
         swarm.kill(doomed)  # SIGKILL to all its processes, as when its machine dies
         killed_at = time.monotonic()
         assert not doomed.wait_gone(10), doomed.logs()
-        poll_until(lambda: doomed_id not in swarm.snapshot(prefix, 4).online(),
-                   killed_at + CRASH_EXPIRY_S + SLACK_S, "the crashed peer's records expire")
-        poll_until(lambda: planned_route(remote) == {slow_id}, time.monotonic() + REFRESH_S + SLACK_S,
-                   "the client's route leaves the crashed peer")
+        poll_until(
+            lambda: doomed_id not in swarm.snapshot(prefix, 4).online(),
+            killed_at + CRASH_EXPIRY_S + SLACK_S,
+            "the crashed peer's records expire",
+        )
+        poll_until(
+            lambda: planned_route(remote) == {slow_id},
+            time.monotonic() + REFRESH_S + SLACK_S,
+            "the client's route leaves the crashed peer",
+        )
         assert used_route(remote, ids, expected) == {slow_id}
         assert remote.sequence.failovers == 0  # it never sent the crashed peer a request
         assert slow.alive()
@@ -107,6 +124,7 @@ def test_the_client_follows_joins_departures_and_crashes_within_the_bounds(swarm
 
 def wait_for_new_peer(swarm, prefix, known: set[str]) -> str:
     """Wait until a peer other than `known` is ONLINE; its id."""
+
     def new_peer():
         online = set(swarm.snapshot(prefix, 4).online()) - known
         return next(iter(online), None)

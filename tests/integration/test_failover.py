@@ -45,14 +45,16 @@ def _start(swarm: Swarm, model_path, spans, extra: dict[int, tuple[str, ...]] | 
     swarm.start_bootstrap()
     peers = [swarm.start_peer(model_path, "--blocks", f"{a}:{b}", *extra.get(i, ())) for i, (a, b) in enumerate(spans)]
     prefix = prefix_for_model(str(model_path))
-    swarm.wait_for(lambda: len(swarm.snapshot(prefix, NUM_LAYERS).online()) == len(spans), 120,
-                   f"{len(spans)} peers to be ONLINE")
+    swarm.wait_for(
+        lambda: len(swarm.snapshot(prefix, NUM_LAYERS).online()) == len(spans), 120, f"{len(spans)} peers to be ONLINE"
+    )
     return peers
 
 
 def _connect(swarm: Swarm, model_path, **options):
-    return AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers,
-                                                          **options)
+    return AutoDistributedModelForCausalLM.from_pretrained(
+        str(model_path), initial_peers=swarm.initial_peers, **options
+    )
 
 
 def _process_of(swarm: Swarm, peers, peer_id: str):
@@ -67,8 +69,10 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
 
 def _pushed(remote, session) -> int:
     """Steps the first peer of the session's route pushed on to the next peer."""
+
     async def info():
         return await remote.sequence.pool.unary(session.remote.spans[0].hop.endpoint, "info", pb.InfoRequest(), 10.0)
+
     return remote._run(info()).pushed_steps
 
 
@@ -78,11 +82,15 @@ def _route_peer(session, start: int) -> str:
     return span.hop.peer_id
 
 
-@pytest.mark.parametrize("failing_start, spans, batch, forward_steps", [
-    (2, [(0, 2), (2, 4), (2, 4)], 1, True),   # a peer of the second half dies (steps pushed peer to peer)
-    (2, [(0, 2), (2, 4), (2, 4)], 1, False),  # the same with every step sent by the client
-    (0, [(0, 2), (0, 2), (2, 4)], 2, True),   # the first span's peer dies while a left-padded batch of 2 generates
-], ids=["second-span", "second-span-client-driven", "first-span-padded-batch"])
+@pytest.mark.parametrize(
+    "failing_start, spans, batch, forward_steps",
+    [
+        (2, [(0, 2), (2, 4), (2, 4)], 1, True),  # a peer of the second half dies (steps pushed peer to peer)
+        (2, [(0, 2), (2, 4), (2, 4)], 1, False),  # the same with every step sent by the client
+        (0, [(0, 2), (0, 2), (2, 4)], 2, True),  # the first span's peer dies while a left-padded batch of 2 generates
+    ],
+    ids=["second-span", "second-span-client-driven", "first-span-padded-batch"],
+)
 def test_generation_survives_sigkill(swarm, model_path, local, failing_start, spans, batch, forward_steps):
     peers = _start(swarm, model_path, spans)
     ids = _ids(batch, 6, seed=7)
@@ -119,6 +127,7 @@ def test_span_is_rerouted_to_two_peers(swarm, model_path, local):
     remote = _connect(swarm, model_path)
     try:
         with remote.inference_session(max_length=64) as session:
+
             def kill_whole_span_peer():
                 assert [(s.hop.start, s.hop.end) for s in session.remote.spans] == [(0, 4)], "expected one hop"
                 swarm.kill(_process_of(swarm, peers, _route_peer(session, 0)))
@@ -141,6 +150,7 @@ def test_hung_peer_times_out_and_is_replaced(swarm, model_path, local):
     hung = []
     try:
         with remote.inference_session(max_length=64) as session:
+
             def hang_route_peer():
                 hung.append(_process_of(swarm, peers, _route_peer(session, 2)))
                 swarm.kill(hung[0], signal.SIGSTOP, group=False)
@@ -162,8 +172,12 @@ def test_overloaded_peer_is_replaced(swarm, model_path, local):
     CacheFullError, and the client goes to the other peer of those blocks."""
     # the blocker comes from the client's address (all is 127.0.0.1 here): no per-address quota, so that it can
     # take the whole cache as another client would
-    _start(swarm, model_path, [(0, 4), (0, 4)],
-           extra={i: ("--cache-tokens", "64", "--max-cache-share", "1") for i in range(2)})
+    _start(
+        swarm,
+        model_path,
+        [(0, 4), (0, 4)],
+        extra=dict.fromkeys(range(2), ("--cache-tokens", "64", "--max-cache-share", "1")),
+    )
     prefix = prefix_for_model(str(model_path))
     ids = _ids(1, 5, seed=10)
     expected = generate_with_logits(local, ids, max_new_tokens=20, do_sample=False)
@@ -180,12 +194,19 @@ def test_overloaded_peer_is_replaced(swarm, model_path, local):
             pool = ChannelPool(1 << 26)
             blocker = InferenceStream(pool, endpoint)
             try:
-                await blocker.request(pb.InferenceRequest(open=pb.OpenSession(
-                    span=pb.Span(model=prefix, start=0, end=NUM_LAYERS), session_id="blocker", max_length=64,
-                    batch_size=1)), 30)
+                await blocker.request(
+                    pb.InferenceRequest(
+                        open=pb.OpenSession(
+                            span=pb.Span(model=prefix, start=0, end=NUM_LAYERS),
+                            session_id="blocker",
+                            max_length=64,
+                            batch_size=1,
+                        )
+                    ),
+                    30,
+                )
                 with remote.inference_session(max_length=32) as session:
-                    got = await asyncio.to_thread(generate_with_logits, remote, ids, max_new_tokens=20,
-                                                  do_sample=False)
+                    got = await asyncio.to_thread(generate_with_logits, remote, ids, max_new_tokens=20, do_sample=False)
                     return got, [s.hop.peer_id for s in session.remote.spans]
             finally:
                 await blocker.close()

@@ -54,13 +54,16 @@ def _connect(swarm, path, **options):
 def _pushed(remote) -> dict[str, int]:
     async def read():
         snapshot = await remote.sequence.snapshot(refresh=True)
-        return {pid: (await remote.sequence.pool.unary(info.endpoint, "info", pb.InfoRequest(), 10.0)).pushed_steps
-                for pid, info in snapshot.online().items()}
+        return {
+            pid: (await remote.sequence.pool.unary(info.endpoint, "info", pb.InfoRequest(), 10.0)).pushed_steps
+            for pid, info in snapshot.online().items()
+        }
+
     return remote._run(read())
 
 
 def test_steps_travel_peer_to_peer_and_stay_exact(served, tiny_llama_path):
-    swarm, peers, local, prefix = served
+    swarm, _peers, local, _prefix = served
     ids = _ids(7, seed=1)
     expected = generate_with_logits(local, ids, max_new_tokens=20, do_sample=False)
     # auto pushes towards peers at least forward_min_rtt_s away: none is 10 s away (and how far loopback peers
@@ -85,11 +88,12 @@ def test_steps_travel_peer_to_peer_and_stay_exact(served, tiny_llama_path):
 
 
 def test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients(served, tiny_llama_path):
-    swarm, peers, local, prefix = served
+    swarm, _peers, _local, prefix = served
     snapshot = swarm.snapshot(prefix, 4)
     ((_, info),) = [(pid, i) for pid, i in snapshot.online().items() if (i.start_block, i.end_block) == (3, 4)]
-    span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 3, 4, dtype=torch.float32,
-                     device=torch.device("cpu"))
+    span = load_span(
+        Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 3, 4, dtype=torch.float32, device=torch.device("cpu")
+    )
 
     async def main():
         pool = ChannelPool(1 << 26)
@@ -121,8 +125,7 @@ def test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients(se
             with torch.inference_mode():
                 torch.testing.assert_close(out, span(good, None, None, span.new_cache(), 0), atol=1e-5, rtol=0)
             # a client step on the same session goes on from there
-            answer = await stream.request(step_request("pushed-into", hidden(1, 1, HIDDEN_SIZE, seed=5), 3),
-                                          TIMEOUT_S)
+            answer = await stream.request(step_request("pushed-into", hidden(1, 1, HIDDEN_SIZE, seed=5), 3), TIMEOUT_S)
             assert answer.message.step.position == 4
         finally:
             await end_stream(stream, TIMEOUT_S)

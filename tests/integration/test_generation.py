@@ -32,8 +32,9 @@ P2P_FAMILY, P2P_SPAN = "llama", (2, 4)  # served with --transport p2p: every lla
 @pytest.fixture(scope="module")
 def swarm_of_families(tmp_path_factory):
     """One swarm serving every family (and the llama in bfloat16 under its own prefix): {family: model path}."""
-    paths = {family: make_tiny(family, tmp_path_factory.mktemp("models") / f"tiny-{family}", seed=0)
-             for family in FAMILIES}
+    paths = {
+        family: make_tiny(family, tmp_path_factory.mktemp("models") / f"tiny-{family}", seed=0) for family in FAMILIES
+    }
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
         for family, spans in FAMILIES.items():
@@ -41,8 +42,9 @@ def swarm_of_families(tmp_path_factory):
                 p2p = ("--transport", "p2p") if (family, (start, end)) == (P2P_FAMILY, P2P_SPAN) else ()
                 swarm.start_peer(paths[family], "--blocks", f"{start}:{end}", *p2p)
         for start, end in [(0, 3), (3, 4)]:
-            swarm.start_peer(paths["llama"], "--blocks", f"{start}:{end}", "--dtype", "bfloat16",
-                             "--dht-prefix", BF16_PREFIX)
+            swarm.start_peer(
+                paths["llama"], "--blocks", f"{start}:{end}", "--dtype", "bfloat16", "--dht-prefix", BF16_PREFIX
+            )
         for family, spans in FAMILIES.items():
             swarm.wait_online(prefix_for_model(str(paths[family])), spans, timeout_s=120)
         swarm.wait_online(BF16_PREFIX, [(0, 3), (3, 4)], timeout_s=120)
@@ -72,7 +74,7 @@ def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_client_holds_only_embeddings_norm_and_head(served):
-    remote, local = served
+    remote, _local = served
     names = {name for name, _ in remote.named_parameters()}
     assert names <= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     assert not any("layers" in name for name, _ in remote.named_parameters())
@@ -132,7 +134,8 @@ def test_batch_with_left_padding_is_identical(served):
         torch.testing.assert_close(
             remote(ids, attention_mask=mask).logits[mask.bool()],
             local(ids, attention_mask=mask).logits[mask.bool()],
-            atol=ATOL, rtol=0,
+            atol=ATOL,
+            rtol=0,
         )
 
 
@@ -154,7 +157,7 @@ def test_streamer_sees_every_token(served):
     out = remote.generate(ids, max_new_tokens=8, do_sample=False, streamer=streamer)
     assert streamer.ended
     assert streamer.chunks[0] == ids[0].tolist()  # the prompt first, then one token per step
-    assert [c[0] for c in streamer.chunks[1:]] == out[0, ids.shape[1]:].tolist()
+    assert [c[0] for c in streamer.chunks[1:]] == out[0, ids.shape[1] :].tolist()
 
 
 def test_gradients_flow_through_remote_blocks(served):
@@ -184,8 +187,9 @@ def test_bfloat16_end_to_end(swarm_of_families):
     swarm, paths = swarm_of_families
     path = paths["llama"]
     assert {info.dtype for info in swarm.snapshot(BF16_PREFIX, 4).online().values()} == {"bfloat16"}
-    remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers,
-                                                            dht_prefix=BF16_PREFIX, dtype=torch.bfloat16)
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        str(path), initial_peers=swarm.initial_peers, dht_prefix=BF16_PREFIX, dtype=torch.bfloat16
+    )
     try:
         ids = _ids(1, 6, seed=7)
         got_ids, got_logits = generate_with_logits(remote, ids, max_new_tokens=16, do_sample=False)
@@ -201,7 +205,7 @@ def test_bfloat16_end_to_end(swarm_of_families):
     got_logits = got_logits.float()
     local_error = (reference[torch.bfloat16] - reference[torch.float32]).abs().max().item()
     swarm_error = (got_logits - reference[torch.float32]).abs().max().item()
-    rounding = reference[torch.float32].abs().max().item() * 2 ** -8
+    rounding = reference[torch.float32].abs().max().item() * 2**-8
     assert swarm_error <= 2 * local_error + 4 * rounding, (swarm_error, local_error, rounding)
     # greedy picks the largest logit: where the fp32 reference has a clear winner, the swarm agrees with it
     top2 = reference[torch.float32].topk(2, dim=-1).values

@@ -50,17 +50,22 @@ WRITE_TIMEOUT_S = 2.0
 TIMEOUT_S = 30.0
 ATOL = 1e-5
 
+
 def _witness(stream: InferenceStream, prefix: str, span) -> requests.Witness:
     return requests.Witness(stream, prefix, span, length=WITNESS_LENGTH, timeout_s=TIMEOUT_S, atol=ATOL)
+
 
 def _open(prefix: str, session_id: str, max_length: int) -> pb.InferenceRequest:
     return open_request(prefix, NUM_LAYERS, session_id, max_length)
 
+
 def _forward(prefix: str, batch: int, length: int) -> pb.ForwardRequest:
     return forward_request(prefix, NUM_LAYERS, _hidden(batch, length, HIDDEN_SIZE, seed=length))
 
+
 async def _end(stream: InferenceStream) -> None:
     await end_stream(stream, TIMEOUT_S)
+
 
 @pytest.fixture(scope="module")
 def peer(tmp_path_factory, tiny_llama_path):
@@ -69,17 +74,43 @@ def peer(tmp_path_factory, tiny_llama_path):
     with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
         swarm.start_bootstrap()
         process = swarm.start_peer(
-            tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--cache-tokens", str(CACHE_TOKENS),
-            "--alloc-timeout", "0.5", "--max-request-tokens", str(MAX_REQUEST_TOKENS),
-            "--max-attention-cost", str(MAX_ATTENTION_COST), "--max-queued-tokens", str(MAX_QUEUED_TOKENS),
-            "--session-lifetime", str(SESSION_LIFETIME_S), "--write-timeout", str(WRITE_TIMEOUT_S),
+            tiny_llama_path,
+            "--blocks",
+            f"0:{NUM_LAYERS}",
+            "--cache-tokens",
+            str(CACHE_TOKENS),
+            "--alloc-timeout",
+            "0.5",
+            "--max-request-tokens",
+            str(MAX_REQUEST_TOKENS),
+            "--max-attention-cost",
+            str(MAX_ATTENTION_COST),
+            "--max-queued-tokens",
+            str(MAX_QUEUED_TOKENS),
+            "--session-lifetime",
+            str(SESSION_LIFETIME_S),
+            "--write-timeout",
+            str(WRITE_TIMEOUT_S),
         )
         prefix = prefix_for_model(str(tiny_llama_path))
         ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
-        span = load_span(Path(tiny_llama_path), load_config(Path(tiny_llama_path)), 0, NUM_LAYERS,
-                         dtype=torch.float32, device=torch.device("cpu"))
-        yield {"process": process, "prefix": prefix, "endpoint": info.endpoint, "p2p": tunnel_address(peer_id),
-               "dht": swarm.dht, "span": span}
+        span = load_span(
+            Path(tiny_llama_path),
+            load_config(Path(tiny_llama_path)),
+            0,
+            NUM_LAYERS,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+        yield {
+            "process": process,
+            "prefix": prefix,
+            "endpoint": info.endpoint,
+            "p2p": tunnel_address(peer_id),
+            "dht": swarm.dht,
+            "span": span,
+        }
+
 
 @pytest.fixture
 def attack(peer):
@@ -97,8 +128,9 @@ def attack(peer):
                     with pytest.raises(UnknownSessionError, match="--session-lifetime"):
                         await witness.step()
                     await _end(witness.stream)
-                    witness = await _witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"],
-                                            peer["span"]).open()
+                    witness = await _witness(
+                        InferenceStream(witness_pool, peer["p2p"]), peer["prefix"], peer["span"]
+                    ).open()
                 await witness.step()
                 assert peer["process"].alive(), f"the peer exited with {peer['process'].returncode}"
                 deadline = time.monotonic() + 10.0  # streams the test gave up on end on the peer a little later
@@ -119,6 +151,7 @@ def attack(peer):
 
     return run
 
+
 def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
     async def fn(prefix, pool, endpoint, witness):
         cases = [
@@ -130,8 +163,9 @@ def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
             for method in ("forward", "backward"):
                 request = _forward(prefix, batch, length)
                 if method == "backward":
-                    request = pb.BackwardRequest(span=request.span, hidden_states=request.hidden_states,
-                                                 grad_outputs=request.hidden_states)
+                    request = pb.BackwardRequest(
+                        span=request.span, hidden_states=request.hidden_states, grad_outputs=request.hidden_states
+                    )
                 with pytest.raises(error, match=words.replace("-", r"\-")):
                     await pool.unary(endpoint, method, request, TIMEOUT_S)
                 await witness.step()
@@ -140,6 +174,7 @@ def test_requests_over_the_hard_caps_are_refused_before_any_compute(attack):
         assert list(response.message.hidden_states.shape) == [1, 200, HIDDEN_SIZE]
 
     attack(fn)
+
 
 def test_a_full_queue_answers_overloaded_at_once(attack):
     async def fn(prefix, pool, endpoint, witness):
@@ -154,6 +189,7 @@ def test_a_full_queue_answers_overloaded_at_once(attack):
         await pool.unary(endpoint, "forward", _forward(prefix, 1, 190), TIMEOUT_S)  # the queue drained
 
     attack(fn)
+
 
 def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
     async def fn(prefix, pool, endpoint, witness):
@@ -174,6 +210,7 @@ def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
                 await _end(stream)
 
     attack(fn)
+
 
 def test_a_session_ends_at_its_lifetime_however_busy(attack):
     async def fn(prefix, pool, endpoint, witness):
@@ -196,6 +233,7 @@ def test_a_session_ends_at_its_lifetime_however_busy(attack):
             await _end(stream)
 
     attack(fn, outlives_witness=True)
+
 
 def test_a_client_that_stops_reading_loses_its_session(attack, peer):
     async def fn(prefix, pool, endpoint, witness):
@@ -226,6 +264,7 @@ def test_a_client_that_stops_reading_loses_its_session(attack, peer):
 def test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer(peer):
     """Through the client: the peer ends the session at its lifetime mid-generation; the client opens a new one
     there, replays, and goes on exactly, without banning a peer that did nothing wrong."""
+
     async def main():
         config = ClientConfig(initial_peers=("/ip4/127.0.0.1/tcp/1",), min_session_lifetime_s=SESSION_LIFETIME_S - 1)
         sequence = RemoteSequence(peer["dht"], peer["prefix"], NUM_LAYERS, config)
@@ -233,9 +272,9 @@ def test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer
         session = InferenceSession(sequence, max_length=WITNESS_LENGTH, batch_size=1)
         try:
             for i in range(WITNESS_LENGTH):  # 16 steps over 9.6 s: one lifetime (6 s) runs out on the way
-                out = await session.step(witness.tokens[:, i:i + 1], None, torch.tensor([[i]]))
+                out = await session.step(witness.tokens[:, i : i + 1], None, torch.tensor([[i]]))
                 # after the replay the cache was built by one prefill, not step by step: rounding differs a little
-                torch.testing.assert_close(out, witness.expected[:, i:i + 1], atol=1e-4, rtol=0)
+                torch.testing.assert_close(out, witness.expected[:, i : i + 1], atol=1e-4, rtol=0)
                 await asyncio.sleep(0.6)
             assert session.recoveries == 1, f"{session.recoveries} re-opened sessions"
             assert sequence.failovers == 0 and not sequence.bans.banned()

@@ -35,8 +35,9 @@ LIAR = Path(__file__).resolve().parents[1] / "helpers" / "liar.py"
 LIAR_THROUGHPUT = 1e6  # the honest peer announces 1: routing prefers the liar by far
 
 TENSOR_LIES = ["bad_request", "shape", "dtype", "nan", "empty"]
-CASES = ([("inference", lie) for lie in [*TENSOR_LIES, "kind", "position", "step_id"]]
-         + [(method, lie) for method in ("forward", "backward") for lie in TENSOR_LIES])
+CASES = [("inference", lie) for lie in [*TENSOR_LIES, "kind", "position", "step_id"]] + [
+    (method, lie) for method in ("forward", "backward") for lie in TENSOR_LIES
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,20 @@ class LyingSwarm:
         self.swarm, self.model_path, self.mode_file = swarm, model_path, mode_file
         swarm.start_bootstrap()
         self.honest = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", "1")
-        self.liar = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", str(LIAR_THROUGHPUT),
-                                     command=[sys.executable, str(LIAR), str(mode_file)])
+        self.liar = swarm.start_peer(
+            model_path,
+            "--blocks",
+            f"0:{NUM_LAYERS}",
+            "--throughput",
+            str(LIAR_THROUGHPUT),
+            command=[sys.executable, str(LIAR), str(mode_file)],
+        )
         prefix = prefix_for_model(str(model_path))
-        snapshot = swarm.wait_for(lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 2 and s,
-                                  120, "the honest peer and the liar to be ONLINE")
+        snapshot = swarm.wait_for(
+            lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 2 and s,
+            120,
+            "the honest peer and the liar to be ONLINE",
+        )
         (self.liar_id,) = [pid for pid, info in snapshot.online().items() if info.throughput == LIAR_THROUGHPUT]
         (self.honest_id,) = [pid for pid in snapshot.online() if pid != self.liar_id]
 
@@ -69,8 +79,9 @@ class LyingSwarm:
         return self.liar.stdout().count(f"lied: {lie} on {method.capitalize()}\n")
 
     def connect(self):
-        return AutoDistributedModelForCausalLM.from_pretrained(str(self.model_path),
-                                                              initial_peers=self.swarm.initial_peers)
+        return AutoDistributedModelForCausalLM.from_pretrained(
+            str(self.model_path), initial_peers=self.swarm.initial_peers
+        )
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +131,19 @@ def test_a_record_pointing_at_another_peers_server_is_an_impostor(lying, local):
     """A stranger announces the honest peer's endpoint under its own key, faster than anyone: the server there
     cannot sign the client's nonce with the stranger's key, so the client bans the stranger and stays exact."""
     from protocol.records import ModelRecord, ServerInfo
-    from swarm.dht.node import start_dht, stop_dht
     from swarm.dht.directory import announce
+    from swarm.dht.node import start_dht, stop_dht
 
     prefix = prefix_for_model(str(lying.model_path))
     honest = lying.swarm.snapshot(prefix, NUM_LAYERS).servers[lying.honest_id]
     stranger = start_dht(lying.swarm.initial_peers)
     try:
         fake = ServerInfo.from_wire({**honest.to_wire(), "throughput": 1e7})
-        assert not announce(stranger, prefix, fake, ModelRecord(num_blocks=NUM_LAYERS, repository="x"),
-                            expiration_s=60)
+        assert not announce(stranger, prefix, fake, ModelRecord(num_blocks=NUM_LAYERS, repository="x"), expiration_s=60)
         impostor = stranger.peer_id.to_base58()
-        lying.swarm.wait_for(lambda: impostor in lying.swarm.snapshot(prefix, NUM_LAYERS).online(), 30,
-                             "the stranger's record")
+        lying.swarm.wait_for(
+            lambda: impostor in lying.swarm.snapshot(prefix, NUM_LAYERS).online(), 30, "the stranger's record"
+        )
         remote = lying.connect()
         try:
             ids = _ids(1, PROMPT, seed=23)

@@ -53,31 +53,76 @@ def monitored(tmp_path_factory, tiny_llama_path, tiny_qwen3_path):
         swarm.start_bootstrap("--new-swarm-key", str(key_file))
         swarm.swarm_key = SwarmKey.load(key_file)
         key = ("--swarm-key", str(key_file))
-        peers = {span: swarm.start_peer(tiny_llama_path, "--blocks", f"{span[0]}:{span[1]}", *key)
-                 for span in LLAMA_SPANS}
+        peers = {
+            span: swarm.start_peer(tiny_llama_path, "--blocks", f"{span[0]}:{span[1]}", *key) for span in LLAMA_SPANS
+        }
         swarm.start_peer(tiny_qwen3_path, "--blocks", "0:4", "--train", "--run-id", RUN_ID, *key)
-        llama_ids = {(info.start_block, info.end_block): peer_id
-                     for peer_id, info in swarm.wait_online(llama, LLAMA_SPANS, timeout_s=120).online().items()}
+        llama_ids = {
+            (info.start_block, info.end_block): peer_id
+            for peer_id, info in swarm.wait_online(llama, LLAMA_SPANS, timeout_s=120).online().items()
+        }
         swarm.wait_online(qwen, [(0, 4)], timeout_s=120)
 
         dht = swarm.dht  # holds the key: it writes what a lying member would
         expires = time.time() + 120
-        stored = dht_result(dht, dht.store(MODEL_INDEX_KEY, ModelRecord(num_blocks=2, repository=EVIL).to_wire(),
-                                           expires, subkey=EVIL_PREFIX, return_future=True), "storing")
+        stored = dht_result(
+            dht,
+            dht.store(
+                MODEL_INDEX_KEY,
+                ModelRecord(num_blocks=2, repository=EVIL).to_wire(),
+                expires,
+                subkey=EVIL_PREFIX,
+                return_future=True,
+            ),
+            "storing",
+        )
         assert stored, "the DHT refused the model index entry"
-        dht_result(dht, dht.store(block_key(llama, 0), {"state": "<b>ONLINE</b>", "start_block": -1}, expires,
-                                  subkey="no-owner-here", return_future=True), "storing")
+        dht_result(
+            dht,
+            dht.store(
+                block_key(llama, 0),
+                {"state": "<b>ONLINE</b>", "start_block": -1},
+                expires,
+                subkey="no-owner-here",
+                return_future=True,
+            ),
+            "storing",
+        )
 
-        monitor = swarm.spawn("monitor", "monitor", "--initial-peers", *swarm.initial_peers, "--port", "0",
-                              "--refresh-s", str(REFRESH_S), "--ping-timeout-s", str(PING_TIMEOUT_S), *key)
-        url = swarm.wait_for(lambda: (m := re.search(r"monitor: (http://\S+)", monitor.stdout())) and m.group(1),
-                             60, "the monitor to print its address", watch=[monitor])
-        yield SimpleNamespace(swarm=swarm, key_file=key_file, url=url, monitor=monitor, llama=llama, qwen=qwen,
-                              llama_peers={llama_ids[span]: peers[span] for span in LLAMA_SPANS}, llama_ids=llama_ids)
+        monitor = swarm.spawn(
+            "monitor",
+            "monitor",
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--port",
+            "0",
+            "--refresh-s",
+            str(REFRESH_S),
+            "--ping-timeout-s",
+            str(PING_TIMEOUT_S),
+            *key,
+        )
+        url = swarm.wait_for(
+            lambda: (m := re.search(r"monitor: (http://\S+)", monitor.stdout())) and m.group(1),
+            60,
+            "the monitor to print its address",
+            watch=[monitor],
+        )
+        yield SimpleNamespace(
+            swarm=swarm,
+            key_file=key_file,
+            url=url,
+            monitor=monitor,
+            llama=llama,
+            qwen=qwen,
+            llama_peers={llama_ids[span]: peers[span] for span in LLAMA_SPANS},
+            llama_ids=llama_ids,
+        )
 
 
 def wait_for_state(monitored, ready, what: str, timeout_s: float = 30.0):
     """The first /api/state document that `ready` accepts (bounded)."""
+
     def probe():
         state = get_json(monitored.url + "api/state")
         return state if ready(state) else None
@@ -91,9 +136,11 @@ def models_of(state) -> dict:
 
 def everyone_answered(state) -> bool:
     models = models_of(state)
-    return {EVIL_PREFIX} < set(models) and all(
-        peer["ping"] == "answered" for model in models.values() for peer in model["peers"]) and len(
-        [peer for model in models.values() for peer in model["peers"]]) == 3
+    return (
+        {EVIL_PREFIX} < set(models)
+        and all(peer["ping"] == "answered" for model in models.values() for peer in model["peers"])
+        and len([peer for model in models.values() for peer in model["peers"]]) == 3
+    )
 
 
 def test_api_state_shows_every_model_of_a_private_swarm(monitored):
@@ -120,8 +167,15 @@ def test_api_state_shows_every_model_of_a_private_swarm(monitored):
 
 def test_status_json_prints_the_same_document(monitored):
     swarm = monitored.swarm
-    result = swarm.run("status", "--json", "--initial-peers", *swarm.initial_peers, "--swarm-key",
-                       str(monitored.key_file), timeout_s=90)
+    result = swarm.run(
+        "status",
+        "--json",
+        "--initial-peers",
+        *swarm.initial_peers,
+        "--swarm-key",
+        str(monitored.key_file),
+        timeout_s=90,
+    )
     assert result.returncode == 0, result
     status = json.loads(result.stdout)
     served = get_json(monitored.url + "api/state")
@@ -172,26 +226,33 @@ def wait_for_page(driver, ready, what: str, timeout_s: float):
     try:
         return WebDriverWait(driver, timeout_s, poll_frequency=0.3).until(probe)
     except TimeoutException:
-        raise AssertionError(f"the page did not show {what} within {timeout_s} s; it showed {seen.get('view')}") \
-            from None
+        raise AssertionError(
+            f"the page did not show {what} within {timeout_s} s; it showed {seen.get('view')}"
+        ) from None
 
 
 def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(monitored, tmp_path):
     llama = monitored.llama
     with headless_chromium(tmp_path / "chromium") as driver:
         driver.get(monitored.url)
-        view = wait_for_page(driver, lambda v: {llama, monitored.qwen, EVIL_PREFIX} <= set(v["models"])
-                             and len(v["models"][llama]["peers"]) == 2
-                             and len(v["models"][monitored.qwen]["peers"]) == 1
-                             and all("ms" in row[8] for row in v["models"][llama]["peers"].values()),
-                             "both models with their peers and RTTs", timeout_s=60)
+        view = wait_for_page(
+            driver,
+            lambda v: (
+                {llama, monitored.qwen, EVIL_PREFIX} <= set(v["models"])
+                and len(v["models"][llama]["peers"]) == 2
+                and len(v["models"][monitored.qwen]["peers"]) == 1
+                and all("ms" in row[8] for row in v["models"][llama]["peers"].values())
+            ),
+            "both models with their peers and RTTs",
+            timeout_s=60,
+        )
         page = view["models"][llama]
         assert page["cells"] == ["one"] * 4 and page["summary"] == "all blocks covered", page
         assert view["models"][monitored.qwen]["cells"] == ["one"] * 4
         assert view["models"][monitored.qwen]["training"] == [[RUN_ID, "1", "0"]] and page["training"] == []
         (qwen_row,) = view["models"][monitored.qwen]["peers"].values()
         assert qwen_row[9] == f"{RUN_ID}: epoch 0, 0 samples", qwen_row
-        for peer_id, row in page["peers"].items():
+        for _peer_id, row in page["peers"].items():
             assert row[1] == "ONLINE" and row[3] == "1000.0 tok/s" and row[5] == "float32", row
             assert row[7].startswith("direct 127.0.0.1:"), row
         # a peer's announced text stays text: no element made of it, nothing of it run
@@ -203,9 +264,15 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
 
         dead = monitored.llama_ids[(2, 4)]
         monitored.swarm.kill(monitored.llama_peers[dead], signal.SIGKILL)  # a crash: its record stays ONLINE a while
-        view = wait_for_page(driver, lambda v: v["models"][llama]["cells"][2:] == ["gap", "gap"]
-                             and v["models"][llama]["peers"][dead][8] == "no answer",
-                             "blocks 2:4 as a gap", timeout_s=GAP_BOUND_S)
+        view = wait_for_page(
+            driver,
+            lambda v: (
+                v["models"][llama]["cells"][2:] == ["gap", "gap"]
+                and v["models"][llama]["peers"][dead][8] == "no answer"
+            ),
+            "blocks 2:4 as a gap",
+            timeout_s=GAP_BOUND_S,
+        )
         page = view["models"][llama]
         assert "2:4" in page["summary"] and page["summary"].startswith("gaps: blocks"), page
         assert len(page["peers"]) == 2, page  # its record is still there: the gap comes from the ping
@@ -225,16 +292,28 @@ def test_wrong_arguments_and_an_unreachable_swarm_are_said_at_once(swarm):
     taken.listen()
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"
     try:
-        runs = [(swarm.spawn("unreachable", "monitor", "--initial-peers", nobody, "--port", "0"),
-                 "could not join the swarm through --initial-peers"),
-                (swarm.spawn("port-taken", "monitor", "--initial-peers", nobody, "--port",
-                             str(taken.getsockname()[1])), "cannot listen on 127.0.0.1:"),
-                (swarm.spawn("bad-refresh", "monitor", "--initial-peers", nobody, "--refresh-s", "0"),
-                 "refresh_s must be between"),
-                (swarm.spawn("no-peer-id", "monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/9"),
-                 "is not a multiaddr of a peer"),
-                (swarm.spawn("status-unreachable", "status", "--json", "--initial-peers", nobody),
-                 "could not join the swarm through --initial-peers")]
+        runs = [
+            (
+                swarm.spawn("unreachable", "monitor", "--initial-peers", nobody, "--port", "0"),
+                "could not join the swarm through --initial-peers",
+            ),
+            (
+                swarm.spawn("port-taken", "monitor", "--initial-peers", nobody, "--port", str(taken.getsockname()[1])),
+                "cannot listen on 127.0.0.1:",
+            ),
+            (
+                swarm.spawn("bad-refresh", "monitor", "--initial-peers", nobody, "--refresh-s", "0"),
+                "refresh_s must be between",
+            ),
+            (
+                swarm.spawn("no-peer-id", "monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/9"),
+                "is not a multiaddr of a peer",
+            ),
+            (
+                swarm.spawn("status-unreachable", "status", "--json", "--initial-peers", nobody),
+                "could not join the swarm through --initial-peers",
+            ),
+        ]
         for proc, message in runs:
             left = proc.wait_gone(90)
             proc.expected_alive = False

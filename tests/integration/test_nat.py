@@ -29,8 +29,10 @@ from tests.helpers.netns import HOME_IP, PUBLIC_IP, leftover_namespaces, nat_net
 from tests.helpers.processes import Swarm
 
 REASON = unavailable_reason()
-pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces here: {REASON}"),
+    pytest.mark.timeout(300),
+]
 SPANS = [(0, 2), (2, 4)]
 
 
@@ -43,21 +45,24 @@ def model_path(tmp_path_factory):
 def nat(tmp_path_factory, model_path):
     """(network, swarm, {"public": peer serving 0:2, "home": peer serving 2:4 from behind the NAT})."""
     try:
-        with nat_network() as net:
-            with Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
-                swarm.start_bootstrap("--host", PUBLIC_IP, netns=net.public)
-                peers = {"public": swarm.start_peer(model_path, "--blocks", "0:2", "--host", PUBLIC_IP,
-                                                    netns=net.public),
-                         "home": swarm.start_peer(model_path, "--blocks", "2:4", "--host", HOME_IP, netns=net.home)}
-                swarm.wait_online(prefix_for_model(str(model_path)), SPANS, timeout_s=120)
-                yield net, swarm, peers
+        with nat_network() as net, Swarm(tmp_path_factory.mktemp("swarm")) as swarm:
+            swarm.start_bootstrap("--host", PUBLIC_IP, netns=net.public)
+            peers = {
+                "public": swarm.start_peer(model_path, "--blocks", "0:2", "--host", PUBLIC_IP, netns=net.public),
+                "home": swarm.start_peer(model_path, "--blocks", "2:4", "--host", HOME_IP, netns=net.home),
+            }
+            swarm.wait_online(prefix_for_model(str(model_path)), SPANS, timeout_s=120)
+            yield net, swarm, peers
     finally:
         assert leftover_namespaces() == [], "network namespaces were left behind"
 
 
 def record_of(swarm: Swarm, model_path, span: tuple[int, int]):
-    (found,) = [(pid, info) for pid, info in swarm.snapshot(prefix_for_model(str(model_path)), 4).online().items()
-                if (info.start_block, info.end_block) == span]
+    (found,) = [
+        (pid, info)
+        for pid, info in swarm.snapshot(prefix_for_model(str(model_path)), 4).online().items()
+        if (info.start_block, info.end_block) == span
+    ]
     return found
 
 
@@ -69,13 +74,15 @@ def connects(host: str, port: int, netns: str | None = None) -> bool:
             return True
         except OSError:
             return False
-    code = (f"import socket\ntry:\n    socket.create_connection(({host!r}, {port}), timeout=2).close()\n"
-            f"except OSError:\n    raise SystemExit(1)")
+    code = (
+        f"import socket\ntry:\n    socket.create_connection(({host!r}, {port}), timeout=2).close()\n"
+        f"except OSError:\n    raise SystemExit(1)"
+    )
     return subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], timeout=30).returncode == 0
 
 
 def test_each_peer_finds_out_how_it_is_reached(nat, model_path):
-    net, swarm, peers = nat
+    _net, swarm, peers = nat
     _, public = record_of(swarm, model_path, (0, 2))
     home_id, home = record_of(swarm, model_path, (2, 4))
     (relay,) = peer_ids_of(swarm.initial_peers)
@@ -88,7 +95,7 @@ def test_each_peer_finds_out_how_it_is_reached(nat, model_path):
 
 
 def test_the_public_side_cannot_connect_into_home(nat, model_path):
-    net, swarm, peers = nat
+    net, swarm, _peers = nat
     _, home = record_of(swarm, model_path, (2, 4))
     _, public = record_of(swarm, model_path, (0, 2))
     home_port = int(home.endpoint.rsplit(":", 1)[1])
@@ -100,7 +107,7 @@ def test_the_public_side_cannot_connect_into_home(nat, model_path):
 
 
 def test_generation_through_the_relay_matches_the_local_model(nat, model_path):
-    net, swarm, peers = nat
+    _net, swarm, _peers = nat
     home_id, _ = record_of(swarm, model_path, (2, 4))
     (relay,) = peer_ids_of(swarm.initial_peers)
     local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -142,8 +149,11 @@ def test_killing_the_home_peer_mid_generation_fails_over_to_a_public_peer(nat, m
 
     def start_public_replacement():  # after the route went through the home peer
         peers["replacement"] = swarm.start_peer(model_path, "--blocks", "2:4", "--host", PUBLIC_IP, netns=net.public)
-        swarm.wait_for(lambda: len(swarm.snapshot(prefix_for_model(str(model_path)), 4).online()) == 3, 120,
-                       "the public replacement to be ONLINE")
+        swarm.wait_for(
+            lambda: len(swarm.snapshot(prefix_for_model(str(model_path)), 4).online()) == 3,
+            120,
+            "the public replacement to be ONLINE",
+        )
 
     remote = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers)
     try:
@@ -160,7 +170,7 @@ def test_killing_the_home_peer_mid_generation_fails_over_to_a_public_peer(nat, m
 
 
 def test_without_a_relay_a_home_peer_says_what_to_do_and_a_volunteer_relay_takes_it(nat, model_path):
-    net, swarm, peers = nat
+    net, swarm, _peers = nat
     lonely = Swarm(swarm.workdir / "no-relay")
     try:
         lonely.start_bootstrap("--host", PUBLIC_IP, "--no-relay", netns=net.public)
@@ -168,8 +178,10 @@ def test_without_a_relay_a_home_peer_says_what_to_do_and_a_volunteer_relay_takes
         assert not stranded.wait_gone(120), stranded.logs()
         stranded.expected_alive = False
         assert stranded.returncode == 1, stranded.logs()
-        assert "cannot be reached at" in stranded.stderr() and "no relay among its --initial-peers took it" in \
-            stranded.stderr(), stranded.logs()
+        assert (
+            "cannot be reached at" in stranded.stderr()
+            and "no relay among its --initial-peers took it" in stranded.stderr()
+        ), stranded.logs()
         assert "Traceback" not in stranded.stderr(), stranded.logs()
         # a public peer volunteers with --relay: a home peer finds it in the directory and is served through it
         lonely.start_peer(model_path, "--blocks", "0:2", "--host", PUBLIC_IP, "--relay", netns=net.public)

@@ -45,8 +45,11 @@ def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path
     for expected in [(0, 2), (2, 4), (4, 6), (0, 2)]:  # each newcomer takes the weakest blocks
         peers.append(swarm.start_peer(model_path, *options))
         served.append(expected)
-        swarm.wait_for(lambda: sorted(_online_spans(swarm, prefix)[1].values()) == sorted(served),
-                       timeout_s=60, what=f"ONLINE spans {served}")
+        swarm.wait_for(
+            lambda: sorted(_online_spans(swarm, prefix)[1].values()) == sorted(served),
+            timeout_s=60,
+            what=f"ONLINE spans {served}",
+        )
     snapshot, spans = _online_spans(swarm, prefix)
     assert not snapshot.uncovered_blocks()
 
@@ -58,12 +61,20 @@ def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path
     (lonely,) = [pid for pid, span in spans.items() if span == (2, 4)]
     victim = next(p for p in peers if p.stderr().find(lonely) >= 0)
     swarm.kill(victim)
+
     # one read for the whole condition: two reads could straddle the mover's announcements (seen in full suite
     # runs: 2:4 served in the first read, the mover's old 0:2 record in the second)
     def recovered() -> bool:
         snapshot, spans = _online_spans(swarm, prefix)
-        return (not snapshot.uncovered_blocks() and lonely not in spans
-                and sorted(spans.values()) == [(0, 2), (2, 4), (4, 6)])
+        return (
+            not snapshot.uncovered_blocks()
+            and lonely not in spans
+            and sorted(spans.values()) == [(0, 2), (2, 4), (4, 6)]
+        )
 
-    swarm.wait_for(recovered, timeout_s=60, what="blocks 2:4 served again by one of the peers of 0:2",
-                   watch=[p for p in peers if p is not victim])
+    swarm.wait_for(
+        recovered,
+        timeout_s=60,
+        what="blocks 2:4 served again by one of the peers of 0:2",
+        watch=[p for p in peers if p is not victim],
+    )

@@ -28,9 +28,9 @@ from protocol.records import ServerState, prefix_for_model
 from protocol.service import PeerStub, error_from_rpc
 from swarm.dht.directory import fetch_models, fetch_snapshot
 from swarm.dht.node import dht_result, start_dht, stop_dht
+from swarm.net.tunnel import TunnelPool, tunnel_address
 from swarm.trust.rpcauth import SERVER_NAME
 from swarm.trust.swarmkey import SwarmKey, create_key_file
-from swarm.net.tunnel import TunnelPool, tunnel_address
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.processes import Swarm
 
@@ -50,7 +50,7 @@ def private(tmp_path_factory, tiny_llama_path):
         swarm.swarm_key = key
         swarm.start_peer(tiny_llama_path, "--blocks", f"{SPAN[0]}:{SPAN[1]}", "--swarm-key", str(key_file))
         snapshot = swarm.wait_online(prefix_for_model(str(tiny_llama_path)), [SPAN], timeout_s=120)
-        (peer_id, info), = snapshot.online().items()
+        ((peer_id, info),) = snapshot.online().items()
         yield swarm, key_file, key, info, peer_id
 
 
@@ -67,22 +67,25 @@ def test_the_new_key_file_is_private_and_never_overwritten(private):
 def test_a_member_generates_what_the_local_model_does(private, tiny_llama_path):
     swarm, _, key, info, _ = private
     assert info.transport == "direct"  # the bootstrap node's probe reached the peer over TLS with a tag
-    remote = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path), initial_peers=swarm.initial_peers,
-                                                             swarm_key=key)
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama_path), initial_peers=swarm.initial_peers, swarm_key=key
+    )
     local = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
     try:
         ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             torch.testing.assert_close(remote(ids).logits, local(ids).logits, atol=1e-4, rtol=0)  # Forward
-        assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=8, do_sample=False),
-                               generate_with_logits(local, ids, max_new_tokens=8, do_sample=False))
+        assert_same_generation(
+            generate_with_logits(remote, ids, max_new_tokens=8, do_sample=False),
+            generate_with_logits(local, ids, max_new_tokens=8, do_sample=False),
+        )
     finally:
         remote.shutdown()
 
 
 @pytest.mark.parametrize("stranger_key", [None, "other"])
 def test_a_stranger_dht_node_cannot_join(private, stranger_key):
-    swarm, _, key, _, _ = private
+    swarm, _, _key, _, _ = private
     stranger = None if stranger_key is None else SwarmKey(os.urandom(32))
     began = time.monotonic()
     with pytest.raises(UnauthorizedError, match="--swarm-key") as caught:
@@ -97,22 +100,33 @@ def _stranger_dht(initial_peers, *, client_mode: bool) -> hivemind.DHT:
     gc.collect()
     gc.freeze()
     try:
-        return hivemind.DHT(initial_peers=initial_peers, start=True, client_mode=client_mode, auto_nat=False,
-                            nat_port_map=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"], ensure_bootstrap_success=False)
+        return hivemind.DHT(
+            initial_peers=initial_peers,
+            start=True,
+            client_mode=client_mode,
+            auto_nat=False,
+            nat_port_map=False,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            ensure_bootstrap_success=False,
+        )
     finally:
         gc.unfreeze()
 
 
 def test_a_stranger_that_skips_the_join_check_reads_nothing_and_writes_nothing(private, tiny_llama_path):
-    swarm, _, key, _, _ = private
+    swarm, _, _key, _, _ = private
     prefix = prefix_for_model(str(tiny_llama_path))
     stranger = _stranger_dht(swarm.initial_peers, client_mode=False)
     try:
         assert fetch_models(stranger) == {}
         assert fetch_snapshot(stranger, prefix, SPAN[1]).servers == {}
         # it may keep the record itself (it is a DHT of one), but no member stores it or sees it
-        dht_result(stranger, stranger.store("forged-key", "forged", time.time() + 60, return_future=True), "store",
-                   timeout_s=20)
+        dht_result(
+            stranger,
+            stranger.store("forged-key", "forged", time.time() + 60, return_future=True),
+            "store",
+            timeout_s=20,
+        )
         member = swarm.dht
         assert dht_result(member, member.get("forged-key", latest=True, return_future=True), "get") is None
         assert prefix in fetch_models(member)  # the members' view is intact
@@ -122,11 +136,14 @@ def test_a_stranger_that_skips_the_join_check_reads_nothing_and_writes_nothing(p
 
 def _call_all(open_channel, prefix: str) -> list[grpc.RpcError]:
     """Info, Forward and Inference with no tag on the channel `open_channel()` makes: the errors they end with."""
+
     async def calls():
         channel = open_channel()
         stub, errors = PeerStub(channel), []
-        for call in (lambda: stub.info(pb.InfoRequest(), timeout=10),
-                     lambda: stub.forward(pb.ForwardRequest(span=pb.Span(model=prefix, start=0, end=4)), timeout=10)):
+        for call in (
+            lambda: stub.info(pb.InfoRequest(), timeout=10),
+            lambda: stub.forward(pb.ForwardRequest(span=pb.Span(model=prefix, start=0, end=4)), timeout=10),
+        ):
             try:
                 await call()
             except grpc.RpcError as exc:
@@ -150,9 +167,14 @@ def test_a_stranger_client_is_not_served_even_over_the_peers_own_tls(private, ti
     host, port = info.endpoint.rsplit(":", 1)
     # a stranger that trusts whatever certificate the peer shows: TLS completes, yet no call is served
     shown = ssl.get_server_certificate((host, int(port))).encode()
-    errors = _call_all(lambda: grpc.aio.secure_channel(
-        info.endpoint, grpc.ssl_channel_credentials(root_certificates=shown),
-        options=[("grpc.ssl_target_name_override", SERVER_NAME)]), prefix_for_model(str(tiny_llama_path)))
+    errors = _call_all(
+        lambda: grpc.aio.secure_channel(
+            info.endpoint,
+            grpc.ssl_channel_credentials(root_certificates=shown),
+            options=[("grpc.ssl_target_name_override", SERVER_NAME)],
+        ),
+        prefix_for_model(str(tiny_llama_path)),
+    )
     assert len(errors) == 3
     for exc in errors:
         assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc

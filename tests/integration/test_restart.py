@@ -25,15 +25,21 @@ def test_a_peer_back_at_another_endpoint_is_dialed_there(tmp_path, tiny_llama_pa
         swarm.start_bootstrap()
         first = swarm.start_peer(tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--identity", str(identity))
         ((peer_id, before),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
-        remote = AutoDistributedModelForCausalLM.from_pretrained(str(tiny_llama_path),
-                                                                initial_peers=swarm.initial_peers,
-                                                                directory_refresh_s=0.2)
+        remote = AutoDistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama_path), initial_peers=swarm.initial_peers, directory_refresh_s=0.2
+        )
         try:
             assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
             swarm.kill(first)
             swarm.start_peer(tiny_llama_path, "--blocks", f"0:{NUM_LAYERS}", "--identity", str(identity))
-            swarm.wait_for(lambda: (info := swarm.snapshot(prefix, NUM_LAYERS).online().get(peer_id)) is not None
-                           and info.endpoint != before.endpoint, 60, "the peer back at another endpoint")
+            swarm.wait_for(
+                lambda: (
+                    (info := swarm.snapshot(prefix, NUM_LAYERS).online().get(peer_id)) is not None
+                    and info.endpoint != before.endpoint
+                ),
+                60,
+                "the peer back at another endpoint",
+            )
             assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
             assert remote.sequence.failovers == 0, "the client dialed the peer's old endpoint"
         finally:

@@ -48,11 +48,20 @@ class CorruptingSwarm:
         swarm.start_bootstrap()
         for _ in range(2):
             swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", "1")
-        self.liar = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", str(LIAR_THROUGHPUT),
-                                     command=[sys.executable, str(LIAR), str(mode_file)])
+        self.liar = swarm.start_peer(
+            model_path,
+            "--blocks",
+            f"0:{NUM_LAYERS}",
+            "--throughput",
+            str(LIAR_THROUGHPUT),
+            command=[sys.executable, str(LIAR), str(mode_file)],
+        )
         prefix = prefix_for_model(str(model_path))
-        snapshot = swarm.wait_for(lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 3 and s,
-                                  120, "two honest peers and the corrupter to be ONLINE")
+        snapshot = swarm.wait_for(
+            lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 3 and s,
+            120,
+            "two honest peers and the corrupter to be ONLINE",
+        )
         (self.liar_id,) = [pid for pid, info in snapshot.online().items() if info.throughput == LIAR_THROUGHPUT]
         self.honest_ids = sorted(pid for pid in snapshot.online() if pid != self.liar_id)
 
@@ -63,8 +72,9 @@ class CorruptingSwarm:
         return self.liar.stdout().count("lied: perturb on ")
 
     def connect(self, **options):
-        return AutoDistributedModelForCausalLM.from_pretrained(str(self.model_path),
-                                                              initial_peers=self.swarm.initial_peers, **options)
+        return AutoDistributedModelForCausalLM.from_pretrained(
+            str(self.model_path), initial_peers=self.swarm.initial_peers, **options
+        )
 
 
 @pytest.fixture(scope="module")

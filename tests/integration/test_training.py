@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, SwarmTrainer, TrainConfig
+from client.sequence import TrainingTag
 from client.training.export import TRAINER_FILE, export_model, fetch_peer_weights
 from client.training.local import LocalTrainer
-from client.sequence import TrainingTag
 from protocol.errors import BadRequestError, StaleEpochError
 from protocol.records import prefix_for_model
 from swarm.training.settings import AveragingSettings
@@ -44,9 +44,25 @@ def peer_flags(run_id: str, target: int) -> list[str]:
 
 
 def train_flags(run_id: str, steps: int, *extra: str) -> list[str]:
-    return ["--run-id", run_id, "--lr", str(LR), "--seq-len", str(SEQ_LEN), "--batch-size", "8",
-            "--micro-batch-size", "2", "--steps", str(steps), "--seed", "0", "--no-progress", *AVERAGING_FLAGS,
-            *extra]
+    return [
+        "--run-id",
+        run_id,
+        "--lr",
+        str(LR),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        str(steps),
+        "--seed",
+        "0",
+        "--no-progress",
+        *AVERAGING_FLAGS,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +81,49 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
     steps = 20
     with Swarm(tmp_path / "swarm") as swarm:
         # the reference needs no swarm: it trains while the swarm starts
-        local = swarm.spawn("train-local", "train", str(model_path), "--local", *train_flags("exact", steps),
-                            "--log-json", str(tmp_path / "local.jsonl"), "--save", str(tmp_path / "local"))
+        local = swarm.spawn(
+            "train-local",
+            "train",
+            str(model_path),
+            "--local",
+            *train_flags("exact", steps),
+            "--log-json",
+            str(tmp_path / "local.jsonl"),
+            "--save",
+            str(tmp_path / "local"),
+        )
         swarm.start_bootstrap()
         for start, end in [(0, 2), (2, 4)]:
             swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("exact", 8))
         swarm.wait_online(prefix_for_model(str(model_path)), [(0, 2), (2, 4)], timeout_s=120)
         local = swarm.finish(local, timeout_s=300)
         assert local.returncode == 0, local.stderr[-3000:]
-        remote = swarm.run("train", str(model_path), "--initial-peers", *swarm.initial_peers,
-                           *train_flags("exact", steps), "--log-json", str(tmp_path / "swarm.jsonl"),
-                           "--save", str(tmp_path / "trainer"), timeout_s=300)
+        remote = swarm.run(
+            "train",
+            str(model_path),
+            "--initial-peers",
+            *swarm.initial_peers,
+            *train_flags("exact", steps),
+            "--log-json",
+            str(tmp_path / "swarm.jsonl"),
+            "--save",
+            str(tmp_path / "trainer"),
+            timeout_s=300,
+        )
         assert remote.returncode == 0, remote.stderr[-3000:]
-        exported = swarm.run("export", str(model_path), "--initial-peers", *swarm.initial_peers, "--run-id", "exact",
-                             "--trainer-dir", str(tmp_path / "trainer"), "--out", str(tmp_path / "exported"),
-                             timeout_s=120)
+        exported = swarm.run(
+            "export",
+            str(model_path),
+            "--initial-peers",
+            *swarm.initial_peers,
+            "--run-id",
+            "exact",
+            "--trainer-dir",
+            str(tmp_path / "trainer"),
+            "--out",
+            str(tmp_path / "exported"),
+            timeout_s=120,
+        )
         assert exported.returncode == 0, exported.stderr[-3000:]
 
     local_log, swarm_log = read_log(tmp_path / "local.jsonl"), read_log(tmp_path / "swarm.jsonl")
@@ -90,8 +134,10 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
     # the model really learns: Shakespeare's characters are far from uniform
     assert local_log[-1]["loss"] < 0.8 * local_log[0]["loss"], [r["loss"] for r in local_log]
 
-    mine, reference = load_file(tmp_path / "exported" / "model.safetensors"), load_file(
-        tmp_path / "local" / "model.safetensors")
+    mine, reference = (
+        load_file(tmp_path / "exported" / "model.safetensors"),
+        load_file(tmp_path / "local" / "model.safetensors"),
+    )
     assert set(mine) == set(reference)
     initial = load_file(model_path / "model.safetensors")
     for name, tensor in reference.items():
@@ -102,7 +148,10 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(
             AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()(ids).logits,
-            AutoModelForCausalLM.from_pretrained(tmp_path / "local").eval()(ids).logits, atol=1e-4, rtol=0)
+            AutoModelForCausalLM.from_pretrained(tmp_path / "local").eval()(ids).logits,
+            atol=1e-4,
+            rtol=0,
+        )
 
 
 def group_weights(model, span: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
@@ -111,8 +160,11 @@ def group_weights(model, span: tuple[int, int]) -> list[dict[str, torch.Tensor]]
 
     async def fetch():
         snapshot = await sequence.snapshot(refresh=True)
-        return [await fetch_peer_weights(sequence.pool, info.endpoint, sequence.prefix, *span)
-                for info in snapshot.online().values() if (info.start_block, info.end_block) == span]
+        return [
+            await fetch_peer_weights(sequence.pool, info.endpoint, sequence.prefix, *span)
+            for info in snapshot.online().values()
+            if (info.start_block, info.end_block) == span
+        ]
 
     return model._run(fetch())
 
@@ -132,8 +184,12 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
         for start, end in spans:
             swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("pairs", 16))
         swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
-        models = [AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers,
-                                                                  dtype=torch.float32) for _ in range(2)]
+        models = [
+            AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+            )
+            for _ in range(2)
+        ]
         trainers = []
         try:
             trainers = [SwarmTrainer(model, config) for model in models]
@@ -143,8 +199,8 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
                 batch = torch.randint(3, VOCAB_SIZE, (16, SEQ_LEN), generator=generator)
                 results = [None, None]
 
-                def run(i):
-                    results[i] = trainers[i].step(batch[8 * i: 8 * i + 8])
+                def run(i, batch=batch, results=results):
+                    results[i] = trainers[i].step(batch[8 * i : 8 * i + 8])
 
                 threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
                 for thread in threads:
@@ -154,8 +210,10 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
                 assert all(results), f"a trainer did not finish step {step}\n{swarm.format_logs()}"
                 reference = local.step(batch)
                 assert (results[0].loss + results[1].loss) / 2 == pytest.approx(reference.loss, rel=1e-4)
-                assert {span: epoch for span, epoch in results[0].stage_epochs.items()} == {
-                    (0, 2): step + 1, (2, 4): step + 1}
+                assert dict(results[0].stage_epochs.items()) == {
+                    (0, 2): step + 1,
+                    (2, 4): step + 1,
+                }
                 # every member of a group holds the same weights
                 local_state = local.model.state_dict()
                 for span in [(0, 2), (2, 4)]:
@@ -180,11 +238,22 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
         for start, end in [(0, 3), (3, 4)]:
-            swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("lora", 4), "--train-mode", "lora",
-                             "--lr", "3e-2", "--save-dir", str(tmp_path / "saved"))
+            swarm.start_peer(
+                model_path,
+                "--blocks",
+                f"{start}:{end}",
+                *peer_flags("lora", 4),
+                "--train-mode",
+                "lora",
+                "--lr",
+                "3e-2",
+                "--save-dir",
+                str(tmp_path / "saved"),
+            )
         swarm.wait_online(prefix_for_model(str(model_path)), [(0, 3), (3, 4)], timeout_s=120)
-        model = AutoDistributedModelForCausalLM.from_pretrained(str(model_path), initial_peers=swarm.initial_peers,
-                                                                dtype=torch.float32)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+        )
         trainer = None
         try:
             trainer = SwarmTrainer(model, config)
@@ -195,8 +264,18 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             (before,) = group_weights(model, (3, 4))
             first = next(p for p in swarm.processes if "3:4" in p.args)
             assert swarm.terminate(first, timeout_s=60) == 0, first.logs()
-            again = swarm.start_peer(model_path, "--blocks", "3:4", *peer_flags("lora", 4), "--train-mode", "lora",
-                                     "--lr", "3e-2", "--save-dir", str(tmp_path / "saved"))
+            again = swarm.start_peer(
+                model_path,
+                "--blocks",
+                "3:4",
+                *peer_flags("lora", 4),
+                "--train-mode",
+                "lora",
+                "--lr",
+                "3e-2",
+                "--save-dir",
+                str(tmp_path / "saved"),
+            )
             swarm.wait_for(lambda: "ONLINE" in again.stderr(), 120, "the restarted peer to be ONLINE")
             assert "resumed run 'lora' at update 3" in again.stderr(), again.logs()
             (after,) = group_weights(model, (3, 4))
@@ -212,17 +291,21 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
 
             trainer_dir = tmp_path / "trainer"
             trainer_dir.mkdir()
-            save_file({name: p.detach().contiguous() for name, p in model.named_parameters()},
-                      str(trainer_dir / TRAINER_FILE))
-            out = export_model(str(model_path), swarm.initial_peers, tmp_path / "exported", trainer_dir=trainer_dir,
-                               run_id="lora")
+            save_file(
+                {name: p.detach().contiguous() for name, p in model.named_parameters()}, str(trainer_dir / TRAINER_FILE)
+            )
+            out = export_model(
+                str(model_path), swarm.initial_peers, tmp_path / "exported", trainer_dir=trainer_dir, run_id="lora"
+            )
             exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             ids = torch.randint(3, VOCAB_SIZE, (2, 16), generator=generator)
             with torch.no_grad():
                 torch.testing.assert_close(model(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
                 prompt = ids[:1, :6]
-                assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
-                                   exported.generate(prompt, max_new_tokens=8, do_sample=False))
+                assert torch.equal(
+                    model.generate(prompt, max_new_tokens=8, do_sample=False),
+                    exported.generate(prompt, max_new_tokens=8, do_sample=False),
+                )
 
             # training requests that do not fit get typed errors, and the peers train on
             sequence = model.sequence

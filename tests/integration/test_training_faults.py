@@ -27,8 +27,21 @@ from tests.helpers.tokenizer import save_char_tokenizer
 
 GROUP_ATOL = 1e-6  # a group is bit-identical again one round after a fault (see test_training.py)
 STEP_TIMEOUT_S = 4  # a trainer alone waits this long for the other trainer's samples, then adds its own
-TRAIN_PEER = ["--train", "--run-id", "faults", "--lr", "3e-3", "--target-batch-size", "16", "--matchmaking-time", "1",
-              "--averaging-timeout", "8", "--load-state-timeout", "20"]
+TRAIN_PEER = [
+    "--train",
+    "--run-id",
+    "faults",
+    "--lr",
+    "3e-3",
+    "--target-batch-size",
+    "16",
+    "--matchmaking-time",
+    "1",
+    "--averaging-timeout",
+    "8",
+    "--load-state-timeout",
+    "20",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +61,41 @@ def training(tmp_path_factory):
         trainers = {}
         for name, seed in [("trainer-a", 0), ("trainer-b", 1)]:
             log = work / f"{name}.jsonl"
-            trainers[name] = (swarm.spawn(
-                name, "train", str(path), "--initial-peers", *swarm.initial_peers, "--run-id", "faults",
-                "--data", str(play), "--seq-len", "32", "--batch-size", "8", "--micro-batch-size", "2",
-                "--steps", "100000", "--lr", "3e-3", "--seed", str(seed), "--step-timeout", str(STEP_TIMEOUT_S),
-                "--matchmaking-time", "1", "--averaging-timeout", "8", "--log-json", str(log), "--no-progress"), log)
+            trainers[name] = (
+                swarm.spawn(
+                    name,
+                    "train",
+                    str(path),
+                    "--initial-peers",
+                    *swarm.initial_peers,
+                    "--run-id",
+                    "faults",
+                    "--data",
+                    str(play),
+                    "--seq-len",
+                    "32",
+                    "--batch-size",
+                    "8",
+                    "--micro-batch-size",
+                    "2",
+                    "--steps",
+                    "100000",
+                    "--lr",
+                    "3e-3",
+                    "--seed",
+                    str(seed),
+                    "--step-timeout",
+                    str(STEP_TIMEOUT_S),
+                    "--matchmaking-time",
+                    "1",
+                    "--averaging-timeout",
+                    "8",
+                    "--log-json",
+                    str(log),
+                    "--no-progress",
+                ),
+                log,
+            )
         client = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
         try:
             for _, log in trainers.values():
@@ -68,8 +111,9 @@ def steps(log) -> list[dict]:
 
 def wait_steps(swarm: Swarm, log, count: int, timeout_s: float = 120) -> list[dict]:
     """Wait until the trainer writing `log` has logged `count` steps; check every loss is finite."""
-    records = swarm.wait_for(lambda: (r := steps(log)) and len(r) >= count and r, timeout_s,
-                             f"{count} steps in {log.name}")
+    records = swarm.wait_for(
+        lambda: (r := steps(log)) and len(r) >= count and r, timeout_s, f"{count} steps in {log.name}"
+    )
     assert all(math.isfinite(r["loss"]) for r in records), records
     return records
 
@@ -101,8 +145,9 @@ def settled_weights(swarm: Swarm, client, span: tuple[int, int], timeout_s: floa
         endpoints = {pid: e for pid, (s, _, e) in infos(client).items() if s == span}
         if len(set(before.values())) != 1 or set(before) != set(endpoints):
             return None
-        weights = [client._run(fetch_peer_weights(sequence.pool, endpoints[pid], sequence.prefix, *span))
-                   for pid in before]
+        weights = [
+            client._run(fetch_peer_weights(sequence.pool, endpoints[pid], sequence.prefix, *span)) for pid in before
+        ]
         after = {pid: r.epoch for pid, (s, r, _) in infos(client).items() if s == span}
         return weights if after == before else None
 
@@ -119,8 +164,12 @@ def test_sigkill_of_a_stage_peer_mid_step(training):
     _, log = trainers["trainer-a"]
     done = len(steps(log))
     # mid-step: some peer of the stage holds gradients of the update under way
-    swarm.wait_for(lambda: any(s == (0, 2) and r.samples for s, r, _ in infos(client).values()), 60,
-                   "a micro-batch to reach stage 0:2", poll_s=0.02)
+    swarm.wait_for(
+        lambda: any(s == (0, 2) and r.samples for s, r, _ in infos(client).values()),
+        60,
+        "a micro-batch to reach stage 0:2",
+        poll_s=0.02,
+    )
     victim = peers[(0, 2)].pop(0)
     swarm.kill(victim, signal.SIGKILL)
     records = wait_steps(swarm, log, done + 2)
@@ -153,8 +202,9 @@ def test_a_joining_peer_copies_its_group(training):
     _, log = trainers["trainer-a"]
     newcomer = swarm.start_peer(peers[(2, 4)][0].model_path, "--blocks", "0:2", *TRAIN_PEER)
     peers[(0, 2)].append(newcomer)
-    swarm.wait_for(lambda: sum(s == (0, 2) for s, _, _ in infos(client).values()) == 2, 120,
-                   "the newcomer to serve 0:2")
+    swarm.wait_for(
+        lambda: sum(s == (0, 2) for s, _, _ in infos(client).values()) == 2, 120, "the newcomer to serve 0:2"
+    )
     assert "copying its state" in newcomer.stderr() or "copied the state" in newcomer.stderr(), newcomer.logs()
     weights = settled_weights(swarm, client, (0, 2))
     assert len(weights) == 2 and max_difference(weights) < GROUP_ATOL
@@ -165,7 +215,7 @@ def test_a_joining_peer_copies_its_group(training):
 
 
 def test_sigkill_of_one_of_two_trainers(training):
-    swarm, client, trainers, peers = training
+    swarm, client, trainers, _peers = training
     victim, _ = trainers["trainer-b"]
     survivor, log = trainers["trainer-a"]
     swarm.kill(victim, signal.SIGKILL)
@@ -174,13 +224,16 @@ def test_sigkill_of_one_of_two_trainers(training):
     wait_steps(swarm, log, done + 2, timeout_s=180)
     assert survivor.alive()
     # the stages still update: the survivor's samples alone fill them
-    swarm.wait_for(lambda: min(r.epoch for s, r, _ in infos(client).values()) > max(epochs), 120,
-                   "every stage to update on the surviving trainer's samples")
+    swarm.wait_for(
+        lambda: min(r.epoch for s, r, _ in infos(client).values()) > max(epochs),
+        120,
+        "every stage to update on the surviving trainer's samples",
+    )
 
 
 def test_sigterm_and_ctrl_c_stop_every_role(training):
-    swarm, client, trainers, peers = training
-    trainer, log = trainers["trainer-a"]
+    swarm, _client, trainers, peers = training
+    trainer, _log = trainers["trainer-a"]
     swarm.signal_process_group(trainer, signal.SIGINT)  # Ctrl+C in its terminal
     assert not trainer.wait_gone(60), trainer.logs()  # gone, with its DHT node and averager process
     assert trainer.returncode != 0 and "interrupted" in trainer.stderr(), trainer.logs()

@@ -102,15 +102,25 @@ def _serve_and_call(span, activation_bytes: int, calls):
 
 def _forward(hidden, backward_id: str):
     packer = Packer()
-    return packer.pack(pb.ForwardRequest(span=pb.Span(model="test-model", start=0, end=NUM_LAYERS),
-                                         hidden_states=packer.tensor(hidden), backward_id=backward_id))
+    return packer.pack(
+        pb.ForwardRequest(
+            span=pb.Span(model="test-model", start=0, end=NUM_LAYERS),
+            hidden_states=packer.tensor(hidden),
+            backward_id=backward_id,
+        )
+    )
 
 
 def _backward(hidden, grad, backward_id: str):
     packer = Packer()
-    return packer.pack(pb.BackwardRequest(span=pb.Span(model="test-model", start=0, end=NUM_LAYERS),
-                                          hidden_states=packer.tensor(hidden), grad_outputs=packer.tensor(grad),
-                                          backward_id=backward_id))
+    return packer.pack(
+        pb.BackwardRequest(
+            span=pb.Span(model="test-model", start=0, end=NUM_LAYERS),
+            hidden_states=packer.tensor(hidden),
+            grad_outputs=packer.tensor(grad),
+            backward_id=backward_id,
+        )
+    )
 
 
 def test_backward_uses_kept_activations_and_matches_recompute(span):

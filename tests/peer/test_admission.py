@@ -26,21 +26,16 @@ def test_a_full_queue_refuses_at_once_but_an_empty_one_takes_any_request():
         with pytest.raises(OverloadedError, match="1 requests of 500 tokens"):
             with admission.admit(1, 1):
                 pass
-    with admission.admit(60, 100):
-        with admission.admit(40, 100):
-            assert (admission.queued_requests, admission.queued_tokens) == (2, 100)
-            with pytest.raises(OverloadedError):
-                with admission.admit(1, 1):
-                    pass
-    with admission.admit(60, 100):
-        with pytest.raises(OverloadedError, match="MiB"):
-            with admission.admit(1, 901):
-                pass
+    with admission.admit(60, 100), admission.admit(40, 100):
+        assert (admission.queued_requests, admission.queued_tokens) == (2, 100)
+        with pytest.raises(OverloadedError), admission.admit(1, 1):
+            pass
+    with admission.admit(60, 100), pytest.raises(OverloadedError, match="MiB"), admission.admit(1, 901):
+        pass
     assert (admission.queued_requests, admission.queued_tokens, admission.queued_bytes) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("name", ["max_request_tokens", "max_attention_cost", "max_queued_tokens",
-                                  "max_queued_bytes"])
+@pytest.mark.parametrize("name", ["max_request_tokens", "max_attention_cost", "max_queued_tokens", "max_queued_bytes"])
 def test_limits_must_be_positive(name):
     with pytest.raises(ValueError, match=name):
         WorkLimits(**{name: 0})

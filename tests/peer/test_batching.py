@@ -90,7 +90,15 @@ class Blocked:
 
 
 def _member(cache, hidden, position, loop) -> Member:
-    return Member(f"session-{id(cache)}", cache, hidden, torch.full((hidden.shape[0], 1), position), position, position, loop.create_future())
+    return Member(
+        f"session-{id(cache)}",
+        cache,
+        hidden,
+        torch.full((hidden.shape[0], 1), position),
+        position,
+        position,
+        loop.create_future(),
+    )
 
 
 def test_the_batcher_batches_what_waits_skips_the_cancelled_and_keeps_to_its_budget(llama):
@@ -135,8 +143,10 @@ def test_a_member_that_breaks_the_batch_fails_alone(llama):
         loop = asyncio.get_running_loop()
         blocked = Blocked(compute)
         await asyncio.sleep(0.05)
-        members = [_member(batched[0], good, 6, loop),
-                   _member(batched[1], torch.randn(1, 1, HIDDEN_SIZE + 1), 3, loop)]  # not this model's width
+        members = [
+            _member(batched[0], good, 6, loop),
+            _member(batched[1], torch.randn(1, 1, HIDDEN_SIZE + 1), 3, loop),
+        ]  # not this model's width
         steps = [asyncio.ensure_future(batcher.step((0, 4), m)) for m in members]
         await asyncio.sleep(0.05)
         blocked.release.set()

@@ -15,8 +15,16 @@ from tests.helpers.models import llama_config, qwen2_config, qwen3_config, save_
 
 
 def mistral_config(num_layers: int = 4) -> MistralConfig:
-    return MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, sliding_window=4)
+    return MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        sliding_window=4,
+    )
 
 
 def qwen3_sliding_config(num_layers: int = 4):
@@ -43,7 +51,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _spans(path: Path, bounds):
-    return [load_span(path, load_config(path), a, b, dtype=torch.float32, device=torch.device("cpu")) for a, b in bounds]
+    return [
+        load_span(path, load_config(path), a, b, dtype=torch.float32, device=torch.device("cpu")) for a, b in bounds
+    ]
 
 
 def _reference_hidden(reference, ids, mask, positions):
@@ -71,7 +81,7 @@ def test_chained_spans_match_the_model_with_padding(checkpoint):
 
 
 def test_incremental_steps_with_cache_match_one_pass(checkpoint):
-    path, reference = checkpoint
+    path, _reference = checkpoint
     (span,) = _spans(path, [(0, 4)])
     hidden = torch.randn(1, 10, 64)
     with torch.no_grad():

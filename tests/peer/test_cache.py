@@ -26,7 +26,7 @@ def test_waits_for_space_then_times_out():
     async def go():
         budget = CacheBudget(100)
         async with budget.reserve(80, timeout_s=1):
-            with pytest.raises(CacheFullError, match="after waiting 0.2s"):
+            with pytest.raises(CacheFullError, match=r"after waiting 0\.2s"):
                 async with budget.reserve(30, timeout_s=0.2):
                     pass
         assert budget.tokens_left == 100

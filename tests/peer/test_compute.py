@@ -29,8 +29,10 @@ def test_inference_runs_between_the_layers_of_long_training_work():
             long = asyncio.ensure_future(queue.run(training, TRAINING))
             await asyncio.to_thread(started.wait, WAIT_S)
             later_training = asyncio.ensure_future(queue.run(lambda: order.append("training 2"), TRAINING))
-            steps = [asyncio.ensure_future(queue.run(lambda i=i: order.append(f"step {i}") or i, INFERENCE))
-                     for i in range(3)]
+            steps = [
+                asyncio.ensure_future(queue.run(lambda i=i: order.append(f"step {i}") or i, INFERENCE))
+                for i in range(3)
+            ]
             await asyncio.sleep(0.05)  # let them queue
             let_go.set()
             assert await asyncio.wait_for(asyncio.gather(*steps), WAIT_S) == [0, 1, 2]

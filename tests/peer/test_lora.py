@@ -34,8 +34,9 @@ def _adapted(path: Path, *, seed: int = 0, blocks=BLOCKS, dtype=torch.float32) -
 def _randomize(span: BlockSpan, seed: int, std: float = 0.05) -> None:
     """Adapters far from their zero start (B = 0), as after much training, so that they change the outputs."""
     generator = torch.Generator().manual_seed(seed)
-    load_adapter_state(span, {name: torch.randn(t.shape, generator=generator) * std
-                              for name, t in adapter_state(span).items()})
+    load_adapter_state(
+        span, {name: torch.randn(t.shape, generator=generator) * std for name, t in adapter_state(span).items()}
+    )
 
 
 def _inputs(batch: int = 2, length: int = 7):
@@ -96,7 +97,7 @@ def test_merged_state_is_a_plain_checkpoint_that_computes_what_the_adapted_span_
     assert (expected - _run(plain)).abs().max() > 1e-2  # the adapters matter, so the comparison below can fail
     for j, layer in enumerate(plain.layers):
         prefix = f"model.layers.{BLOCKS[0] + j}."
-        layer.load_state_dict({n[len(prefix):]: t for n, t in merged.items() if n.startswith(prefix)}, strict=True)
+        layer.load_state_dict({n[len(prefix) :]: t for n, t in merged.items() if n.startswith(prefix)}, strict=True)
     torch.testing.assert_close(_run(plain), expected, atol=atol, rtol=0)
 
     after = _base_params(span)  # the span itself is left unmerged
@@ -121,8 +122,10 @@ def test_adapter_state_round_trips_onto_another_span(checkpoint):
     _randomize(source, seed=3)
     state = adapter_state(source)
     assert list(state) == sorted(state)
-    assert all(n.startswith(("model.layers.1.", "model.layers.2.")) and n.endswith(("lora_A.weight", "lora_B.weight"))
-               for n in state)
+    assert all(
+        n.startswith(("model.layers.1.", "model.layers.2.")) and n.endswith(("lora_A.weight", "lora_B.weight"))
+        for n in state
+    )
     target, params = _adapted(checkpoint, seed=1)
     load_adapter_state(target, state)
     assert torch.equal(_run(target), _run(source))
@@ -189,10 +192,21 @@ def test_targets_that_are_not_linear_layers_are_rejected(checkpoint):
         add_lora(span, SETTINGS)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("rank", 0), ("rank", 2.0), ("rank", True), ("alpha", 0.0), ("alpha", float("nan")), ("dropout", 1.0),
-    ("dropout", -0.1), ("target", ()), ("target", ["q_proj"]), ("target", ("q_proj", "")),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rank", 0),
+        ("rank", 2.0),
+        ("rank", True),
+        ("alpha", 0.0),
+        ("alpha", float("nan")),
+        ("dropout", 1.0),
+        ("dropout", -0.1),
+        ("target", ()),
+        ("target", ["q_proj"]),
+        ("target", ("q_proj", "")),
+    ],
+)
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"LoraSettings.{field} must"):
         LoraSettings(**{field: value})

@@ -87,7 +87,9 @@ def test_float16_compression_of_float16_is_a_no_op():
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.int32, torch.uint8], ids=str)
 def test_float16_compression_is_ignored_for_non_floating_tensors(dtype):
-    tensor = sample((3, 5), dtype) if dtype in (torch.int64, torch.bool) else torch.arange(15, dtype=dtype).reshape(3, 5)
+    tensor = (
+        sample((3, 5), dtype) if dtype in (torch.int64, torch.bool) else torch.arange(15, dtype=dtype).reshape(3, 5)
+    )
     message = encode_tensor(tensor, pb.FLOAT16)
     assert message.compression == pb.NONE
     assert message.dtype == str(dtype).removeprefix("torch.")
@@ -192,7 +194,7 @@ def test_decode_rejects_too_many_dimensions():
 def test_decode_rejects_huge_shapes_without_overflow(shape):
     """Zero elements or not, dimensions whose product overflows int64 strides are refused, typed."""
     message = pb.Tensor(shape=shape, dtype="float32")
-    with pytest.raises(BadRequestError, match="too large to be a tensor|needs"):
+    with pytest.raises(BadRequestError, match=r"too large to be a tensor|needs"):
         decode_tensor(message, "x")
 
 

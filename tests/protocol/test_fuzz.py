@@ -20,10 +20,24 @@ from protocol.errors import BadRequestError, InvalidRecordError, SwarmError
 from protocol.packing import INLINE_BYTES, Packer, field_spans, payload_field, unpack
 from protocol.records import ServerInfo, ServerState
 
-FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-CLASSES = [pb.ForwardRequest, pb.BackwardRequest, pb.InferenceRequest, pb.ForwardResponse, pb.InferenceResponse,
-           pb.StatePart, pb.InfoRequest, pb.InfoResponse, pb.StateRequest]
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+CLASSES = [
+    pb.ForwardRequest,
+    pb.BackwardRequest,
+    pb.InferenceRequest,
+    pb.ForwardResponse,
+    pb.InferenceResponse,
+    pb.StatePart,
+    pb.InfoRequest,
+    pb.InfoResponse,
+    pb.StateRequest,
+]
 
 
 def _tensors(message, path=""):
@@ -41,7 +55,9 @@ def _tensors(message, path=""):
 def _read(cls, data: bytes):
     """What a receiver does: unpack, then decode every tensor. Returns the decoded tensors, or raises."""
     received = unpack(cls, data)
-    return received, {name: decode_tensor(tensor, name, received.payload) for name, tensor in _tensors(received.message)}
+    return received, {
+        name: decode_tensor(tensor, name, received.payload) for name, tensor in _tensors(received.message)
+    }
 
 
 def _typed_or_decoded(cls, data: bytes):
@@ -122,7 +138,11 @@ def mutations(draw, data: bytes) -> bytes:
     if kind == "payload":
         return data[:start] + payload_field(draw(st.binary(max_size=200))) + data[start:]
     if kind == "varint":  # a giant or overlong varint where a field starts
-        return data[:start] + draw(st.sampled_from([b"\xff" * 11, b"\x80" * 10 + b"\x01", b"\x7a\xff\xff\xff\xff\x0f"])) + data[start:]
+        return (
+            data[:start]
+            + draw(st.sampled_from([b"\xff" * 11, b"\x80" * 10 + b"\x01", b"\x7a\xff\xff\xff\xff\x0f"]))
+            + data[start:]
+        )
     return data[:start] + draw(st.binary(min_size=1, max_size=40)) + data[start:]
 
 
@@ -156,13 +176,21 @@ _DIMS = st.one_of(st.integers(-3, 70), st.sampled_from([0, 2**31, 2**40, 2**62, 
 
 
 @FUZZ
-@given(shape=st.lists(_DIMS, max_size=10), dtype=st.one_of(st.sampled_from(sorted(DTYPES)), st.text(max_size=8)),
-       compression=st.integers(0, 3), data=st.binary(max_size=300), in_payload=st.booleans(),
-       offset=st.one_of(st.integers(0, 300), st.integers(0, 2**64 - 1)), payload=st.binary(max_size=300))
-def test_random_tensor_metadata_is_a_typed_error_or_matches_it(shape, dtype, compression, data, in_payload, offset,
-                                                              payload):
-    message = pb.Tensor(shape=shape, dtype=dtype, compression=compression, data=data, in_payload=in_payload,
-                        offset=offset)
+@given(
+    shape=st.lists(_DIMS, max_size=10),
+    dtype=st.one_of(st.sampled_from(sorted(DTYPES)), st.text(max_size=8)),
+    compression=st.integers(0, 3),
+    data=st.binary(max_size=300),
+    in_payload=st.booleans(),
+    offset=st.one_of(st.integers(0, 300), st.integers(0, 2**64 - 1)),
+    payload=st.binary(max_size=300),
+)
+def test_random_tensor_metadata_is_a_typed_error_or_matches_it(
+    shape, dtype, compression, data, in_payload, offset, payload
+):
+    message = pb.Tensor(
+        shape=shape, dtype=dtype, compression=compression, data=data, in_payload=in_payload, offset=offset
+    )
     try:
         tensor = decode_tensor(message, "t", memoryview(payload))
     except BadRequestError:
@@ -176,14 +204,23 @@ def test_random_tensor_metadata_is_a_typed_error_or_matches_it(shape, dtype, com
 # --- DHT records ---
 
 _JSONISH = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=20),
-              st.binary(max_size=8)),
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20), st.binary(max_size=8)
+    ),
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=10,
 )
-_VALID_INFO = ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=4, throughput=10.0, cache_tokens_left=96,
-                         dtype="float32", version="1", endpoint="127.0.0.1:5000",
-                         next_pings={"12D3KooWAL5dXFrcKjsW1MHJJcEmAwgr7k2cHyYqNdQ4GSFLm172": 0.01}).to_wire()
+_VALID_INFO = ServerInfo(
+    state=ServerState.ONLINE,
+    start_block=0,
+    end_block=4,
+    throughput=10.0,
+    cache_tokens_left=96,
+    dtype="float32",
+    version="1",
+    endpoint="127.0.0.1:5000",
+    next_pings={"12D3KooWAL5dXFrcKjsW1MHJJcEmAwgr7k2cHyYqNdQ4GSFLm172": 0.01},
+).to_wire()
 
 
 def _typed_or_record(raw):

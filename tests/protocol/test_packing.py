@@ -19,9 +19,14 @@ BIG = INLINE_BYTES // 4 + 1  # float32 elements that go to the payload
 
 def _packed(hidden: torch.Tensor, **tensors) -> bytes:
     packer = Packer()
-    message = pb.InferenceRequest(step=pb.InferenceStep(
-        session_id="s", hidden_states=packer.tensor(hidden), prefix_length=3,
-        **{name: packer.tensor(t) for name, t in tensors.items()}))
+    message = pb.InferenceRequest(
+        step=pb.InferenceStep(
+            session_id="s",
+            hidden_states=packer.tensor(hidden),
+            prefix_length=3,
+            **{name: packer.tensor(t) for name, t in tensors.items()},
+        )
+    )
     return packer.pack(message).SerializeToString()
 
 
@@ -56,15 +61,19 @@ def test_any_protobuf_reader_sees_the_same_message():
     parsed = pb.InferenceRequest.FromString(raw)  # plain protobuf, no knowledge of packing
     message = parsed.step.hidden_states
     assert parsed.step.session_id == "s"
-    got = torch.frombuffer(bytearray(parsed.payload[message.offset:]), dtype=torch.float32)[: hidden.numel()]
+    got = torch.frombuffer(bytearray(parsed.payload[message.offset :]), dtype=torch.float32)[: hidden.numel()]
     assert torch.equal(got.reshape(hidden.shape), hidden)
 
 
 def test_unaligned_payload_from_another_sender_is_copied():
     hidden = torch.randn(1, BIG, 1)
     payload = b"\0" + hidden.numpy().tobytes()  # a sender that does not align
-    message = pb.InferenceRequest(step=pb.InferenceStep(hidden_states=pb.Tensor(
-        shape=list(hidden.shape), dtype="float32", in_payload=True, offset=1)), payload=payload)
+    message = pb.InferenceRequest(
+        step=pb.InferenceStep(
+            hidden_states=pb.Tensor(shape=list(hidden.shape), dtype="float32", in_payload=True, offset=1)
+        ),
+        payload=payload,
+    )
     received = unpack(pb.InferenceRequest, message.SerializeToString())
     assert torch.equal(decode_tensor(received.message.step.hidden_states, "h", received.payload), hidden)
 
@@ -78,8 +87,9 @@ def test_message_without_payload_unpacks_as_usual():
 
 @pytest.mark.parametrize("offset, words", [(10**6, "offset 1000000"), (2**63, "offset")])
 def test_payload_reference_out_of_range_is_bad_request(offset, words):
-    message = pb.ForwardResponse(hidden_states=pb.Tensor(shape=[2, 2], dtype="float32", in_payload=True,
-                                                         offset=offset), payload=b"\0" * 16)
+    message = pb.ForwardResponse(
+        hidden_states=pb.Tensor(shape=[2, 2], dtype="float32", in_payload=True, offset=offset), payload=b"\0" * 16
+    )
     with pytest.raises(BadRequestError, match=words):  # refused as soon as the message is read
         unpack(pb.ForwardResponse, message.SerializeToString())
     with pytest.raises(BadRequestError, match=words):  # and by the decoder, for callers that skip unpack
@@ -87,8 +97,9 @@ def test_payload_reference_out_of_range_is_bad_request(offset, words):
 
 
 def test_payload_tensor_must_not_carry_data():
-    message = pb.ForwardResponse(hidden_states=pb.Tensor(shape=[1], dtype="float32", in_payload=True,
-                                                         data=b"\0" * 4), payload=b"\0" * 4)
+    message = pb.ForwardResponse(
+        hidden_states=pb.Tensor(shape=[1], dtype="float32", in_payload=True, data=b"\0" * 4), payload=b"\0" * 4
+    )
     with pytest.raises(BadRequestError, match="must not carry data"):
         unpack(pb.ForwardResponse, message.SerializeToString())
     with pytest.raises(BadRequestError, match="must not carry data"):
@@ -146,20 +157,26 @@ def _in_payload(offset: int, elements: int = 16) -> pb.Tensor:
 
 
 def test_payload_padding_is_accepted():
-    raw = _with_payload(bytes(ALIGN - 1 + 64 + ALIGN - 1 + 64 + ALIGN - 1), _in_payload(ALIGN - 1),
-                        _in_payload(ALIGN - 1 + 64 + ALIGN - 1))
+    raw = _with_payload(
+        bytes(ALIGN - 1 + 64 + ALIGN - 1 + 64 + ALIGN - 1),
+        _in_payload(ALIGN - 1),
+        _in_payload(ALIGN - 1 + 64 + ALIGN - 1),
+    )
     received = unpack(pb.BackwardRequest, raw)
     assert decode_tensor(received.message.grad_outputs, "g", received.payload).shape == (16,)
 
 
-@pytest.mark.parametrize("payload_bytes, offsets, words", [
-    (64 + ALIGN, [0], "payload bytes 64:128 belong to no tensor"),
-    (ALIGN + 64, [ALIGN], "payload bytes 0:64 (before hidden_states) belong to no tensor"),
-    (64 + ALIGN + 64, [0, 64 + ALIGN], "payload bytes 64:128 (before grad_outputs)"),
-    (96, [0, 32], "grad_outputs overlaps hidden_states"),
-    (64, [0, 0], "overlaps"),
-    (ALIGN, [], "payload bytes 0:64 belong to no tensor"),
-])
+@pytest.mark.parametrize(
+    "payload_bytes, offsets, words",
+    [
+        (64 + ALIGN, [0], "payload bytes 64:128 belong to no tensor"),
+        (ALIGN + 64, [ALIGN], "payload bytes 0:64 (before hidden_states) belong to no tensor"),
+        (64 + ALIGN + 64, [0, 64 + ALIGN], "payload bytes 64:128 (before grad_outputs)"),
+        (96, [0, 32], "grad_outputs overlaps hidden_states"),
+        (64, [0, 0], "overlaps"),
+        (ALIGN, [], "payload bytes 0:64 belong to no tensor"),
+    ],
+)
 def test_payload_bytes_of_no_tensor_or_shared_are_refused(payload_bytes, offsets, words):
     with pytest.raises(BadRequestError, match=re.escape(words)):
         unpack(pb.BackwardRequest, _with_payload(bytes(payload_bytes), *map(_in_payload, offsets)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pydantic
 import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
@@ -93,7 +94,7 @@ def test_server_info_every_state(state):
 
 def test_server_info_is_frozen():
     info = ServerInfo.from_wire(server_wire())
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         info.start_block = 0
 
 
@@ -199,7 +200,7 @@ def test_server_info_accepts_an_int_throughput():
 
 
 def test_server_info_validates_on_construction():
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="start_block"):
         ServerInfo(**{**server_wire(), "start_block": "3"})
 
 

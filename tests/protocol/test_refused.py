@@ -111,11 +111,14 @@ def test_client_gets_a_typed_error_for_an_unreadable_response():
         async for _ in requests:
             yield GARBAGE
 
-    raw = grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "Forward": grpc.unary_unary_rpc_method_handler(garbage),
-        "Info": grpc.unary_unary_rpc_method_handler(garbage),
-        "Inference": grpc.stream_stream_rpc_method_handler(garbage_stream),
-    })
+    raw = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Forward": grpc.unary_unary_rpc_method_handler(garbage),
+            "Info": grpc.unary_unary_rpc_method_handler(garbage),
+            "Inference": grpc.stream_stream_rpc_method_handler(garbage_stream),
+        },
+    )
 
     async def run():
         server, channel = await _serve(raw)
@@ -123,10 +126,10 @@ def test_client_gets_a_typed_error_for_an_unreadable_response():
             stub = PeerStub(channel)
             response = await stub.forward(pb.ForwardRequest(), timeout=10)
             with pytest.raises(PeerUnavailableError, match="ForwardResponse could not be read: malformed"):
-                response.message.hidden_states
+                _ = response.message.hidden_states
             info = await stub.info(pb.InfoRequest(), timeout=10)
             with pytest.raises(PeerUnavailableError, match="InfoResponse could not be read"):
-                info.peer_id
+                _ = info.peer_id
             call = stub.inference()
             await call.write(pb.InferenceRequest())
             answer = await call.read()

@@ -17,13 +17,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_missing_modules_finds_what_is_not_installed():
     assert missing_modules(["json", "swarmlm_no_such_module", "no_such_parent.child"]) == [
-        "swarmlm_no_such_module", "no_such_parent.child"]
+        "swarmlm_no_such_module",
+        "no_such_parent.child",
+    ]
     assert missing_modules(["json", "swarm.extras"]) == []
 
 
 def test_require_extra_names_the_modules_and_the_install_command():
-    with pytest.raises(SystemExit, match=r"swarmlm api needs swarmlm_nope \(the 'api' extra\); install it with: "
-                                         r"pip install 'swarmlm\[api\]'"):
+    with pytest.raises(
+        SystemExit,
+        match=r"swarmlm api needs swarmlm_nope \(the 'api' extra\); install it with: "
+        r"pip install 'swarmlm\[api\]'",
+    ):
         require_extra("api", "swarmlm api", ["json", "swarmlm_nope"])
     require_extra("api", "swarmlm api", ["json"])  # all there: nothing said
 
@@ -33,18 +38,23 @@ def test_a_module_blocked_in_sys_modules_counts_as_missing(monkeypatch):
     assert missing_modules(EXTRAS["bench"]) == ["matplotlib"]
 
 
-@pytest.mark.parametrize("command, args", [
-    ("api", ["SmolLM2-135M-Instruct", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer", "--port", "0"]),
-    ("monitor", ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer", "--port", "0"]),
-])
+@pytest.mark.parametrize(
+    "command, args",
+    [
+        ("api", ["SmolLM2-135M-Instruct", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer", "--port", "0"]),
+        ("monitor", ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmNotAPeer", "--port", "0"]),
+    ],
+)
 def test_api_and_monitor_without_the_api_extra_fail_at_once(command, args):
     # the interpreter is told uvicorn is not there, the way `import uvicorn` fails when it is not installed
-    code = ("import sys; sys.modules['uvicorn'] = None; from swarm.cli import main; "
-            f"sys.exit(main({[command, *args]!r}))")
+    code = (
+        f"import sys; sys.modules['uvicorn'] = None; from swarm.cli import main; sys.exit(main({[command, *args]!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, (done.stdout, done.stderr)
-    assert f"swarmlm {command} needs uvicorn" in done.stderr and "pip install 'swarmlm[api]'" in done.stderr, \
+    assert f"swarmlm {command} needs uvicorn" in done.stderr and "pip install 'swarmlm[api]'" in done.stderr, (
         done.stderr
+    )
     assert "Traceback" not in done.stderr, done.stderr
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.records import CLOCK_SKEW_S, MAX_JOINING_S, ServerInfo, ServerState
-from swarm.placement import block_throughputs, choose_span, should_move, swarm_bottleneck
 from swarm.dht.snapshot import SwarmSnapshot
+from swarm.placement import block_throughputs, choose_span, should_move, swarm_bottleneck
 
 
 def server(start: int, end: int, throughput: float, state: ServerState = ServerState.ONLINE) -> ServerInfo:
@@ -185,13 +185,16 @@ def test_negative_margin_is_rejected() -> None:
 NOW = 1_700_000_000.0
 
 
-@pytest.mark.parametrize("joined_ago_s, counts", [
-    (0.0, True),
-    (MAX_JOINING_S - 1, True),
-    (MAX_JOINING_S + 1, False),  # stuck (or lying) in JOINING: its blocks are free for newcomers
-    (-CLOCK_SKEW_S - 1, False),  # in the future: joined_at cannot be pushed ahead to last longer
-    (NOW, False),  # joined_at 0: a record that does not say when it began
-])
+@pytest.mark.parametrize(
+    "joined_ago_s, counts",
+    [
+        (0.0, True),
+        (MAX_JOINING_S - 1, True),
+        (MAX_JOINING_S + 1, False),  # stuck (or lying) in JOINING: its blocks are free for newcomers
+        (-CLOCK_SKEW_S - 1, False),  # in the future: joined_at cannot be pushed ahead to last longer
+        (NOW, False),  # joined_at 0: a record that does not say when it began
+    ],
+)
 def test_a_joining_record_counts_as_coverage_only_for_a_bounded_time(joined_ago_s, counts):
     joining = server(0, 4, 100.0, ServerState.JOINING).model_copy(update={"joined_at": NOW - joined_ago_s})
     snap = SwarmSnapshot(num_blocks=8, servers={"j": joining, "o": server(4, 8, 10.0)}, taken_at=NOW)

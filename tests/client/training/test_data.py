@@ -68,7 +68,7 @@ def test_text_files_errors_name_the_path(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=str(tmp_path)):
         text_files(tmp_path)
-    with pytest.raises(ValueError, match="empty.txt"):
+    with pytest.raises(ValueError, match=r"empty\.txt"):
         text_files(tmp_path / "empty.txt")
 
 
@@ -98,12 +98,14 @@ def test_tokenize_files_concatenates_documents_with_eos(tmp_path, char_tokenizer
 
 def test_tokenize_files_rejects_non_utf8(tmp_path, char_tokenizer):
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1"))
-    with pytest.raises(ValueError, match="latin1.txt is not UTF-8"):
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8"):
         tokenize_files(char_tokenizer, [tmp_path / "latin1.txt"])
 
 
 def test_batches_of_tokenized_text_are_slices_of_the_stream(tmp_path, char_tokenizer):
-    (tmp_path / "play.md").write_text("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n")
+    (tmp_path / "play.md").write_text(
+        "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+    )
     tokens = tokenize_files(char_tokenizer, [tmp_path / "play.md"])
     batches = TokenBatches(tokens, seq_len=8, batch_size=2, seed=0)
     chunks = {tuple(tokens[i : i + 8].tolist()) for i in range(0, len(tokens) - 7, 8)}
@@ -137,7 +139,9 @@ def test_every_chunk_comes_once_per_epoch_in_a_new_order():
 
 def test_seed_fixes_the_order():
     def order(seed: int) -> list[int]:
-        return [i for batch in take(arange_batches(num_chunks=20, batch_size=4, seed=seed), 10) for i in chunk_ids(batch)]
+        return [
+            i for batch in take(arange_batches(num_chunks=20, batch_size=4, seed=seed), 10) for i in chunk_ids(batch)
+        ]
 
     assert order(7) == order(7)
     assert order(7) != order(8)

@@ -24,8 +24,7 @@ def dht():
 
 
 def test_a_call_that_answers_returns_its_result(dht):
-    assert dht_result(dht, dht.run_coroutine(_Stall(0.1), return_future=True),
-                      "a short call") == "done"
+    assert dht_result(dht, dht.run_coroutine(_Stall(0.1), return_future=True), "a short call") == "done"
 
 
 def test_a_call_that_stalls_fails_after_its_timeout(dht):

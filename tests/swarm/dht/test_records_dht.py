@@ -16,10 +16,17 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from protocol.records import MAX_JOINING_S, MAX_RECORD_TTL_S, MODEL_INDEX_KEY, ModelRecord, ServerInfo, \
-    ServerState, block_key
-from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
+from protocol.records import (
+    MAX_JOINING_S,
+    MAX_RECORD_TTL_S,
+    MODEL_INDEX_KEY,
+    ModelRecord,
+    ServerInfo,
+    ServerState,
+    block_key,
+)
 from swarm.dht.directory import announce, fetch_models, fetch_snapshot
+from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
 from swarm.placement import choose_span
 
 NUM_BLOCKS = 4
@@ -33,11 +40,12 @@ def nodes():
         boot = start_dht()
         started.append(boot)
         maddrs = visible_maddrs(boot)
-        for name, start in [("honest", lambda: start_dht(maddrs)),
-                            ("stranger", lambda: start_dht(maddrs)),
-                            ("attacker", lambda: hivemind.DHT(initial_peers=maddrs, start=True,
-                                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"])),
-                            ("reader", lambda: start_dht(maddrs, client_mode=True))]:
+        for _name, start in [
+            ("honest", lambda: start_dht(maddrs)),
+            ("stranger", lambda: start_dht(maddrs)),
+            ("attacker", lambda: hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])),
+            ("reader", lambda: start_dht(maddrs, client_mode=True)),
+        ]:
             started.append(start())
         yield dict(zip(["boot", "honest", "stranger", "attacker", "reader"], started))
     finally:
@@ -46,15 +54,24 @@ def nodes():
 
 
 def info(start: int = 0, end: int = NUM_BLOCKS, **changes) -> ServerInfo:
-    fields = dict(state=ServerState.ONLINE, start_block=start, end_block=end, throughput=100.0,
-                  cache_tokens_left=1024, dtype="float32", version="1", endpoint="127.0.0.1:5000",
-                  joined_at=get_dht_time())
+    fields = dict(
+        state=ServerState.ONLINE,
+        start_block=start,
+        end_block=end,
+        throughput=100.0,
+        cache_tokens_left=1024,
+        dtype="float32",
+        version="1",
+        endpoint="127.0.0.1:5000",
+        joined_at=get_dht_time(),
+    )
     return ServerInfo(**(fields | changes))
 
 
 def announce_honestly(nodes, prefix: str, record: ServerInfo, expiration_s: float = 60.0) -> list[str]:
-    return announce(nodes["honest"], prefix, record, ModelRecord(num_blocks=NUM_BLOCKS, repository="r"),
-                    expiration_s=expiration_s)
+    return announce(
+        nodes["honest"], prefix, record, ModelRecord(num_blocks=NUM_BLOCKS, repository="r"), expiration_s=expiration_s
+    )
 
 
 class _Store:
@@ -109,8 +126,9 @@ def test_an_announcement_is_read_under_the_peers_id_with_its_key(nodes):
     assert list(snapshot.servers) == [honest.peer_id.to_base58()]  # the libp2p peer id clients dial
     assert seen.throughput == 123.0
     assert snapshot.verify(honest.peer_id.to_base58(), b"nonce", honest.identity.private_key.sign(b"nonce"))
-    assert not snapshot.verify(honest.peer_id.to_base58(), b"nonce",
-                               nodes["stranger"].identity.private_key.sign(b"nonce"))
+    assert not snapshot.verify(
+        honest.peer_id.to_base58(), b"nonce", nodes["stranger"].identity.private_key.sign(b"nonce")
+    )
 
 
 def test_a_stranger_cannot_write_in_an_honest_peers_name(nodes):
@@ -126,8 +144,9 @@ def test_a_stranger_cannot_write_in_an_honest_peers_name(nodes):
     # (b) under the honest peer id alone: anyone may write such a subkey, so readers ignore it
     store(stranger, key, honest.identity.peer_id, forged)
     # ... or under the honest peer id with the stranger's own key: the peer id is not that key's
-    assert refused(nodes, stranger, key, f"{honest.identity.peer_id}[owner:{stranger.identity.public_key.decode()}]",
-                   forged)
+    assert refused(
+        nodes, stranger, key, f"{honest.identity.peer_id}[owner:{stranger.identity.public_key.decode()}]", forged
+    )
     snapshot, seen = honest_view(nodes, "name")
     assert seen.throughput == 100.0
     assert list(snapshot.servers) == [honest.identity.peer_id]
@@ -139,15 +158,26 @@ def test_far_future_and_malformed_records_are_refused(nodes):
     # (c) its own record, pinned far ahead: refused by every node, its own included
     assert refused(nodes, stranger, key, mine, info().to_wire(), expiration_s=10 * MAX_RECORD_TTL_S)
     # (d) values that are not a ServerInfo, or not a sane one
-    for value in [b"junk", {"state": 2}, info().to_wire() | {"throughput": math.inf},
-                  info().to_wire() | {"dtype": "int4"}, info().to_wire() | {"next_pings": {"x": 1.0}}]:
+    for value in [
+        b"junk",
+        {"state": 2},
+        info().to_wire() | {"throughput": math.inf},
+        info().to_wire() | {"dtype": "int4"},
+        info().to_wire() | {"next_pings": {"x": 1.0}},
+    ]:
         assert refused(nodes, stranger, key, mine, value)
     assert fetch_snapshot(nodes["reader"], "limits", NUM_BLOCKS).servers == {}
     # the model index: anyone may write an entry, but only a well-formed one
     assert refused(nodes, stranger, MODEL_INDEX_KEY, "limits", {"num_blocks": -1, "repository": "r"})
     assert refused(nodes, stranger, MODEL_INDEX_KEY, "no/such prefix", {"num_blocks": 4, "repository": "r"})
-    assert refused(nodes, stranger, MODEL_INDEX_KEY, "limits", {"num_blocks": 4, "repository": "r"},
-                   expiration_s=10 * MAX_RECORD_TTL_S)
+    assert refused(
+        nodes,
+        stranger,
+        MODEL_INDEX_KEY,
+        "limits",
+        {"num_blocks": 4, "repository": "r"},
+        expiration_s=10 * MAX_RECORD_TTL_S,
+    )
     # control: the same node can write its own well-formed record with an honest lifetime
     assert not refused(nodes, stranger, key, mine, info(1, 2).to_wire())
     assert not refused(nodes, stranger, MODEL_INDEX_KEY, "limits", {"num_blocks": NUM_BLOCKS, "repository": "r"})

@@ -10,18 +10,34 @@ from swarm.dht.state import ANSWERED, NO_ANSWER, SCHEMA_VERSION, WRONG_KEY, Ping
 
 
 def info(start: int, end: int, **changes) -> ServerInfo:
-    fields = dict(state=ServerState.ONLINE, start_block=start, end_block=end, throughput=100.0, cache_tokens_left=64,
-                  dtype="float32", version="1", endpoint="127.0.0.1:5000")
+    fields = dict(
+        state=ServerState.ONLINE,
+        start_block=start,
+        end_block=end,
+        throughput=100.0,
+        cache_tokens_left=64,
+        dtype="float32",
+        version="1",
+        endpoint="127.0.0.1:5000",
+    )
     return ServerInfo(**(fields | changes))
 
 
-MODELS = {"llama": ModelRecord(num_blocks=6, repository="/models/llama"),
-          "qwen": ModelRecord(num_blocks=2, repository="<script>alert(1)</script>")}
+MODELS = {
+    "llama": ModelRecord(num_blocks=6, repository="/models/llama"),
+    "qwen": ModelRecord(num_blocks=2, repository="<script>alert(1)</script>"),
+}
 SNAPSHOTS = {
-    "llama": SwarmSnapshot(num_blocks=6, servers={
-        "a": info(0, 3), "b": info(2, 4, run_id="shakespeare", epoch=7, samples=3),
-        "c": info(2, 4, run_id="shakespeare", epoch=8), "gone": info(4, 6, state=ServerState.OFFLINE)},
-        expirations={"a": 1000.0}),
+    "llama": SwarmSnapshot(
+        num_blocks=6,
+        servers={
+            "a": info(0, 3),
+            "b": info(2, 4, run_id="shakespeare", epoch=7, samples=3),
+            "c": info(2, 4, run_id="shakespeare", epoch=8),
+            "gone": info(4, 6, state=ServerState.OFFLINE),
+        },
+        expirations={"a": 1000.0},
+    ),
     "qwen": SwarmSnapshot(num_blocks=2, servers={"q": info(0, 2, dtype="bfloat16")}),
 }
 
@@ -45,11 +61,29 @@ def test_peers_are_listed_by_span_with_every_announced_field():
     llama = build_state(MODELS, SNAPSHOTS)["models"][0]
     assert [peer["peer_id"] for peer in llama["peers"]] == ["a", "b", "c", "gone"]
     a, b, _, gone = llama["peers"]
-    assert a == {"peer_id": "a", "state": "ONLINE", "live": True, "start_block": 0, "end_block": 3,
-                 "throughput": 100.0, "cache_tokens_left": 64, "dtype": "float32", "version": "1",
-                 "endpoint": "127.0.0.1:5000", "transport": "direct", "relays": [], "relay": False,
-                 "reach": "direct 127.0.0.1:5000", "adapters": [], "run_id": "", "epoch": 0, "samples": 0,
-                 "expires_at": 1000.0, "ping": None, "rtt_s": None}
+    assert a == {
+        "peer_id": "a",
+        "state": "ONLINE",
+        "live": True,
+        "start_block": 0,
+        "end_block": 3,
+        "throughput": 100.0,
+        "cache_tokens_left": 64,
+        "dtype": "float32",
+        "version": "1",
+        "endpoint": "127.0.0.1:5000",
+        "transport": "direct",
+        "relays": [],
+        "relay": False,
+        "reach": "direct 127.0.0.1:5000",
+        "adapters": [],
+        "run_id": "",
+        "epoch": 0,
+        "samples": 0,
+        "expires_at": 1000.0,
+        "ping": None,
+        "rtt_s": None,
+    }
     assert (b["run_id"], b["epoch"], b["samples"]) == ("shakespeare", 7, 3)
     assert gone["state"] == "OFFLINE" and gone["live"] is False
     assert llama["training"] == [{"run_id": "shakespeare", "peers": 2, "epoch_min": 7, "epoch_max": 8}]
@@ -71,8 +105,9 @@ def test_with_pings_only_peers_that_answered_count_and_each_peer_says_what_its_p
 
 
 def test_a_joining_peer_is_listed_but_covers_nothing():
-    snapshot = SwarmSnapshot(num_blocks=2, servers={"j": info(0, 2, state=ServerState.JOINING, joined_at=0.0)},
-                             taken_at=10_000.0)  # joined long ago: no longer counted as joining
+    snapshot = SwarmSnapshot(
+        num_blocks=2, servers={"j": info(0, 2, state=ServerState.JOINING, joined_at=0.0)}, taken_at=10_000.0
+    )  # joined long ago: no longer counted as joining
     (model,) = build_state({"m": ModelRecord(num_blocks=2, repository="r")}, {"m": snapshot})["models"]
     assert model["coverage"] == [0, 0] and model["gaps"] == [[0, 2]]
     assert model["peers"][0]["state"] == "JOINING" and model["peers"][0]["live"] is False

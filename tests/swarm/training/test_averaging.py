@@ -9,18 +9,24 @@ import time
 import pytest
 import torch
 
-from swarm.training.averaging import TrainingGroup, group_key
-from swarm.training.settings import AveragingSettings
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.training.averaging import TrainingGroup, group_key
 from swarm.training.optim import make_optimizer
+from swarm.training.settings import AveragingSettings
 
 SETTINGS = AveragingSettings(matchmaking_time_s=0.5, averaging_timeout_s=6.0, load_state_timeout_s=2.0)
 
 
 def make_group(dht, **kwargs) -> TrainingGroup:
     params = [torch.nn.Parameter(torch.ones(3, 2))]
-    return TrainingGroup(dht, group_key("test-model", "run", "trainers"), params,
-                         make_optimizer("adamw", params, lr=1e-2, weight_decay=0.0), settings=SETTINGS, **kwargs)
+    return TrainingGroup(
+        dht,
+        group_key("test-model", "run", "trainers"),
+        params,
+        make_optimizer("adamw", params, lr=1e-2, weight_decay=0.0),
+        settings=SETTINGS,
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -44,8 +50,9 @@ def test_a_round_whose_averager_died_fails_instead_of_hanging(dhts):
         group.averager.kill()  # as if it crashed: hivemind's step would wait on it forever
         group.averager.join(10)
         results = []
-        caller = threading.Thread(target=lambda: results.append(group.average([torch.ones(3, 2)], 4, members=2)),
-                                  daemon=True)
+        caller = threading.Thread(
+            target=lambda: results.append(group.average([torch.ones(3, 2)], 4, members=2)), daemon=True
+        )
         caller.start()
         caller.join(10)
         assert not caller.is_alive(), "average() hung on a dead averager"
@@ -60,8 +67,9 @@ def test_shutdown_releases_a_round_that_is_looking_for_its_group(dhts):
     [dht] = dhts(1)
     group = make_group(dht)
     results = []
-    caller = threading.Thread(target=lambda: results.append(group.average([torch.ones(3, 2)], 4, members=2)),
-                              daemon=True)
+    caller = threading.Thread(
+        target=lambda: results.append(group.average([torch.ones(3, 2)], 4, members=2)), daemon=True
+    )
     caller.start()
     time.sleep(0.5)  # looking for a second member that never comes
     began = time.monotonic()

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.training.settings import AveragingSettings
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.settings import OPTIMIZERS
+from swarm.training.settings import OPTIMIZERS, AveragingSettings
 
 
 def params(seed: int = 0) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(4, 3, generator=generator)), torch.nn.Parameter(torch.randn(5, generator=generator))]
+    return [
+        torch.nn.Parameter(torch.randn(4, 3, generator=generator)),
+        torch.nn.Parameter(torch.randn(5, generator=generator)),
+    ]
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -20,7 +22,8 @@ def test_prebuilt_state_steps_like_torch(name):
     ours, theirs = params(), params()
     optimizer = make_optimizer(name, ours, lr=1e-2, weight_decay=0.1)
     reference = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name](
-        theirs, lr=1e-2, weight_decay=0.1)
+        theirs, lr=1e-2, weight_decay=0.1
+    )
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=generator) for p in ours]
@@ -48,21 +51,30 @@ def test_step_count_sets_adams_bias_correction():
     assert all(float(state["step"]) == 7.0 for state in optimizer.state.values())
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(name="lion"), "optimizer"), (dict(lr=0.0), "lr"), (dict(lr=float("nan")), "lr"),
-    (dict(weight_decay=-1.0), "weight_decay"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(name="lion"), "optimizer"),
+        (dict(lr=0.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, field):
     args = dict(name="adamw", lr=1e-3, weight_decay=0.0) | kwargs
     with pytest.raises(ValueError, match=field):
         make_optimizer(args.pop("name"), params(), **args)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(matchmaking_time_s=0), "matchmaking_time_s"), (dict(averaging_timeout_s=-1), "averaging_timeout_s"),
-    (dict(matchmaking_time_s=10, averaging_timeout_s=5), "averaging_timeout_s"),
-    (dict(load_state_timeout_s=float("nan")), "load_state_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(matchmaking_time_s=0), "matchmaking_time_s"),
+        (dict(averaging_timeout_s=-1), "averaging_timeout_s"),
+        (dict(matchmaking_time_s=10, averaging_timeout_s=5), "averaging_timeout_s"),
+        (dict(load_state_timeout_s=float("nan")), "load_state_timeout_s"),
+    ],
+)
 def test_averaging_settings_are_validated(kwargs, field):
     with pytest.raises(ValueError, match=field):
         AveragingSettings(**kwargs)

@@ -8,7 +8,6 @@ import asyncio
 import threading
 import time
 
-
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -16,11 +15,11 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.training.averaging import TrainingGroup, _Averager, group_key
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
-from swarm.trust.groupgate import GroupGate
+from swarm.training.averaging import TrainingGroup, _Averager, group_key
 from swarm.training.optim import make_optimizer
 from swarm.training.settings import AveragingSettings
+from swarm.trust.groupgate import GroupGate
 from swarm.trust.swarmkey import SwarmKey
 
 SETTINGS = AveragingSettings(matchmaking_time_s=1.0, averaging_timeout_s=8.0, load_state_timeout_s=15.0)
@@ -38,15 +37,26 @@ def test_a_tag_admits_only_its_own_peer_id_under_its_own_key():
     assert not gate.admits(gather(gate.tag(alice)), bob)  # a tag seen in a round is no use to another peer
     assert not gate.admits(gather(other.tag(alice)), alice)
     assert not gate.admits(gather(None), alice)
-    for garbage in (b"", b"\xc1", MSGPackSerializer.dumps([1.0, 0]), MSGPackSerializer.dumps([1, 0, b"\x90"]),
-                    b"\x00" * (1 << 17)):
+    for garbage in (
+        b"",
+        b"\xc1",
+        MSGPackSerializer.dumps([1.0, 0]),
+        MSGPackSerializer.dumps([1, 0, b"\x90"]),
+        b"\x00" * (1 << 17),
+    ):
         assert not gate.admits(garbage, alice)
 
 
 def make_group(dht, value: float) -> TrainingGroup:
     params = [torch.nn.Parameter(torch.full((3, 2), value))]
-    return TrainingGroup(dht, group_key("test-model", "run", "0-2"), params,
-                         make_optimizer("sgd", params, lr=0.1, weight_decay=0.0), settings=SETTINGS, swarm_key=KEY)
+    return TrainingGroup(
+        dht,
+        group_key("test-model", "run", "0-2"),
+        params,
+        make_optimizer("sgd", params, lr=0.1, weight_decay=0.0),
+        settings=SETTINGS,
+        swarm_key=KEY,
+    )
 
 
 @pytest.fixture
@@ -81,17 +91,23 @@ class Stranger:
     def first_answer_to_join(self, group: TrainingGroup) -> int:
         async def join():
             request = averaging_pb2.JoinRequest(
-                schema_hash=group.averager.schema_hash, expiration=get_dht_time() + 30, client_mode=False,
+                schema_hash=group.averager.schema_hash,
+                expiration=get_dht_time() + 30,
+                client_mode=False,
                 gather=MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps({"epoch": 0})]),
-                group_key=f"{group.averager.prefix}.0b")
+                group_key=f"{group.averager.prefix}.0b",
+            )
             async for message in await self.stub(group).rpc_join_group(request):
                 return message.code
+
         return self.run(join())
 
     def downloaded_parts(self, group: TrainingGroup) -> int:
         async def download():
-            return len([part async for part in await self.stub(group).rpc_download_state(
-                averaging_pb2.DownloadRequest())])
+            return len(
+                [part async for part in await self.stub(group).rpc_download_state(averaging_pb2.DownloadRequest())]
+            )
+
         return self.run(download())
 
     def close(self) -> None:
@@ -110,8 +126,9 @@ def test_a_stranger_cannot_join_a_round_or_download_the_state_and_members_can(ke
     try:
         # the first member looks for a group (a round of two); the stranger asks to join it, as a follower would
         rounds: list = []
-        looking = threading.Thread(target=lambda: rounds.append(first.average([torch.ones(3, 2)], 1, members=2)),
-                                   daemon=True)
+        looking = threading.Thread(
+            target=lambda: rounds.append(first.average([torch.ones(3, 2)], 1, members=2)), daemon=True
+        )
         looking.start()
         time.sleep(0.5)
         assert stranger.first_answer_to_join(first) == averaging_pb2.PROTOCOL_VIOLATION
@@ -126,9 +143,15 @@ def test_a_stranger_cannot_join_a_round_or_download_the_state_and_members_can(ke
         assert torch.equal(second.params[0].data, first.params[0].data)
 
         results: dict[str, tuple] = {}
-        threads = [threading.Thread(target=lambda g=g, name=name, v=v: results.__setitem__(
-            name, g.average([torch.full((3, 2), v)], 1, members=2)), daemon=True)
-            for name, g, v in (("first", first, 1.0), ("second", second, 3.0))]
+        threads = [
+            threading.Thread(
+                target=lambda g=g, name=name, v=v: results.__setitem__(
+                    name, g.average([torch.full((3, 2), v)], 1, members=2)
+                ),
+                daemon=True,
+            )
+            for name, g, v in (("first", first, 1.0), ("second", second, 3.0))
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

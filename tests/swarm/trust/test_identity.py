@@ -71,6 +71,12 @@ def test_an_owner_subkey_parses_only_when_its_peer_id_is_its_keys():
     claimed = f"{theirs.peer_id}[owner:{mine.public_key.decode()}]"  # my key, someone else's peer id
     assert looks_like_record_subkey(claimed)
     assert parse_record_subkey(claimed) is None
-    for subkey in [mine.peer_id, f"{mine.peer_id}[owner:ssh-rsa AAAA]", mine.record_subkey() + "x",
-                   mine.record_subkey().encode(), None, 7]:
+    for subkey in [
+        mine.peer_id,
+        f"{mine.peer_id}[owner:ssh-rsa AAAA]",
+        mine.record_subkey() + "x",
+        mine.record_subkey().encode(),
+        None,
+        7,
+    ]:
         assert parse_record_subkey(subkey) is None

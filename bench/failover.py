@@ -27,7 +27,7 @@ from swarm.models.checkpoint import load_config
 from swarm.models.default_model import resolve_default_model
 from swarm.paths import default_cache_dir
 
-PEER_ARGS = ("--num-threads", "1", "--throughput", "1000", "--update-period", "5")
+PEER_ARGS = ("--num-threads", "1", "--throughput", "1000", "--update-period-s", "5")
 
 
 def _peer_id(swarm: LocalSwarm, name: str) -> str | None:

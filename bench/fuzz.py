@@ -415,9 +415,9 @@ def run(count: int, minutes: float, seed: int, workdir: Path) -> dict:
             "4",
             "--cache-tokens",
             "2048",
-            "--alloc-timeout",
+            "--alloc-timeout-s",
             "0.5",
-            "--session-timeout",
+            "--session-timeout-s",
             "60",
         )
         swarm.wait_online(str(model), LAYERS)

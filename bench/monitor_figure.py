@@ -72,7 +72,7 @@ def main() -> int:
     with LocalSwarm(workdir / "logs") as swarm:
         swarm.start_bootstrap()
         for i, (start, end) in enumerate(SPANS):
-            swarm.start_peer(f"peer{i}", model, "--blocks", f"{start}:{end}", "--update-period", "5")
+            swarm.start_peer(f"peer{i}", model, "--blocks", f"{start}:{end}", "--update-period-s", "5")
         swarm.start_peer(
             "trainer-peer",
             model,
@@ -83,7 +83,7 @@ def main() -> int:
             "demo",
             "--train-mode",
             "lora",
-            "--update-period",
+            "--update-period-s",
             "5",
         )
         swarm.wait_online(model, 30, [*SPANS, (0, 15)], timeout_s=300)

@@ -169,7 +169,7 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
         str(config.cache_tokens),
         "--cache-dir",
         str(workdir / "cache"),
-        "--update-period",
+        "--update-period-s",
         "10",
     ]
     env = {
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=4, help="peers at once, >= 3 (default: 4)")
     p.add_argument("--clients", type=int, default=3, help="client threads, one of them sampling (default: 3)")
     p.add_argument(
-        "--kill-every",
+        "--kill-every-s",
         type=float,
         nargs=2,
         default=(5.0, 12.0),
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             model=args.model,
             peers=args.peers,
             clients=args.clients,
-            kill_every_s=tuple(args.kill_every),
+            kill_every_s=tuple(args.kill_every_s),
             max_new_tokens=args.max_new_tokens,
             prompts=args.prompts,
             bad_rate_per_s=args.bad_rate,

@@ -120,9 +120,9 @@ class TrainSettings:
 
     def averaging_args(self) -> list[str]:
         return [
-            "--matchmaking-time",
+            "--matchmaking-time-s",
             f"{self.matchmaking_time_s:g}",
-            "--averaging-timeout",
+            "--averaging-timeout-s",
             f"{self.averaging_timeout_s:g}",
         ]
 

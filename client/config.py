@@ -49,7 +49,7 @@ class ClientConfig:
     forward_min_rtt_s: float = 0.005
     """With forward_steps="auto", the round trip to a peer from which pushing steps to it pays."""
     min_session_lifetime_s: float = 60.0
-    """A peer that ends an inference session at its `--session-lifetime` after at least this long is not at fault:
+    """A peer that ends an inference session at its `--session-lifetime-s` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
     ends every session at once would otherwise make the client replay forever)."""
 

@@ -57,8 +57,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="also forward streams to peers behind NAT (for a peer that others can connect to)",
     )
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
-    p.add_argument("--alloc-timeout", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
-    p.add_argument("--session-timeout", type=float, default=300.0, metavar="S", help="idle session lifetime")
+    p.add_argument("--alloc-timeout-s", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
+    p.add_argument("--session-timeout-s", type=float, default=300.0, metavar="S", help="idle session lifetime")
     p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
     p.add_argument(
         "--activation-cache-mb",
@@ -67,9 +67,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="memory for forward activations kept for their backward, in MiB; 0 recomputes the "
         "forward in every backward (default: 1024)",
     )
-    p.add_argument("--update-period", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
+    p.add_argument("--update-period-s", type=float, default=30.0, metavar="S", help="re-announce period (default: 30)")
     p.add_argument(
-        "--rebalance-period",
+        "--rebalance-period-s",
         type=float,
         default=60.0,
         metavar="S",
@@ -134,7 +134,7 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         help=f"input MiB of the requests waiting for compute (default: {d.max_queued_bytes // 2**20})",
     )
     w.add_argument(
-        "--session-lifetime",
+        "--session-lifetime-s",
         type=float,
         default=3600.0,
         metavar="S",
@@ -148,7 +148,7 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         help="share of --cache-tokens that one client address may hold (default: 0.5)",
     )
     w.add_argument(
-        "--write-timeout",
+        "--write-timeout-s",
         type=float,
         default=30.0,
         metavar="S",
@@ -226,17 +226,17 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         device=args.device,
         dtype=args.dtype,
         cache_tokens=args.cache_tokens,
-        alloc_timeout_s=args.alloc_timeout,
-        session_timeout_s=args.session_timeout,
-        session_lifetime_s=args.session_lifetime,
+        alloc_timeout_s=args.alloc_timeout_s,
+        session_timeout_s=args.session_timeout_s,
+        session_lifetime_s=args.session_lifetime_s,
         max_cache_share=args.max_cache_share,
-        write_timeout_s=args.write_timeout,
+        write_timeout_s=args.write_timeout_s,
         max_batch_tokens=args.max_batch_tokens,
         work=limits_from_args(args),
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
         activation_cache_mb=args.activation_cache_mb,
-        update_period_s=args.update_period,
-        rebalance_period_s=args.rebalance_period,
+        update_period_s=args.update_period_s,
+        rebalance_period_s=args.rebalance_period_s,
         balance_margin=args.balance_margin,
         num_threads=args.num_threads,
         throughput=args.throughput,

@@ -382,7 +382,7 @@ class PeerServicer:
                     yield _error(
                         SessionExpiredError(
                             f"session reached this peer's session lifetime of {limits.session_lifetime_s:.0f}s "
-                            f"(--session-lifetime); open a new one"
+                            f"(--session-lifetime-s); open a new one"
                         )
                     )
                     return

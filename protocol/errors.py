@@ -6,7 +6,7 @@
     │   ├── SequenceTooLongError   sequence_too_long  more tokens than the session's max_length
     │   └── StaleEpochError        stale_epoch        a training gradient for an update the peer has applied
     ├── UnknownSessionError        unknown_session    no such (or an expired) inference session
-    │   └── SessionExpiredError    session_expired    the session reached the peer's --session-lifetime
+    │   └── SessionExpiredError    session_expired    the session reached the peer's --session-lifetime-s
     ├── WrongSpanError             wrong_span         the peer does not serve the requested blocks
     ├── CacheFullError             cache_full         no KV-cache space within the allocation timeout
     ├── OverloadedError            overloaded         the peer's queue is full: route elsewhere or retry later
@@ -53,7 +53,7 @@ class UnknownSessionError(SwarmError):
 
 
 class SessionExpiredError(UnknownSessionError):
-    """The peer ended the session at its lifetime (`--session-lifetime`): not a fault, open a new one."""
+    """The peer ended the session at its lifetime (`--session-lifetime-s`): not a fault, open a new one."""
 
     code = "session_expired"
 

@@ -6,6 +6,7 @@ keeps importing nothing from `peer` or `client` (the dependency direction the de
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import os
@@ -22,6 +23,43 @@ COMMANDS = {
     "monitor": ("client.monitor.cli", "serve a live web page of the swarm (and its state as JSON)"),
     "bench": ("bench.cli", "measure the swarm against the local model and the bare wire"),
 }
+
+
+# flags renamed so that every duration says its unit (`--session-timeout-s`, like `--refresh-s`): the old spellings
+# still parse, hidden from --help, so that scripts written for them keep working
+RENAMED_FLAGS = {
+    f"--{name}": f"--{name}-s"
+    for name in (
+        "alloc-timeout",
+        "session-timeout",
+        "session-lifetime",
+        "write-timeout",
+        "update-period",
+        "rebalance-period",
+        "matchmaking-time",
+        "averaging-timeout",
+        "load-state-timeout",
+        "step-timeout",
+        "request-timeout",
+        "wait-for-peers",
+    )
+}
+
+
+def accept_renamed_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Let `parser` take the old spelling of each renamed flag it has, as a hidden alias of the new one."""
+    for action in list(parser._actions):
+        for old, new in RENAMED_FLAGS.items():
+            if new in action.option_strings:
+                parser.add_argument(
+                    old,
+                    dest=action.dest,
+                    type=action.type,
+                    help=argparse.SUPPRESS,
+                    default=argparse.SUPPRESS,
+                    metavar=action.metavar,
+                )
+    return parser
 
 
 def _usage() -> str:
@@ -46,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(os.environ.get("SWARMLM_LOG_LEVEL", "INFO").upper())
     module = importlib.import_module(COMMANDS[name][0])
-    args = module.build_parser(f"swarmlm {name}").parse_args(rest)
+    args = accept_renamed_flags(module.build_parser(f"swarmlm {name}")).parse_args(rest)
     if getattr(args, "cache_dir", "unset") is None:
         args.cache_dir = os.environ.get("SWARMLM_CACHE_DIR")
     try:

@@ -63,14 +63,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-mb", type=float, default=4.0, metavar="MB", help="largest request body (default: 4)")
     p.add_argument(
-        "--wait-for-peers",
+        "--wait-for-peers-s",
         type=float,
         default=10.0,
         metavar="S",
         help="how long a request waits for uncovered blocks to be served before 503 (default: 10)",
     )
     p.add_argument(
-        "--request-timeout",
+        "--request-timeout-s",
         type=float,
         default=60.0,
         metavar="S",
@@ -92,10 +92,10 @@ def config_from_args(args: argparse.Namespace):
 
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must lie in 0..65535, got {args.port}")
-    if not args.wait_for_peers >= 0 or not args.request_timeout > 0 or not args.max_body_mb > 0:
+    if not args.wait_for_peers_s >= 0 or not args.request_timeout_s > 0 or not args.max_body_mb > 0:
         raise SystemExit(
-            f"error: --wait-for-peers must be >= 0, --request-timeout and --max-body-mb positive, got "
-            f"{args.wait_for_peers}, {args.request_timeout}, {args.max_body_mb}"
+            f"error: --wait-for-peers-s must be >= 0, --request-timeout-s and --max-body-mb positive, got "
+            f"{args.wait_for_peers_s}, {args.request_timeout_s}, {args.max_body_mb}"
         )
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
@@ -205,8 +205,8 @@ def _serve(args, config, swarm_key, sock) -> int:
             dht_prefix=args.dht_prefix,
             dtype=args.dtype,
             swarm_key=swarm_key,
-            wait_for_peers_s=args.wait_for_peers,
-            request_timeout_s=args.request_timeout,
+            wait_for_peers_s=args.wait_for_peers_s,
+            request_timeout_s=args.request_timeout_s,
         )
     except (SwarmError, ValueError):
         raise

@@ -52,7 +52,7 @@ def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> 
             str(args.peer_lr),
             "--target-batch-size",
             str(args.batch_size),
-            "--matchmaking-time",
+            "--matchmaking-time-s",
             "1",
         )
         print(f"training peer {i}: blocks {start}:{end} ({args.train_mode})  (log: {swarm.log(f'peer{i}')})")

@@ -48,7 +48,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT node listens on")
     p.add_argument(
-        "--step-timeout",
+        "--step-timeout-s",
         type=float,
         default=60.0,
         metavar="S",
@@ -72,7 +72,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lr=args.lr,
         weight_decay=args.weight_decay,
         averaging=averaging_from_args(args),
-        step_timeout_s=args.step_timeout,
+        step_timeout_s=args.step_timeout_s,
         host=args.host,
     )
 

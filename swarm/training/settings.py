@@ -39,21 +39,21 @@ class AveragingSettings:
 def add_averaging_arguments(t) -> None:
     """The flags of AveragingSettings, shared by `swarmlm peer --train` and `swarmlm train`."""
     t.add_argument(
-        "--matchmaking-time",
+        "--matchmaking-time-s",
         type=float,
         default=15.0,
         metavar="S",
         help="how long an averaging round gathers its group (default: 15)",
     )
     t.add_argument(
-        "--averaging-timeout",
+        "--averaging-timeout-s",
         type=float,
         default=60.0,
         metavar="S",
         help="a round not done in this long falls back to local gradients (default: 60)",
     )
     t.add_argument(
-        "--load-state-timeout",
+        "--load-state-timeout-s",
         type=float,
         default=60.0,
         metavar="S",
@@ -63,7 +63,7 @@ def add_averaging_arguments(t) -> None:
 
 def averaging_from_args(args: argparse.Namespace) -> AveragingSettings:
     return AveragingSettings(
-        matchmaking_time_s=args.matchmaking_time,
-        averaging_timeout_s=args.averaging_timeout,
-        load_state_timeout_s=args.load_state_timeout,
+        matchmaking_time_s=args.matchmaking_time_s,
+        averaging_timeout_s=args.averaging_timeout_s,
+        load_state_timeout_s=args.load_state_timeout_s,
     )

@@ -33,7 +33,7 @@ def test_short_soak_has_no_wrong_lost_or_leaked_generation(tmp_path):
             "3",
             "--clients",
             "2",
-            "--kill-every",
+            "--kill-every-s",
             "3",
             "6",
             "--bad-rate",

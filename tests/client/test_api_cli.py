@@ -42,7 +42,7 @@ def test_the_command_is_listed_and_has_help():
         (["--port", "70000"], "--port must lie in 0..65535"),
         (["--max-concurrency", "0"], "--max-concurrency: max_concurrency must be >= 1, got 0"),
         (["--max-queued", "-1"], "--max-queued: max_queued must be >= 0"),
-        (["--wait-for-peers", "-2"], "--wait-for-peers must be >= 0"),
+        (["--wait-for-peers-s", "-2"], "--wait-for-peers-s must be >= 0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_heavy(flags, words):

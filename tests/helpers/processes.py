@@ -326,7 +326,7 @@ class Swarm:
     def start_peer(
         self, model_path: str | Path, *extra_args: str, netns: str | None = None, command: Sequence[str] | None = None
     ) -> PeerProcess:
-        """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period 5 --cache-dir ... EXTRA...`.
+        """Start `swarmlm peer MODEL --initial-peers ... --throughput 1000 --update-period-s 5 --cache-dir ... EXTRA...`.
 
         `command` replaces `swarmlm` (a test's own launcher that takes the same arguments, e.g. tests/helpers/liar.py).
         """
@@ -341,7 +341,7 @@ class Swarm:
             *self.initial_peers,
             "--throughput",
             "1000",
-            "--update-period",
+            "--update-period-s",
             "5",
             "--cache-dir",
             str(cache_dir),

@@ -68,7 +68,7 @@ def served(tmp_path_factory):
             "4",
             "--max-queued",
             "8",
-            "--wait-for-peers",
+            "--wait-for-peers-s",
             "2",
         )
         swarm.wait_online(PREFIX, [(0, 2), (2, 4)], timeout_s=120)

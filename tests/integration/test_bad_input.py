@@ -221,7 +221,7 @@ def peer(request, tmp_path_factory, tiny_llama_path) -> Peer:
             str(MAX_MESSAGE_MB),
             "--cache-tokens",
             str(CACHE_TOKENS),
-            "--alloc-timeout",
+            "--alloc-timeout-s",
             "0.5",
             "--transport",
             request.param,

@@ -75,7 +75,7 @@ def test_placement_picks_uncovered_blocks_and_status_shows_coverage(swarm, tiny_
 
 # A clean stop must announce OFFLINE. The peers below re-announce rarely, so that their ONLINE record outlives the
 # test: a record that merely expired (what a crash leads to) cannot pass for a clean departure.
-QUIET = ("--update-period", "60")
+QUIET = ("--update-period-s", "60")
 # one peer per way of stopping it, all started at once in one swarm (each on blocks of its own, to tell them apart)
 STOPPED_BY = {"sigterm": (1, 3), "sigint": (0, 1), "ctrl-c": (1, 2), "group-sigterm": (2, 3), "sigkill": (3, 4)}
 
@@ -180,7 +180,7 @@ BAD_ARGUMENTS = [
     (["peer", MODEL, "--announce-host", "a b"], "announce_host must be HOST or HOST:PORT"),
     (["peer", MODEL, "--train"], "a training peer needs fixed blocks: pass --blocks"),
     (
-        ["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time", "70"],
+        ["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time-s", "70"],
         "averaging_timeout_s (60.0) must exceed",
     ),
     (["train", MODEL], "pass --initial-peers"),
@@ -216,6 +216,6 @@ def test_help(swarm):
     for command in ("bootstrap", "peer", "status", "demo", "train", "export"):
         assert f"  {command}" in top.stdout(), top.stdout()
     assert peer.returncode == 0, peer.stderr()
-    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period", "--cache-dir", "--train"):
+    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period-s", "--cache-dir", "--train"):
         assert flag in peer.stdout(), peer.stdout()
     assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr(), unknown.logs()

@@ -79,7 +79,7 @@ def peer(tmp_path_factory, tiny_llama_path):
             f"0:{NUM_LAYERS}",
             "--cache-tokens",
             str(CACHE_TOKENS),
-            "--alloc-timeout",
+            "--alloc-timeout-s",
             "0.5",
             "--max-request-tokens",
             str(MAX_REQUEST_TOKENS),
@@ -87,9 +87,9 @@ def peer(tmp_path_factory, tiny_llama_path):
             str(MAX_ATTENTION_COST),
             "--max-queued-tokens",
             str(MAX_QUEUED_TOKENS),
-            "--session-lifetime",
+            "--session-lifetime-s",
             str(SESSION_LIFETIME_S),
-            "--write-timeout",
+            "--write-timeout-s",
             str(WRITE_TIMEOUT_S),
         )
         prefix = prefix_for_model(str(tiny_llama_path))
@@ -125,7 +125,7 @@ def attack(peer):
                 await witness.step()
                 await fn(peer["prefix"], pool, peer["endpoint"], witness)
                 if outlives_witness:  # the witness reached its lifetime too: a new one must be exact
-                    with pytest.raises(UnknownSessionError, match="--session-lifetime"):
+                    with pytest.raises(UnknownSessionError, match="--session-lifetime-s"):
                         await witness.step()
                     await _end(witness.stream)
                     witness = await _witness(
@@ -224,7 +224,7 @@ def test_a_session_ends_at_its_lifetime_however_busy(attack):
                 try:
                     await stream.request(_step("forever", _hidden(1, 1, HIDDEN_SIZE), 0), TIMEOUT_S)
                 except UnknownSessionError as exc:
-                    assert "--session-lifetime" in str(exc)
+                    assert "--session-lifetime-s" in str(exc)
                     ended = time.monotonic() - started
                     break
             assert ended is not None, "the session outlived its lifetime"

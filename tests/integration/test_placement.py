@@ -10,7 +10,7 @@ from protocol.records import prefix_for_model
 from tests.helpers.models import make_tiny_llama
 
 NUM_LAYERS = 6
-REBALANCE_S = 2.0  # --rebalance-period: each peer considers moving every 1 to 3 s (randomised)
+REBALANCE_S = 2.0  # --rebalance-period-s: each peer considers moving every 1 to 3 s (randomised)
 POLL_S = 0.5
 
 
@@ -39,7 +39,7 @@ def _assert_unchanged(swarm, prefix, spans, duration_s):
 def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path):
     prefix = prefix_for_model(str(model_path))
     swarm.start_bootstrap()
-    options = ("--num-blocks", "2", "--rebalance-period", str(REBALANCE_S), "--update-period", "2")
+    options = ("--num-blocks", "2", "--rebalance-period-s", str(REBALANCE_S), "--update-period-s", "2")
     peers = []
     served = []
     for expected in [(0, 2), (2, 4), (4, 6), (0, 2)]:  # each newcomer takes the weakest blocks

@@ -36,7 +36,7 @@ AVERAGING = AveragingSettings(matchmaking_time_s=1.0, averaging_timeout_s=15.0, 
 # GROUP_ATOL leaves a few float32 ulps. The local reference sums the batch in another order, and Adam divides by
 # |g| + eps, so near-zero gradients move it by up to a few 1e-5 from the swarm after some steps.
 GROUP_ATOL, LOCAL_ATOL = 1e-7, 1e-4
-AVERAGING_FLAGS = ["--matchmaking-time", "1", "--averaging-timeout", "15", "--load-state-timeout", "20"]
+AVERAGING_FLAGS = ["--matchmaking-time-s", "1", "--averaging-timeout-s", "15", "--load-state-timeout-s", "20"]
 
 
 def peer_flags(run_id: str, target: int) -> list[str]:

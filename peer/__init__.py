@@ -1,17 +1,24 @@
 """The peer daemon.
 
-- config: PeerConfig, what `swarmlm peer` flags map onto
+- cli: `swarmlm peer`
+- config: PeerConfig (with its ServingLimits), what `swarmlm peer` flags map onto
 - server: PeerServer lifecycle (DHT, block choice, gRPC, announcing)
 - reach: how clients reach the peer (direct gRPC, or libp2p through a relay from behind NAT)
-- blocks: loading a span of decoder layers from a checkpoint and running it
-- handler: the gRPC methods (forward, backward, inference stream, info, state)
+- handler: the gRPC service; its unary calls (forward, backward, info, state)
+- inference: the inference stream (sessions, their steps, steps pushed into them by the previous peer)
+- served: the span served now, and what every request goes through (span check, validation, compute thread)
+- validation: checks that turn bad input into typed errors
+- admission: caps on one request and on the work waiting for compute
+- compute: the one compute thread, inference steps ahead of training work
+- batching: one forward for the decode steps of concurrent sessions
+- forwarding: pushing a step's output on to the next peer of the client's route
+- activations: forward activations kept for their backward
+- cache: the KV-cache token budget
 - timings: where inference steps spend their time (phase timers, reported by Info)
+- blocks: loading a span of decoder layers from a checkpoint and running it
+- throughput: measuring and caching the peer's speed
 - training: a training peer's optimizer, gradient accumulation and group updates (`--train`)
 - lora: LoRA adapters for a span (`--train-mode lora`), and checkpoint-named weights for export
-- cache: the KV-cache token budget
-- validation: checks that turn bad input into typed errors
-- throughput: measuring and caching the peer's speed
-- cli: `swarmlm peer`
 """
 
 from protocol.lazy import lazy_exports

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 
 from peer.admission import WorkLimits
-from peer.config import DTYPE_CHOICES, TRAIN_MODES, TRANSPORTS, PeerConfig, TrainingConfig
+from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, TransportMode
 from protocol.errors import SwarmError
+from protocol.vocab import TrainMode, choices
 from swarm.runtime import run_until_signal, wait_for_signal
 from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
@@ -34,7 +36,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="compute dtype (default: the checkpoint's)")
+    p.add_argument(
+        "--dtype",
+        default=DTypeChoice.AUTO.value,
+        choices=choices(DTypeChoice),
+        help="compute dtype (default: the checkpoint's)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
     p.add_argument(
@@ -45,8 +52,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dht-port", type=int, default=0, help="DHT port (default: a free one)")
     p.add_argument(
         "--transport",
-        default="auto",
-        choices=TRANSPORTS,
+        default=TransportMode.AUTO.value,
+        choices=choices(TransportMode),
         help="how clients reach this peer: direct (gRPC), p2p (gRPC through libp2p streams, through a "
         "relay from behind NAT), or auto: direct if a neighbour can connect to it, else p2p "
         "(default: auto)",
@@ -57,7 +64,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="also forward streams to peers behind NAT (for a peer that others can connect to)",
     )
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache budget in tokens (default: 8192)")
-    p.add_argument("--alloc-timeout-s", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)")
+    p.add_argument(
+        "--alloc-timeout-s", type=float, default=10.0, metavar="S", help="wait for cache space (default: 10)"
+    )
     p.add_argument("--session-timeout-s", type=float, default=300.0, metavar="S", help="idle session lifetime")
     p.add_argument("--max-message-mb", type=float, default=64.0, help="largest gRPC message in MiB (default: 64)")
     p.add_argument(
@@ -156,12 +165,24 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def limits_from_args(args: argparse.Namespace) -> WorkLimits:
+def work_limits_from_args(args: argparse.Namespace) -> WorkLimits:
     return WorkLimits(
         max_request_tokens=args.max_request_tokens,
         max_attention_cost=args.max_attention_cost,
         max_queued_tokens=args.max_queued_tokens,
         max_queued_bytes=int(args.max_queued_mb * 2**20),
+    )
+
+
+def serving_from_args(args: argparse.Namespace) -> ServingLimits:
+    return ServingLimits(
+        alloc_timeout_s=args.alloc_timeout_s,
+        session_timeout_s=args.session_timeout_s,
+        session_lifetime_s=args.session_lifetime_s,
+        write_timeout_s=args.write_timeout_s,
+        max_batch_tokens=args.max_batch_tokens,
+        activation_cache_bytes=math.floor(args.activation_cache_mb * 2**20),  # floor: a negative size stays one
+        work=work_limits_from_args(args),
     )
 
 
@@ -177,8 +198,8 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--train-mode",
-        default="full",
-        choices=TRAIN_MODES,
+        default=TrainMode.FULL.value,
+        choices=choices(TrainMode),
         help="full weights, or LoRA adapters of the linear layers (default: full)",
     )
     t.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters (default: 8)")
@@ -202,7 +223,7 @@ def training_from_args(args: argparse.Namespace) -> TrainingConfig | None:
         lr=args.lr,
         weight_decay=args.weight_decay,
         target_batch_size=args.target_batch_size,
-        mode=args.train_mode,
+        mode=TrainMode(args.train_mode),
         lora_rank=args.lora_rank,
         averaging=averaging_from_args(args),
         save_dir=args.save_dir,
@@ -221,20 +242,14 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         port=args.port,
         announce_host=args.announce_host,
         dht_port=args.dht_port,
-        transport=args.transport,
+        transport=TransportMode(args.transport),
         relay=args.relay,
         device=args.device,
-        dtype=args.dtype,
+        dtype=DTypeChoice(args.dtype),
         cache_tokens=args.cache_tokens,
-        alloc_timeout_s=args.alloc_timeout_s,
-        session_timeout_s=args.session_timeout_s,
-        session_lifetime_s=args.session_lifetime_s,
         max_cache_share=args.max_cache_share,
-        write_timeout_s=args.write_timeout_s,
-        max_batch_tokens=args.max_batch_tokens,
-        work=limits_from_args(args),
+        serving=serving_from_args(args),
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
-        activation_cache_mb=args.activation_cache_mb,
         update_period_s=args.update_period_s,
         rebalance_period_s=args.rebalance_period_s,
         balance_margin=args.balance_margin,

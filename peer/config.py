@@ -7,12 +7,36 @@ from dataclasses import dataclass, field
 
 from peer.admission import WorkLimits
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
+from protocol.vocab import DType, StrEnum, TrainMode, choices
 from swarm.training.settings import OPTIMIZERS, AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-TRANSPORTS = ("auto", "direct", "p2p")
-TRAIN_MODES = ("full", "lora")
+
+class TransportMode(StrEnum):
+    """How a peer chooses the transport it announces (protocol.vocab.Transport)."""
+
+    AUTO = "auto"
+    """Direct if a neighbour can connect to the endpoint, otherwise p2p through a relay."""
+    DIRECT = "direct"
+    """gRPC at the announced endpoint."""
+    P2P = "p2p"
+    """gRPC through libp2p streams of the peer's DHT node."""
+
+
+class DTypeChoice(StrEnum):
+    """The compute dtype a peer is told to run: the checkpoint's, or one of protocol.vocab.DType."""
+
+    AUTO = "auto"
+    FLOAT32 = DType.FLOAT32.value
+    BFLOAT16 = DType.BFLOAT16.value
+    FLOAT16 = DType.FLOAT16.value
+
+
+def _member(vocabulary: type[StrEnum], name: str, value: object) -> StrEnum:
+    """`value` as a member of `vocabulary` (a plain string is accepted), or a ValueError naming the field."""
+    if value not in choices(vocabulary):
+        raise ValueError(f"{name} must be one of {choices(vocabulary)}, got {value!r}")
+    return vocabulary(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +50,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     target_batch_size: int = 8
     """Samples the group accumulates (over all its members) per update."""
-    mode: str = "full"
+    mode: TrainMode = TrainMode.FULL
     """full: train every weight of the span; lora: train LoRA adapters of its linear layers only."""
     lora_rank: int = 8
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
@@ -39,8 +63,7 @@ class TrainingConfig:
         check_run_id(self.run_id)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.mode not in TRAIN_MODES:
-            raise ValueError(f"train mode must be one of {TRAIN_MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", _member(TrainMode, "train mode", self.mode))
         if not self.lr > 0 or not self.weight_decay >= 0:
             raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
         if self.target_batch_size < 1 or self.lora_rank < 1 or self.save_every < 0:
@@ -48,6 +71,46 @@ class TrainingConfig:
                 f"target_batch_size and lora_rank must be >= 1 and save_every >= 0, got "
                 f"{self.target_batch_size}, {self.lora_rank}, {self.save_every}"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingLimits:
+    """What a peer allows the requests and the inference sessions it serves."""
+
+    alloc_timeout_s: float = 10.0
+    """How long a new session waits for cache space before it gets CacheFullError, unless it asks for a wait."""
+    max_alloc_timeout_s: float = 60.0
+    """Longest wait for cache space a client may ask for."""
+    session_timeout_s: float = 300.0
+    """An inference session idle this long is closed and its cache freed."""
+    session_lifetime_s: float = 3600.0
+    """An inference session is closed this long after it opened, however busy: no one keeps cache forever."""
+    write_timeout_s: float = 30.0
+    """A session whose client does not read a response within this long is closed."""
+    max_batch_tokens: int = 2048
+    """Tokens of one inference forward: concurrent sessions' decode steps are batched up to it, and a longer
+    prefill is computed in chunks of it, other sessions' decode steps running between the chunks."""
+    activation_cache_bytes: int = 1024 * 1024 * 1024
+    """Memory for forward activations kept for their backward (0: always recompute in backward)."""
+    activation_ttl_s: float = 60.0
+    """How long kept activations wait for their backward."""
+    work: WorkLimits = field(default_factory=WorkLimits)
+    """Caps on one request and on the work queued for the compute thread."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "alloc_timeout_s",
+            "max_alloc_timeout_s",
+            "session_timeout_s",
+            "session_lifetime_s",
+            "write_timeout_s",
+            "activation_ttl_s",
+            "max_batch_tokens",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.activation_cache_bytes < 0:
+            raise ValueError(f"activation_cache_bytes must be >= 0, got {self.activation_cache_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,37 +135,22 @@ class PeerConfig:
     """Announce this "HOST" or "HOST:PORT" instead of where the peer listens (port forwarding, a proxy)."""
     dht_port: int = 0
     """DHT (libp2p) port; 0 picks a free one."""
-    transport: str = "auto"
+    transport: TransportMode = TransportMode.AUTO
     """How clients reach this peer: "direct" (gRPC at the announced endpoint), "p2p" (gRPC through libp2p
     streams), or "auto": direct if a neighbour can connect to the endpoint, otherwise p2p through a relay."""
     relay: bool = False
     """Also forward streams to peers behind NAT (for a peer that others can connect to)."""
     device: str = "cpu"
-    dtype: str = "auto"
+    dtype: DTypeChoice = DTypeChoice.AUTO
     """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
     cache_tokens: int = 8192
     """KV-cache budget in tokens (each session reserves batch x max_length)."""
-    alloc_timeout_s: float = 10.0
-    """How long a new session waits for cache space before it gets CacheFullError."""
-    session_timeout_s: float = 300.0
-    """An inference session idle this long is closed and its cache freed."""
-    session_lifetime_s: float = 3600.0
-    """An inference session is closed this long after it opened, however active."""
     max_cache_share: float = 0.5
     """Most of the cache budget that the sessions of one client address may hold together."""
-    write_timeout_s: float = 30.0
-    """A session whose client does not read a response within this long is closed."""
-    max_batch_tokens: int = 2048
-    """Tokens of one inference forward: concurrent sessions' decode steps are batched up to it, and a longer
-    prefill is computed in chunks of it, other sessions' decode steps running between the chunks."""
-    work: WorkLimits = field(default_factory=WorkLimits)
-    """Caps on one request and on the work queued for the compute thread."""
+    serving: ServingLimits = field(default_factory=ServingLimits)
+    """Timeouts, lifetimes and caps of the requests and sessions served."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent."""
-    activation_cache_mb: float = 1024.0
-    """Memory for forward activations kept for their backward (0: always recompute in backward)."""
-    activation_ttl_s: float = 60.0
-    """How long kept activations wait for their backward."""
     update_period_s: float = 30.0
     """How often the peer re-announces itself; records expire after about twice that."""
     rebalance_period_s: float = 60.0
@@ -138,30 +186,20 @@ class PeerConfig:
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        object.__setattr__(self, "transport", _member(TransportMode, "transport", self.transport))
+        object.__setattr__(self, "dtype", _member(DTypeChoice, "dtype", self.dtype))
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
-        for name in ("cache_tokens", "max_message_bytes", "max_batch_tokens"):
+        if not isinstance(self.serving, ServingLimits):
+            raise ValueError(f"serving must be a ServingLimits, got {type(self.serving).__name__}")
+        for name in ("cache_tokens", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.activation_cache_mb < 0:
-            raise ValueError(f"activation_cache_mb must be >= 0, got {self.activation_cache_mb}")
         if self.balance_margin < 0:
             raise ValueError(f"balance_margin must be >= 0, got {self.balance_margin}")
         if not 0 < self.max_cache_share <= 1:
             raise ValueError(f"max_cache_share must be in (0, 1], got {self.max_cache_share}")
-        for name in (
-            "alloc_timeout_s",
-            "session_timeout_s",
-            "update_period_s",
-            "rebalance_period_s",
-            "activation_ttl_s",
-            "session_lifetime_s",
-            "write_timeout_s",
-        ):
+        for name in ("update_period_s", "rebalance_period_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.throughput is not None and not 0 <= self.throughput <= MAX_THROUGHPUT:

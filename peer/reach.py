@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable, Sequence
 import hivemind
 from hivemind.p2p import PeerID
 
-from peer.config import PeerConfig
+from peer.config import PeerConfig, TransportMode
 from protocol.errors import PeerUnavailableError
+from protocol.vocab import Transport
 from swarm.dht.node import peer_ids_of, start_dht, stop_dht
 from swarm.net.reachability import ProbeService, probe
 from swarm.net.relay import RelayRegistrar, RelayService
@@ -35,7 +36,7 @@ class Reach:
 
     def __init__(self, config: PeerConfig, auth: RpcAuth | None = None):
         self.config, self.auth = config, auth
-        self.transport = "direct"
+        self.transport = Transport.DIRECT
         self.registrar: RelayRegistrar | None = None
         self._services: list = []
         self._renewing: asyncio.Task | None = None
@@ -55,7 +56,7 @@ class Reach:
         """
         cfg = self.config
         reachable = True
-        if cfg.transport != "direct":
+        if cfg.transport != TransportMode.DIRECT:
             neighbours = peer_ids_of(cfg.initial_peers)
             result = await probe(await dht.replicate_p2p(), neighbours, endpoint) if neighbours else None
             if result is None or result.reachable is None:
@@ -92,7 +93,8 @@ class Reach:
                     f"to it and pass --announce-host HOST:PORT with --transport direct"
                 )
             logger.info("registered with relay(s) %s", ", ".join(self.relays))
-        self.transport = "direct" if cfg.transport == "direct" or (cfg.transport == "auto" and reachable) else "p2p"
+        direct = cfg.transport == TransportMode.DIRECT or (cfg.transport == TransportMode.AUTO and reachable)
+        self.transport = Transport.DIRECT if direct else Transport.P2P
         if cfg.relay and not reachable:
             logger.warning("--relay is ignored: a peer that others cannot connect to cannot relay for them")
         return dht
@@ -111,7 +113,7 @@ class Reach:
             self._renewing = asyncio.create_task(self.registrar.run_forever(on_relays_changed))
 
     def describe(self, endpoint: str, peer_id: str) -> str:
-        if self.transport == "direct":
+        if self.transport == Transport.DIRECT:
             return endpoint
         return f"libp2p as {peer_id}" + (f" through relay(s) {', '.join(self.relays)}" if self.relays else "")
 

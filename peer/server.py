@@ -20,7 +20,7 @@ from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import PeerConfig
 from peer.forwarding import Forwarder
-from peer.handler import HandlerLimits, PeerServicer
+from peer.handler import PeerServicer
 from peer.reach import Reach
 from peer.throughput import measure_throughput
 from protocol import swarmlm_pb2 as pb
@@ -35,6 +35,7 @@ from protocol.records import (
     record_ttl_s,
 )
 from protocol.service import WINDOW_OPTIONS, make_generic_handler
+from protocol.vocab import Transport
 from swarm.dht.directory import announce, fetch_snapshot, unstored
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.models.checkpoint import load_config, resolve_model_path
@@ -54,6 +55,7 @@ class PeerServer:
         self.dht = None
         self.span = None
         self.servicer: PeerServicer | None = None
+        self.forwarder: Forwarder | None = None  # pushes inference steps on to the next peer of a route
         self.grpc_server: grpc.aio.Server | None = None
         self.endpoint: str | None = None
         self.auth = RpcAuth(config.swarm_key) if config.swarm_key is not None else None
@@ -112,24 +114,16 @@ class PeerServer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         # serve first (the endpoint goes into every record), with no blocks until they are loaded
+        self.forwarder = Forwarder(self.auth, cfg.max_message_bytes)
         self.servicer = PeerServicer(
             self.model_config,
             self.prefix,
             self.budget,
-            HandlerLimits(
-                session_timeout_s=cfg.session_timeout_s,
-                alloc_timeout_s=cfg.alloc_timeout_s,
-                activation_bytes=int(cfg.activation_cache_mb * 1024 * 1024),
-                activation_ttl_s=cfg.activation_ttl_s,
-                session_lifetime_s=cfg.session_lifetime_s,
-                write_timeout_s=cfg.write_timeout_s,
-                max_batch_tokens=cfg.max_batch_tokens,
-                work=cfg.work,
-            ),
+            cfg.serving,
             self._info,
+            prove=functools.partial(prove_identity, self.identity),
+            forwarder=self.forwarder,
         )
-        self.servicer.prove = functools.partial(prove_identity, self.identity)
-        self.servicer.forwarder = Forwarder(self.auth, cfg.max_message_bytes)
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -193,7 +187,7 @@ class PeerServer:
             self.span, self.config.training, self.dht, self.prefix, swarm_key=self.config.swarm_key
         )
         await asyncio.to_thread(self.training.join)
-        self.servicer.training = self.training
+        self.servicer.set_training(self.training)
         logger.info(
             "training run %r with %s (%s mode), at update %d",
             self.training.run_id,
@@ -204,7 +198,7 @@ class PeerServer:
         self._trainer = asyncio.create_task(self.training.run(self._compute, self.servicer.activations.clear))
 
     async def _compute(self, fn):
-        return await self.servicer._compute(fn, tokens=1 << 20)
+        return await self.servicer.served.run(fn, tokens=1 << 20)
 
     async def _rebalance_forever(self) -> None:
         """Every ~rebalance period (randomised, so peers do not all decide at once) move if the swarm gains enough."""
@@ -289,7 +283,7 @@ class PeerServer:
         return [
             PeerID.from_base58(pid)
             for pid, info in snapshot.online().items()
-            if info.relay and info.transport == "direct"
+            if info.relay and info.transport == Transport.DIRECT
         ]
 
     def _relays_changed(self) -> None:
@@ -323,13 +317,13 @@ class PeerServer:
             cache_tokens_left=self.budget.tokens_left,
             throughput=self.throughput,
             max_message_bytes=self.config.max_message_bytes,
-            open_sessions=len(self.servicer.sessions),
-            queued_work=self.servicer.compute.queued,
-            abandoned_work=self.servicer.compute.abandoned,
-            decode_batches=self.servicer.batcher.batches,
-            batched_steps=self.servicer.batcher.batched_steps,
-            pushed_steps=self.servicer.forwarder.pushed if self.servicer.forwarder is not None else 0,
-            step_timings=self.servicer.step_timings.message(),
+            open_sessions=len(self.servicer.streams.sessions),
+            queued_work=self.servicer.served.compute.queued,
+            abandoned_work=self.servicer.served.compute.abandoned,
+            decode_batches=self.servicer.streams.batcher.batches,
+            batched_steps=self.servicer.streams.batcher.batched_steps,
+            pushed_steps=self.forwarder.pushed if self.forwarder is not None else 0,
+            step_timings=self.servicer.streams.step_timings.message(),
         )
 
     async def shutdown(self) -> None:
@@ -352,8 +346,8 @@ class PeerServer:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
-            if self.servicer.forwarder is not None:
-                await self.servicer.forwarder.close()
+        if self.forwarder is not None:
+            await self.forwarder.close()
         if self.training is not None:
             await asyncio.to_thread(self.training.shutdown)
         stop_dht(self.dht)

@@ -20,6 +20,7 @@ import torch
 from peer.blocks import BlockSpan
 from peer.config import TrainingConfig
 from protocol.errors import BadRequestError, StaleEpochError, StateDownloadError
+from protocol.vocab import TrainMode
 from swarm.training.averaging import TrainingGroup, digest, group_key, has_nonfinite
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 
@@ -31,7 +32,7 @@ class SpanTraining:
 
     def __init__(self, span: BlockSpan, config: TrainingConfig, dht, prefix: str, *, swarm_key=None):
         self.span, self.config = span, config
-        if config.mode == "lora":
+        if config.mode == TrainMode.LORA:
             from peer.lora import LoraSettings, add_lora  # peft is needed only for LoRA
 
             params = add_lora(span, LoraSettings(rank=config.lora_rank, alpha=2.0 * config.lora_rank), seed=0)
@@ -117,7 +118,7 @@ class SpanTraining:
         """The span's current weights named as in the checkpoint (LoRA merged in)."""
         from peer import lora
 
-        if self.config.mode == "lora":
+        if self.config.mode == TrainMode.LORA:
             return lora.merged_layer_state(self.span)
         return lora.layer_state(self.span)
 

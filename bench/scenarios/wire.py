@@ -33,7 +33,8 @@ from bench.stats import Row, Summary, Target
 from client.loop import BackgroundLoop
 from client.transport import ChannelPool, InferenceStream
 from peer.cache import CacheBudget
-from peer.handler import HandlerLimits, PeerServicer
+from peer.config import ServingLimits
+from peer.handler import PeerServicer
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.packing import Packer
@@ -73,7 +74,8 @@ class EchoSpan:
 
 def echo_servicer(span: EchoSpan) -> PeerServicer:
     """The peer's real servicer over the echo span."""
-    budget, limits = CacheBudget(1 << 30), HandlerLimits(session_timeout_s=600, alloc_timeout_s=5)
+    limits = ServingLimits(session_timeout_s=600, alloc_timeout_s=5, activation_cache_bytes=0)
+    budget = CacheBudget(1 << 30)
     servicer = PeerServicer(span.config, _PREFIX, budget, limits, pb.InfoResponse)
     servicer.set_span(span)
     return servicer

@@ -216,6 +216,14 @@ def test_help(swarm):
     for command in ("bootstrap", "peer", "status", "demo", "train", "export"):
         assert f"  {command}" in top.stdout(), top.stdout()
     assert peer.returncode == 0, peer.stderr()
-    for flag in ("--initial-peers", "--blocks", "--num-blocks", "--dtype", "--update-period-s", "--cache-dir", "--train"):
+    for flag in (
+        "--initial-peers",
+        "--blocks",
+        "--num-blocks",
+        "--dtype",
+        "--update-period-s",
+        "--cache-dir",
+        "--train",
+    ):
         assert flag in peer.stdout(), peer.stdout()
     assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr(), unknown.logs()

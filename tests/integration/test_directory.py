@@ -94,7 +94,13 @@ def test_the_client_follows_joins_departures_and_crashes_within_the_bounds(swarm
         # another fast peer joins, re-announcing every second, and crashes before the client sent it anything:
         # no OFFLINE, its records just expire, and then the client routes around it without a failure
         doomed = swarm.start_peer(
-            tiny_llama_path, "--blocks", "0:4", "--throughput", "1000000", "--update-period-s", str(CRASH_UPDATE_PERIOD_S)
+            tiny_llama_path,
+            "--blocks",
+            "0:4",
+            "--throughput",
+            "1000000",
+            "--update-period-s",
+            str(CRASH_UPDATE_PERIOD_S),
         )
         doomed_id = wait_for_new_peer(swarm, prefix, known={slow_id, fast_id})
         poll_until(

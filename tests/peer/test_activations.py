@@ -14,7 +14,8 @@ from client.transport import ChannelPool
 from peer.activations import ActivationStore, Kept
 from peer.blocks import load_span
 from peer.cache import CacheBudget
-from peer.handler import HandlerLimits, PeerServicer
+from peer.config import ServingLimits
+from peer.handler import PeerServicer
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.packing import Packer
@@ -74,7 +75,7 @@ def _reference_grad(span, hidden, grad):
 
 def _serve_and_call(span, activation_bytes: int, calls):
     """Run `calls(call, servicer)` against a real servicer over gRPC; `call(method, request)` decodes the answer."""
-    limits = HandlerLimits(session_timeout_s=60, alloc_timeout_s=5, activation_bytes=activation_bytes)
+    limits = ServingLimits(session_timeout_s=60, alloc_timeout_s=5, activation_cache_bytes=activation_bytes)
     servicer = PeerServicer(span.config, "test-model", CacheBudget(1024), limits, pb.InfoResponse)
     servicer.set_span(span)
 

@@ -1,0 +1,50 @@
+"""Fixed vocabularies as string enums: members compare equal to their strings, so records and flags keep their text.
+
+`StrEnum` is the standard library's from Python 3.11 on; on 3.10 an equivalent is defined here.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:
+
+    class StrEnum(str, enum.Enum):
+        """enum.StrEnum of Python 3.11: a str whose str() is its value."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+def choices(vocabulary: type[enum.Enum]) -> tuple[str, ...]:
+    """The strings of a vocabulary, in definition order (for argparse choices and error messages)."""
+    return tuple(member.value for member in vocabulary)
+
+
+class Transport(StrEnum):
+    """How clients reach a peer, as its record announces."""
+
+    DIRECT = "direct"
+    """gRPC at the announced endpoint."""
+    P2P = "p2p"
+    """gRPC through libp2p streams of the peer's DHT node, through a relay when it announces any."""
+
+
+class DType(StrEnum):
+    """Compute dtypes a peer may run and announce."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class TrainMode(StrEnum):
+    """What a training peer trains."""
+
+    FULL = "full"
+    """Every weight of its span."""
+    LORA = "lora"
+    """LoRA adapters of its span's linear layers."""

@@ -1,0 +1,248 @@
+"""The inference stream without gRPC: each kind of work in a session's inbox (the client's requests, steps pushed
+by the previous peer, failed pushes of ours) gets its answer on the stream, and one failure never ends it."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from peer.admission import WorkLimits
+from peer.cache import CacheBudget
+from peer.config import ServingLimits
+from peer.inference import InferenceStreams
+from peer.served import ServedSpan
+from protocol import swarmlm_pb2 as pb
+from protocol.codec import decode_tensor
+from protocol.errors import OverloadedError, UnknownSessionError
+from protocol.packing import Packer, unpack
+
+HIDDEN = 8
+PREFIX = "test-model"
+
+
+class _Cache:
+    layers: tuple = ()  # nothing to rewind
+
+
+class DoublingSpan:
+    """Stands in for a BlockSpan: the output is twice the input; `fail` makes the next call raise."""
+
+    dtype, start, end = torch.float32, 0, 2
+
+    def __init__(self):
+        self.fail = False
+
+    def new_cache(self) -> _Cache:
+        return _Cache()
+
+    def __call__(self, hidden, mask, positions, cache, prefix_length, blocks, between_layers):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("a bug")
+        return hidden * 2
+
+
+class FailingForwarder:
+    async def push(self, hops, out, mask, positions, step) -> None:
+        raise ConnectionError("the next peer is down")
+
+
+class Context:
+    """What the stream needs of gRPC's: the client's address, and a place to write its responses."""
+
+    def __init__(self):
+        self.written: asyncio.Queue = asyncio.Queue()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+    async def write(self, response) -> None:
+        self.written.put_nowait(response)
+
+
+def _step(session_id: str, value: float, prefix_length: int, step_id: int, packer: Packer, **fields):
+    return pb.InferenceStep(
+        session_id=session_id,
+        hidden_states=packer.tensor(torch.full((1, 1, HIDDEN), value)),
+        prefix_length=prefix_length,
+        step_id=step_id,
+        **fields,
+    )
+
+
+def _pushed(session_id: str, token: bytes, value: float, prefix_length: int, step_id: int):
+    """A PushRequest as the peer receives it."""
+    packer = Packer()
+    request = pb.PushRequest(push_token=token, step=_step(session_id, value, prefix_length, step_id, packer))
+    return unpack(pb.PushRequest, packer.pack(request).SerializeToString())
+
+
+class Client:
+    """One stream of `streams`: requests in, responses out, as the peer receives and sends them."""
+
+    def __init__(self, streams: InferenceStreams):
+        self.context, self._requests = Context(), asyncio.Queue()
+        self.task = asyncio.ensure_future(streams.inference(self._stream(), self.context))
+
+    async def _stream(self):
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    def _send(self, packed) -> None:
+        self._requests.put_nowait(unpack(pb.InferenceRequest, packed.SerializeToString()))
+
+    def open(self, session_id: str, push_token: bytes = b"") -> None:
+        span = pb.Span(model=PREFIX, start=0, end=2)
+        opening = pb.OpenSession(span=span, session_id=session_id, max_length=8, batch_size=1, push_token=push_token)
+        self._send(pb.InferenceRequest(open=opening))
+
+    def step(self, session_id: str, value: float, prefix_length: int, step_id: int, **fields) -> None:
+        packer = Packer()
+        step = _step(session_id, value, prefix_length, step_id, packer, **fields)
+        self._send(packer.pack(pb.InferenceRequest(step=step)))
+
+    def close(self, session_id: str) -> None:
+        self._send(pb.InferenceRequest(close=pb.CloseSession(session_id=session_id)))
+
+    def end(self) -> None:
+        """End the stream without closing its session."""
+        self._requests.put_nowait(None)
+
+    async def answer(self) -> pb.InferenceResponse:
+        return (await self._next()).message
+
+    async def output(self) -> tuple[float, int, int]:
+        """(the output's first value, step id, position) of the next answer, which must be a step result."""
+        received = await self._next()
+        assert received.message.WhichOneof("kind") == "step", received.message
+        step = received.message.step
+        out = decode_tensor(step.hidden_states, "hidden_states", received.payload)
+        return float(out.flatten()[0]), step.step_id, step.position
+
+    async def _next(self):
+        response = await asyncio.wait_for(self.context.written.get(), 5)
+        return unpack(pb.InferenceResponse, response.SerializeToString())
+
+    async def ended(self) -> None:
+        await asyncio.wait_for(self.task, 5)
+
+
+def _run(test, span: DoublingSpan | None = None, forwarder=None, **limits):
+    """`await test(streams)` with streams over `span` (by default a DoublingSpan)."""
+
+    async def go():
+        served = ServedSpan(SimpleNamespace(hidden_size=HIDDEN, max_position_embeddings=64), PREFIX, WorkLimits())
+        served.span = span or DoublingSpan()
+        streams = InferenceStreams(served, CacheBudget(1024), ServingLimits(**limits), forwarder)
+        try:
+            await test(streams)
+        finally:
+            streams.served.close()
+
+    asyncio.run(go())
+
+
+def test_a_session_answers_its_clients_steps_and_the_steps_pushed_into_it():
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s", push_token=b"token")
+        assert (await client.answer()).opened.session_id == "s"
+        client.step("s", 1.0, prefix_length=0, step_id=1)
+        assert await client.output() == (2.0, 1, 1)
+
+        with pytest.raises(UnknownSessionError, match="takes pushed steps with that token"):
+            streams.push(_pushed("s", b"not the token", 5.0, 1, 2))
+        with pytest.raises(UnknownSessionError):
+            streams.push(_pushed("another", b"token", 5.0, 1, 2))
+        assert streams.push(_pushed("s", b"token", 3.0, 1, 2)) == pb.PushResponse()
+        assert await client.output() == (6.0, 2, 2)  # answered on the client's stream
+
+        client.close("s")
+        await client.ended()
+        assert streams.sessions == {} and streams.budget.tokens_left == 1024
+
+    _run(test)
+
+
+def test_pushes_beyond_what_a_session_may_hold_are_refused():
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s", push_token=b"token")
+        await client.answer()
+        # the stream is busy with nothing: fill the inbox faster than the stream drains it, on this loop
+        for step_id in range(4):
+            streams.push(_pushed("s", b"token", 1.0, 0, step_id))
+        with pytest.raises(OverloadedError, match="4 steps waiting"):
+            streams.push(_pushed("s", b"token", 1.0, 0, 9))
+        client.end()
+        await client.ended()
+
+    _run(test)
+
+
+def test_a_bug_fails_one_request_as_an_internal_error_and_the_stream_goes_on():
+    span = DoublingSpan()
+
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s")
+        await client.answer()
+        span.fail = True
+        client.step("s", 1.0, prefix_length=0, step_id=1)
+        error = (await client.answer()).error
+        assert error.message == "internal error on the peer: RuntimeError: a bug"
+        client.step("s", 1.0, prefix_length=0, step_id=2)
+        assert await client.output() == (2.0, 2, 1)
+        client.step("other", 1.0, prefix_length=0, step_id=3)
+        assert "unknown session 'other'" in (await client.answer()).error.message
+        client.end()
+        await client.ended()
+
+    _run(test, span)
+
+
+def test_a_push_of_ours_that_fails_is_reported_on_the_stream():
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s")
+        await client.answer()
+        hop = pb.NextHop(endpoint="127.0.0.1:1", session_id="next", push_token=b"t", step_id=7)
+        client.step("s", 1.0, prefix_length=0, step_id=1, next=[hop])
+        assert await client.output() == (2.0, 1, 1)  # the client's answer first, the push meanwhile
+        failed = (await client.answer()).forward_failed
+        assert (failed.step_id, failed.endpoint) == (1, "127.0.0.1:1") and "down" in failed.message
+        client.end()
+        await client.ended()
+
+    _run(test, forwarder=FailingForwarder())
+
+
+def test_an_idle_session_ends_with_a_typed_error():
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s")
+        await client.answer()
+        error = (await client.answer()).error
+        assert error.code == UnknownSessionError.code and "timed out after 0s without requests" in error.message
+        await client.ended()
+        assert streams.sessions == {}
+
+    _run(test, session_timeout_s=0.2)
+
+
+def test_a_session_past_its_lifetime_ends_at_its_next_request():
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s")
+        await client.answer()
+        streams.sessions["s"].opened_at -= 101  # opened longer ago than its lifetime
+        client.step("s", 1.0, prefix_length=0, step_id=1)
+        error = (await client.answer()).error
+        assert "session lifetime of 100s (--session-lifetime-s)" in error.message
+        await client.ended()
+        assert streams.sessions == {}
+
+    _run(test, session_lifetime_s=100)

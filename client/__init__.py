@@ -2,8 +2,10 @@
 
 The core (top-level modules):
 - model: DistributedModelForCausalLM / AutoDistributedModelForCausalLM (local embeddings, norm, head)
-- sequence: the remote blocks, routing, retries, forward/backward with autograd
-- session: inference sessions with server-side KV caches and failover by replay
+- sequence: the remote blocks: routes on a cached directory, forward/backward with autograd, spot checks drawn
+- session: inference sessions with server-side KV caches, steps pushed peer to peer, failover by replay
+- retry: what a peer's failure costs a request (blame, ban, re-route, back-off), for sequence and session alike
+- bans: BanList, the peers to avoid for now; dialing: Dialer, each peer's address and round trip, its key proved
 - decoding: one generation per thread, token by token (what `swarmlm api` runs); heads: the LM heads of
   concurrent generations as one batch (optionally in lockstep)
 - routing: route planning (pure functions)

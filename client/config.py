@@ -5,8 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.records import check_run_id
+from protocol.vocab import StrEnum, choices
 from swarm.training.settings import OPTIMIZERS, AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
+
+
+class ForwardSteps(StrEnum):
+    """Whether an inference step travels from peer to peer (client -> peer 1 -> peer 2 -> ... -> client)."""
+
+    AUTO = "auto"
+    """Pushed on towards a peer whose round trip from this client is at least `forward_min_rtt_s` (on a fast network
+    the extra push costs more than the leg it saves)."""
+    ALWAYS = "always"
+    """Pushed on wherever the peers can."""
+    NEVER = "never"
+    """The client sends each hop's step itself."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,14 +53,12 @@ class ClientConfig:
     0 turns spot checks off. Inference steps and training runs are not checked."""
     verify_seed: int | None = None
     """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
-    forward_steps: bool | str = "auto"
-    """Inference steps travel from peer to peer (client -> peer 1 -> peer 2 -> ... -> client), each peer still
-    answering the client too. "auto": towards a peer whose round trip from this client is at least
-    `forward_min_rtt_s` (on a fast network the extra push costs more than the leg it saves); True: always; False:
-    the client sends each hop's step itself. Hops reached through libp2p, and peers of protocol version 1, are
+    forward_steps: ForwardSteps = ForwardSteps.AUTO
+    """Whether inference steps travel from peer to peer (ForwardSteps), each peer still answering the client too;
+    True and False are read as ALWAYS and NEVER. Hops reached through libp2p, and peers of protocol version 1, are
     always driven by the client."""
     forward_min_rtt_s: float = 0.005
-    """With forward_steps="auto", the round trip to a peer from which pushing steps to it pays."""
+    """With forward_steps AUTO, the round trip to a peer from which pushing steps to it pays."""
     min_session_lifetime_s: float = 60.0
     """A peer that ends an inference session at its `--session-lifetime-s` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
@@ -75,10 +86,18 @@ class ClientConfig:
         for name in ("max_retries", "retry_delay_s", "wait_for_peers_s", "min_session_lifetime_s", "forward_min_rtt_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.forward_steps not in (True, False, "auto"):
-            raise ValueError(f'forward_steps must be True, False or "auto", got {self.forward_steps!r}')
+        object.__setattr__(self, "forward_steps", _forward_steps(self.forward_steps))
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
+
+
+def _forward_steps(value: object) -> ForwardSteps:
+    """`value` as a ForwardSteps member; True and False, the spellings before the vocabulary, are ALWAYS and NEVER."""
+    if isinstance(value, bool):
+        return ForwardSteps.ALWAYS if value else ForwardSteps.NEVER
+    if isinstance(value, str) and value in choices(ForwardSteps):
+        return ForwardSteps(value)
+    raise ValueError(f"forward_steps must be one of {choices(ForwardSteps)}, True or False, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,11 @@
-"""Which peers a client sends its hidden states through: pure functions over a SwarmSnapshot (no I/O).
+"""Which peers a client's hidden states go through: pure functions over a SwarmSnapshot (no I/O).
 
-- plan_inference_route: the lowest expected latency chain of spans, for generation (one client, latency bound).
-- plan_forward_route: a throughput-weighted random chain, for forward/backward (many trainers, spread the load).
+- plan_inference_route: the lowest expected latency chain of spans, for generation (one client, latency bound);
+  its steps may travel from peer to peer along the chain (ClientConfig.forward_steps), each peer answering the
+  client.
+- plan_forward_route: a throughput-weighted random chain, for forward/backward (many trainers, spread the load);
+  the client sends each hop's request itself.
+- dial_candidates: the addresses to try for a peer, best first (client/dialing.py pings them).
 
 Only ONLINE servers are routed to: JOINING ones have not loaded their blocks yet, OFFLINE ones are leaving.
 """
@@ -58,10 +62,13 @@ def plan_inference_route(
 
         rtt_s(peer) + (j - i) / (span_length * throughput)
 
-    The RTT is the client's, since the client talks to every hop itself (so `next_pings`, the
-    peer-to-peer RTTs, do not apply). Throughput is announced for the peer's whole span, so one
-    token crosses one of its blocks in 1 / (span_length * throughput) seconds; a hop over part of
-    a span costs that fraction of the span's time. Fewer hops thus win unless a hop is slow.
+    The RTT is the one this client measured to the peer (client/dialing.py). Every hop answers the
+    client on its own stream, but a step may reach it from the previous peer rather than from the
+    client (ClientConfig.forward_steps, peer/forwarding.py); that peer-to-peer leg is not measured
+    here (nothing a peer announces is trusted for routing), so it is costed as the client's own.
+    Throughput is announced for the peer's whole span, so one token crosses one of its blocks in
+    1 / (span_length * throughput) seconds; a hop over part of a span costs that fraction of the
+    span's time. Fewer hops thus win unless a hop is slow.
 
     Args:
         client_rtt_s: measured RTT from this client per peer id; others get `default_rtt_s`.

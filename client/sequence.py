@@ -1,66 +1,47 @@
-"""The remote blocks of one model: routing, retries and forward/backward over chains of peers.
+"""The remote blocks of one model: forward and backward over chains of peers, with autograd (RemoteBlocks).
 
-A failed peer is banned for a while (longer each time it fails), the directory is refreshed at once,
-and the failed part of the chain is routed to other peers. A peer fails when it cannot be reached, or answers
-with an error or with anything but what was asked for (client/checks.py: every answer is checked, and input
-is checked here before it is sent, so that only the caller's bad input fails immediately).
+A failed peer is banned for a while (client/bans.py), the directory is refreshed at once, and the failed part of
+the chain is routed to other peers (client/retry.py: the rule every request here and in client/session.py
+follows). A peer fails when it cannot be reached, or answers with an error or with anything but what was asked for
+(client/checks.py: every answer is checked, and input is checked here before it is sent, so that only the caller's
+bad input fails immediately). Routes are planned on a cached directory (client/routing.py) and sent where each
+peer's ping answered (client/dialing.py).
 
 A random share of forward and backward hops (`verify_fraction`) is recomputed on other peers, and a peer
 outvoted two to one is banned (client/verify.py).
-
-Peers are reached only at the addresses of their records, which `fetch_snapshot` validated.
-
-Each peer is reached by the first of its addresses that answers a ping (`routing.dial_candidates`): its gRPC
-endpoint, or libp2p streams, straight or through its relays; the ping's time is the RTT routing counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
 
 import hivemind
 import torch
 
 from client import checks, verify
+from client.bans import BanList
 from client.config import ClientConfig
-from client.routing import RouteHop, dial_candidates, plan_forward_route, plan_inference_route
+from client.dialing import Dialer
+from client.retry import Attempts, blame, describe, is_retriable
+from client.routing import RouteHop, plan_forward_route, plan_inference_route
 from client.transport import ChannelPool
 from client.verify import Computed, SpotChecker
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import parse_dtype
-from protocol.errors import BadRequestError, NoPeersError, SwarmError
+from protocol.errors import NoPeersError, SwarmError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.net.tunnel import TunnelPool, is_tunnel
-from swarm.trust.identity import identity_challenge
 
 logger = logging.getLogger(__name__)
-
-_MAX_BAN_S = 60.0
-_STRIKES_HALF_LIFE_S = 600.0
-
-
-def is_retriable(error: BaseException) -> bool:
-    """Bad input is the caller's to fix, and NoPeersError comes after waiting already; the rest may work elsewhere.
-
-    Decide on what `checks.blame` made of a peer's error: a peer's own bad_request means nothing here.
-    """
-    return isinstance(error, SwarmError) and not isinstance(error, (BadRequestError, NoPeersError))
-
-
-def describe(hop: RouteHop) -> str:
-    """A hop's peer, as error messages name it."""
-    return f"{hop.peer_id} at {hop.endpoint}"
 
 
 @dataclass(frozen=True)
@@ -79,63 +60,6 @@ class HopRecord:
     inputs: torch.Tensor
     backward_id: str = ""
     """Under which id the peer was asked to keep this hop's activations ("" if it was not)."""
-
-
-class BanList:
-    """Peers that failed recently.
-
-    A ban lasts `base_s`, doubled with each repeated failure (strike) up to a minute. Strikes halve with each
-    `half_life_s` without a new one, so that one slip long after a peer's last failures costs a short ban.
-    After its ban a peer is used again only once it has announced itself since it failed: a crashed peer's
-    record stays in the DHT until it expires, and without this rule the client would try the dead peer again
-    each time its ban ran out.
-    """
-
-    def __init__(
-        self, base_s: float, clock: Callable[[], float] = time.monotonic, half_life_s: float = _STRIKES_HALF_LIFE_S
-    ):
-        if not half_life_s > 0:
-            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
-        self.base_s, self.clock, self.half_life_s = base_s, clock, half_life_s
-        self._until: dict[str, float] = {}
-        self._strikes: dict[str, tuple[int, float]] = {}  # peer id -> (strikes, when the last one came)
-        self._failed_at: dict[str, float] = {}
-        # peer id -> expiration of its latest record in the first directory read after it failed
-        self._last_record: dict[str, float] = {}
-
-    def strikes(self, peer_id: str) -> int:
-        """`peer_id`'s strikes now: its failures, halved (rounding down) per quiet `half_life_s` since the last."""
-        count, at = self._strikes.get(peer_id, (0, 0.0))
-        halvings = int((self.clock() - at) // self.half_life_s)
-        return count >> min(max(halvings, 0), 63)
-
-    def ban(self, peer_id: str, at_least_s: float = 0.0) -> float:
-        """Ban `peer_id` for longer than last time, and `at_least_s`; returns the ban's length in seconds."""
-        strikes = self.strikes(peer_id) + 1
-        now = self.clock()
-        self._strikes[peer_id] = (strikes, now)
-        length_s = max(min(self.base_s * 2 ** (strikes - 1), _MAX_BAN_S), at_least_s)
-        self._until[peer_id] = now + length_s
-        self._failed_at[peer_id] = now
-        self._last_record.pop(peer_id, None)
-        return length_s
-
-    def observe(self, expirations: Mapping[str, float], read_at: float) -> None:
-        """Note the records of a directory read begun at `read_at` (clock time): what failed peers had announced."""
-        for peer, failed_at in self._failed_at.items():
-            if peer not in self._last_record and failed_at <= read_at:
-                self._last_record[peer] = expirations.get(peer, -math.inf)
-
-    def banned(self, expirations: Mapping[str, float] | None = None) -> set[str]:
-        """Peers not to use: within their ban, or, given the latest records' expirations, silent since they failed."""
-        now = self.clock()
-        if expirations is None:
-            return {peer for peer, until in self._until.items() if until > now}
-        return {
-            peer
-            for peer, until in self._until.items()
-            if until > now or expirations.get(peer, -math.inf) <= self._last_record.get(peer, math.inf)
-        }
 
 
 class RemoteSequence:
@@ -166,14 +90,28 @@ class RemoteSequence:
         self.failovers = 0  # peer failures seen (each one bans the peer and re-routes)
         self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
-        self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
-        self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
-        # peer id -> the addresses its record announced when it was measured: a peer that comes back under the
-        # same id (its key is kept) at another endpoint is measured afresh, not dialed at its old address
-        self._measured_at: dict[str, tuple[str, ...]] = {}
+        self.dialer = Dialer(self.pool, self.bans)
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
         self.spot_checks = SpotChecker(
             config.verify_fraction, self._ban_wrong_result, random.Random(config.verify_seed)
+        )
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Peer id -> the address its ping answered on (`Dialer.paths`)."""
+        return self.dialer.paths
+
+    async def address_of(self, peer_id: str, info: ServerInfo, timeout_s: float = 1.0) -> str:
+        """Where to send `peer_id`'s requests: the path its ping answered on, found now if it is not known."""
+        return await self.dialer.address_of(peer_id, info, self._snapshot, timeout_s)
+
+    def attempts(self, count: int = 0) -> Attempts:
+        """A new request's tries against peer failures (client/retry.py), `count` of them used already."""
+        return Attempts(
+            max_retries=self.config.max_retries,
+            retry_delay_s=self.config.retry_delay_s,
+            report=self.report_failure,
+            count=count,
         )
 
     async def p2p(self) -> hivemind.P2P:
@@ -210,12 +148,12 @@ class RemoteSequence:
             snapshot = await self.snapshot(refresh=refresh)
             try:
                 if inference:
-                    await self.measure_rtts(snapshot)
+                    await self.dialer.measure_rtts(snapshot)
                     hops = plan_inference_route(
                         snapshot,
                         start,
                         end,
-                        client_rtt_s=self.rtts,
+                        client_rtt_s=self.dialer.rtts,
                         banned=self.bans.banned(snapshot.expirations),
                         min_cache_tokens=min_cache_tokens,
                         model_name=self.prefix,
@@ -224,12 +162,12 @@ class RemoteSequence:
                     hops = plan_forward_route(
                         snapshot, start, end, banned=self.bans.banned(snapshot.expirations), model_name=self.prefix
                     )
-                    await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
+                    await self.dialer.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
                     if {hop.peer_id for hop in hops} & self.bans.banned():  # an impostor among them: plan again
                         hops = plan_forward_route(
                             snapshot, start, end, model_name=self.prefix, banned=self.bans.banned(snapshot.expirations)
                         )
-                return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
+                return self.dialer.on_paths(hops)
             except NoPeersError as exc:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -239,72 +177,6 @@ class RemoteSequence:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
             refresh = True
-
-    async def measure_rtts(
-        self, snapshot: SwarmSnapshot, timeout_s: float = 1.0, only: Collection[str] | None = None
-    ) -> None:
-        """Ping (an Info call) every ONLINE peer not measured yet (or those of `only`) on each of its addresses in
-        turn; the first that answers is its path. One that does not answer gets `timeout_s`."""
-        unknown = [
-            (pid, info)
-            for pid, info in snapshot.online().items()
-            if (only is None or pid in only) and not self._measured(pid, info)
-        ]
-        await asyncio.gather(*(self._find_path(pid, info, timeout_s, snapshot) for pid, info in unknown))
-
-    async def _find_path(
-        self, peer_id: str, info: ServerInfo, timeout_s: float, snapshot: SwarmSnapshot | None = None
-    ) -> str:
-        """The first of the peer's addresses where the answer to a ping proves the peer's key (swarm/trust/identity.py).
-
-        A server at an announced endpoint that cannot sign the nonce with the key of the record's owner is not
-        that peer: the record points at someone else's server. Such a peer is banned (its record is a lie).
-        """
-        snapshot = snapshot or self._snapshot
-        candidates = dial_candidates(peer_id, info)
-        self._measured_at[peer_id] = tuple(candidates)
-        self.paths.pop(peer_id, None)
-        impostors = []
-        for address in candidates:
-            nonce = os.urandom(16)
-            began = time.perf_counter()
-            try:
-                answer = await self.pool.unary(address, "info", pb.InfoRequest(nonce=nonce), timeout_s)
-            except SwarmError as exc:
-                logger.debug("peer %s does not answer at %s: %s", peer_id, address, exc)
-                await self.pool.drop(address)
-                continue
-            rtt = time.perf_counter() - began
-            if snapshot is None or not snapshot.verify(
-                peer_id, identity_challenge(nonce, peer_id), answer.identity_proof
-            ):
-                impostors.append(address)
-                await self.pool.drop(address)
-                continue
-            self.rtts[peer_id], self.paths[peer_id] = rtt, address
-            if address != candidates[0]:
-                logger.info("peer %s is reached at %s (not at %s)", peer_id, address, candidates[0])
-            return address
-        self.rtts[peer_id] = timeout_s
-        if impostors:
-            length_s = self.bans.ban(peer_id)
-            logger.warning(
-                "the server at %s does not hold the key of peer %s, whose record announces it: banned for %.0fs",
-                ", ".join(impostors),
-                peer_id,
-                length_s,
-            )
-        return candidates[0]
-
-    def _measured(self, peer_id: str, info: ServerInfo) -> bool:
-        """Whether `peer_id` was measured at the addresses `info` announces."""
-        return peer_id in self.rtts and self._measured_at.get(peer_id) == tuple(dial_candidates(peer_id, info))
-
-    async def address_of(self, peer_id: str, info: ServerInfo, timeout_s: float = 1.0) -> str:
-        """Where to send `peer_id`'s requests: the path its ping answered on, found now if it is not known."""
-        if peer_id not in self.paths or not self._measured(peer_id, info):
-            return await self._find_path(peer_id, info, timeout_s)
-        return self.paths[peer_id]
 
     def forwards(self, hop: RouteHop) -> bool:
         """Whether `hop`'s peer takes and pushes on steps peer to peer: direct gRPC, protocol 2 or later."""
@@ -322,15 +194,9 @@ class RemoteSequence:
         logger.warning(
             "peer %s (blocks %d:%d) failed, banned for %.0fs: %s", hop.peer_id, hop.start, hop.end, length_s, error
         )
-        self.rtts.pop(hop.peer_id, None)  # measure it (and find its path) afresh if it comes back
-        self.paths.pop(hop.peer_id, None)
+        self.dialer.forget(hop.peer_id)
         self.failovers += 1
         await self.pool.drop(hop.endpoint)
-
-    async def backoff(self, attempt: int) -> None:
-        """No wait before the first retry (the failed peer is banned, others are likely fine), then exponential."""
-        if attempt > 0:
-            await asyncio.sleep(min(self.config.retry_delay_s * 2 ** (attempt - 1), 5.0))
 
     # --- stateless forward / backward ---
 
@@ -407,7 +273,7 @@ class RemoteSequence:
         self.check_inputs(hidden, mask, positions)
         end = self.num_blocks if end is None else end
         records: list[HopRecord] = []
-        block, attempt, refresh = start, 0, False
+        block, attempts, refresh = start, self.attempts(), False
         while block < end:
             route = await self.plan(block, end, inference=False, refresh=refresh)
             for hop in route:
@@ -415,12 +281,11 @@ class RemoteSequence:
                 try:
                     output = await self._call_forward(hop, hidden, mask, positions, backward_id)
                 except Exception as exc:
-                    error = checks.blame(exc, describe(hop))
-                    if not is_retriable(error) or attempt >= self.config.max_retries:
+                    error = await attempts.failed(exc, hop)
+                    if error is not None:
                         raise error from exc
-                    await self.report_failure(hop, error)
-                    await self.backoff(attempt)
-                    attempt, refresh = attempt + 1, True
+                    await attempts.backoff()
+                    refresh = True
                     break
                 hop_records = [HopRecord(hop, hidden, backward_id)]
                 if self._draw_check():
@@ -461,14 +326,14 @@ class RemoteSequence:
         done: list | None = None,
     ) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
+        attempts = self.attempts(attempt)  # each re-routed hop's backward counts from its depth of re-routing
         try:
             grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
         except Exception as exc:
-            error = checks.blame(exc, describe(hop), training=training is not None)
-            if not is_retriable(error) or attempt >= self.config.max_retries:
+            error = await attempts.failed(exc, hop, training=training is not None)
+            if error is not None:
                 raise error from exc
-            await self.report_failure(hop, error)
-            await self.backoff(attempt)
+            await attempts.backoff()
         else:
             if done is not None:
                 done.append((hop, inputs, grad))
@@ -478,7 +343,7 @@ class RemoteSequence:
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
         for record in reversed(records):
-            grad = await self._backward_hop(record, grad, mask, positions, attempt + 1, training, done)
+            grad = await self._backward_hop(record, grad, mask, positions, attempts.count, training, done)
         return grad
 
     # --- spot checks (client/verify.py) ---
@@ -488,8 +353,7 @@ class RemoteSequence:
         return self.run_id is None and self.spot_checks.draw()
 
     def _ban_wrong_result(self, peer_id: str, at_least_s: float) -> float:
-        self.rtts.pop(peer_id, None)
-        self.paths.pop(peer_id, None)
+        self.dialer.forget(peer_id)
         return self.bans.ban(peer_id, at_least_s)
 
     async def _route_for_check(self, start: int, end: int, excluded: frozenset[str]) -> list[RouteHop] | None:
@@ -507,18 +371,17 @@ class RemoteSequence:
         except SwarmError as exc:  # NoPeersError, or the directory could not be read: the caller's work goes on
             logger.debug("no route to check blocks %d:%d on: %s", start, end, exc)
             return None
-        await self.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
-        return [replace(hop, endpoint=self.paths.get(hop.peer_id, hop.endpoint)) for hop in hops]
+        await self.dialer.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
+        return self.dialer.on_paths(hops)
 
     async def _checker_call(self, hop: RouteHop, call: Awaitable[torch.Tensor]) -> torch.Tensor | None:
         """A check's own call: a peer that fails it is banned as usual, and the check is given up (None)."""
         try:
             return await call
         except Exception as exc:
-            error = checks.blame(exc, describe(hop))
-            if not isinstance(error, SwarmError):
+            # blamed outside training, any SwarmError is the peer's fault (so it is reported); anything else is ours
+            if not is_retriable(await blame(exc, hop, self.report_failure)):
                 raise
-            await self.report_failure(hop, error)
             return None
 
     def _computed(self, value: torch.Tensor, route: list[RouteHop], records: list | None = None) -> Computed:

@@ -1,9 +1,12 @@
 """Inference sessions: a server-side KV cache on each peer of a chain, with failover by replay.
 
+A step goes to the first span of a chain and is pushed on from peer to peer where the peers can take it
+(ClientConfig.forward_steps, peer/forwarding.py); every span still answers the client on its own stream.
 Each span remembers every input it was sent. When its peer fails, the span is routed to other peers
 (possibly several), the history is replayed to rebuild their caches at exactly the client's position,
 and the step goes on; the outputs are the same as without the failure. A peer whose answer is wrong (kind,
-shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as one that died.
+shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as one that died. How many
+failures a step survives, and the waits between its tries, are client/retry.py's rule.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from client import checks
+from client.config import ForwardSteps
+from client.retry import Attempts, blame, describe
 from client.routing import RouteHop
-from client.sequence import RemoteSequence, describe, is_retriable
+from client.sequence import RemoteSequence
 from client.transport import InferenceStream
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, PeerUnavailableError, SequenceTooLongError, SessionExpiredError
@@ -127,10 +132,7 @@ class InferenceSession:
                 try:
                     opened.append(await self._open(hop))
                 except Exception as exc:
-                    error = checks.blame(exc, describe(hop))
-                    if is_retriable(error):
-                        await self.sequence.report_failure(hop, error)
-                    raise error from exc
+                    raise await blame(exc, hop, self.sequence.report_failure) from exc
         except BaseException:
             for span in opened:
                 await span.stream.close()
@@ -138,15 +140,14 @@ class InferenceSession:
         return opened
 
     async def _open_first_route(self) -> list[SpanSession]:
-        attempt = 0
+        attempts = self.sequence.attempts()  # each try opens a whole route
         while True:
             try:
-                return await self._open_route(0, self.sequence.num_blocks, refresh=attempt > 0)
+                return await self._open_route(0, self.sequence.num_blocks, refresh=attempts.count > 0)
             except Exception as exc:
-                if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
+                if await attempts.failed(exc) is not None:
                     raise
-            await self.sequence.backoff(attempt)
-            attempt += 1
+            await attempts.backoff()
 
     async def _send(self, span: SpanSession, hidden, mask, positions, prefix_length: int) -> torch.Tensor:
         return (await self._send_chain([span], hidden, mask, positions, prefix_length))[0]
@@ -156,15 +157,15 @@ class InferenceSession:
         direct gRPC, speaking protocol 2 or later, in one dtype (a pushed tensor is not cast on its way)."""
         first, config = self.spans[index], self.sequence.config
         chain = [first]
-        if config.forward_steps is False or not self.sequence.forwards(first.hop):
+        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):
             return chain
         dtype = self.sequence.hop_dtype(first.hop)
         for span in self.spans[index + 1 :]:
             if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
                 break
             if (
-                config.forward_steps == "auto"
-                and self.sequence.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s
+                config.forward_steps == ForwardSteps.AUTO
+                and self.sequence.dialer.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s
             ):
                 break  # near this client: sending it the step directly is as fast, and costs the peers less
             chain.append(span)
@@ -290,9 +291,7 @@ class InferenceSession:
                 try:
                     history = await self._send(span, history, mask, positions, prefix_length=0)
                 except Exception as exc:
-                    error = checks.blame(exc, describe(span.hop))
-                    if is_retriable(error):
-                        await self.sequence.report_failure(span.hop, error)
+                    error = await blame(exc, span.hop, self.sequence.report_failure)
                     for opened in replacements:
                         await opened.stream.close()
                     raise error from exc
@@ -307,18 +306,17 @@ class InferenceSession:
             self.position,
         )
 
-    async def _recover(self, index: int, attempt: int) -> int:
-        """Replace span `index`, retrying with back-off; returns the attempts used so far."""
+    async def _recover(self, index: int, attempts: Attempts) -> None:
+        """Replace span `index`, retrying with back-off, out of the step's `attempts` (one granted already)."""
         began = time.perf_counter()
         try:
             while True:
-                await self.sequence.backoff(attempt)
-                attempt += 1
+                await attempts.backoff()
                 try:
                     await self._replace(index)
-                    return attempt
+                    return
                 except Exception as exc:
-                    if not is_retriable(exc) or attempt >= self.sequence.config.max_retries:
+                    if await attempts.failed(exc) is not None:
                         raise
         finally:
             self.recovery_s += time.perf_counter() - began
@@ -352,7 +350,7 @@ class InferenceSession:
         if not self.spans:
             self.spans = await self._open_first_route()
 
-        index, attempt = 0, 0
+        index, attempts = 0, self.sequence.attempts()  # a failed hop and a failed re-route each count
         while index < len(self.spans):
             chain = self._chain(index)
             for span in chain:
@@ -371,14 +369,14 @@ class InferenceSession:
             if failed is None:
                 continue
             span = self.spans[index]
-            error = checks.blame(failed.error, describe(span.hop))
-            if not is_retriable(error) or attempt >= self.sequence.config.max_retries:
+            # blame leaves a SessionExpiredError as it is: judged before it, the lifetime is judged the same
+            expired = self._reached_lifetime(span, failed.error)
+            error = await attempts.failed(failed.error, span.hop, report=not expired)
+            if error is not None:
                 raise error
-            if self._reached_lifetime(span, error):
+            if expired:
                 logger.info("peer %s ended its session at its lifetime; opening a new one", describe(span.hop))
-            else:
-                await self.sequence.report_failure(span.hop, error)
-            attempt = await self._recover(index, attempt)
+            await self._recover(index, attempts)
         self.position += new
         if mask is not None:
             self.mask = mask.to(torch.int64)

@@ -94,7 +94,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "peer-cache-does-not-grow",
-        "peer/handler.py",
+        "peer/inference.py",
         "                    return span(\n"
         "                        hidden[:, begin:end],\n"
         "                        mask[:, : step.prefix_length + end] if mask is not None else None,\n"
@@ -102,7 +102,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        session.cache,\n"
         "                        step.prefix_length + begin,\n"
         "                        blocks=session.blocks,\n"
-        "                        between_layers=self.compute.checkpoint,\n"
+        "                        between_layers=self.served.compute.checkpoint,\n"
         "                    )\n",
         "                    out = span(\n"
         "                        hidden[:, begin:end],\n"
@@ -111,7 +111,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        session.cache,\n"
         "                        step.prefix_length + begin,\n"
         "                        blocks=session.blocks,\n"
-        "                        between_layers=self.compute.checkpoint,\n"
+        "                        between_layers=self.served.compute.checkpoint,\n"
         "                    )\n"
         "                    if step.prefix_length:  # MUTATION\n"
         "                        rewind_cache(session.cache, step.prefix_length)\n"
@@ -140,7 +140,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "peer-ignores-mask",
-        "peer/handler.py",
+        "peer/served.py",
         "        return hidden, mask, positions\n",
         "        return hidden, None, positions  # MUTATION\n",
         "the peer validates the padding mask, then drops it",
@@ -156,7 +156,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "peer-span-one-block-short",
-        "peer/handler.py",
+        "peer/served.py",
         "        return span.start, span.end\n",
         "        return span.start, span.end - 1  # MUTATION\n",
         "the peer runs a request's span without its last block",
@@ -196,7 +196,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ban-never-lifted",
-        "client/sequence.py",
+        "client/bans.py",
         "    def banned(self",
         "    def banned(self, *args, **kwargs) -> set[str]:  # MUTATION: every peer ever banned\n"
         "        return set(self._until)\n\n"
@@ -301,7 +301,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # --- a hostile network ---
     Mutation(
         "request-caps-unchecked",
-        "peer/handler.py",
+        "peer/served.py",
         "        self.admission.check(batch, seq, prefix_length)\n",
         "        pass  # MUTATION\n",
         "a peer computes requests of any size and length",
@@ -317,11 +317,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "session-lifetime-ignored",
-        "peer/handler.py",
-        "                if session is not None and time.monotonic() > session.opened_at + limits.session_lifetime_s:\n",
-        "                if False:  # MUTATION\n",
+        "peer/inference.py",
+        "        return time.monotonic() > session.opened_at + self.limits.session_lifetime_s\n",
+        "        return False  # MUTATION\n",
         "a session kept busy lives forever",
-        ("tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",),
+        (
+            "tests/peer/test_inference.py::test_a_session_past_its_lifetime_ends_at_its_next_request",
+            "tests/integration/test_limits.py::test_a_session_ends_at_its_lifetime_however_busy",
+        ),
     ),
     Mutation(
         "unowned-subkeys-accepted",
@@ -333,7 +336,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "impostor-not-checked",
-        "client/sequence.py",
+        "client/dialing.py",
         "            if snapshot is None or not snapshot.verify(\n",
         "            if False and not snapshot.verify(  # MUTATION\n",
         "a client uses a server that cannot prove the record owner's key",
@@ -376,9 +379,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "inference-queued-as-training",
-        "peer/handler.py",
-        "                            clock.timed(functools.partial(run, begin, end)), batch * (end - begin), INFERENCE\n",
-        "                            clock.timed(functools.partial(run, begin, end)), batch * (end - begin), TRAINING  # MUTATION\n",
+        "peer/inference.py",
+        "            parts.append(await self.served.run(timed, batch * (end - begin), INFERENCE))\n",
+        "            parts.append(await self.served.run(timed, batch * (end - begin)))  # MUTATION: TRAINING, the default\n",
         "a peer's decode steps wait behind every queued training request",
         ("tests/integration/test_compute_order.py",),
     ),
@@ -418,7 +421,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decode-never-batched",
-        "peer/handler.py",
+        "peer/inference.py",
         "                new == 1\n                and mask is None\n",
         "                False  # MUTATION\n                and mask is None\n",
         "a peer computes concurrent sessions' decode steps one by one",
@@ -498,18 +501,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "push-token-unchecked",
-        "peer/handler.py",
-        "                or not hmac.compare_digest(request.push_token, session.push_token)\n",
-        "                or False  # MUTATION\n",
+        "peer/inference.py",
+        " or not hmac.compare_digest(request.push_token, session.push_token):\n",
+        " or False:  # MUTATION\n",
         "a peer takes steps pushed into a session by anyone who names it",
         (
+            "tests/peer/test_inference.py::test_a_session_answers_its_clients_steps_and_the_steps_pushed_into_it",
             "tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",
         ),
     ),
     Mutation(
         "steps-never-forwarded",
         "client/session.py",
-        "        if config.forward_steps is False or not self.sequence.forwards(first.hop):\n",
+        "        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
         ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",),

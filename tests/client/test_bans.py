@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.sequence import BanList
+from client.bans import BanList
 
 
 class Clock:

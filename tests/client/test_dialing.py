@@ -1,0 +1,144 @@
+"""Dialing (client/dialing.py): each peer's path and round trip, through a fake pool of peers that answer pings.
+
+A peer proves its key by signing the ping's challenge; here a "signature" is the challenge tagged with the signer's
+id, which the snapshot accepts only from the record's owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from client.bans import BanList
+from client.dialing import Dialer
+from client.routing import RouteHop
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import PeerUnavailableError
+from protocol.records import ServerInfo, ServerState
+from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import tunnel_address
+from swarm.trust.identity import identity_challenge
+
+
+def _proof(signer: str, data: bytes) -> bytes:
+    return signer.encode() + b"|" + data
+
+
+class KeyedSnapshot(SwarmSnapshot):
+    def verify(self, peer_id: str, data: bytes, signature: bytes) -> bool:
+        return signature == _proof(peer_id, data)
+
+
+class Pool:
+    """Addresses -> the peer id whose key the server there holds; an address not listed does not answer."""
+
+    def __init__(self, servers: dict[str, str]):
+        self.servers, self.pinged, self.dropped = servers, [], []
+
+    async def unary(self, address: str, method: str, request: pb.InfoRequest, timeout_s: float) -> pb.InfoResponse:
+        assert method == "info"
+        self.pinged.append(address)
+        if address not in self.servers:
+            raise PeerUnavailableError(f"peer {address} did not answer")
+        signer = self.servers[address]
+        return pb.InfoResponse(identity_proof=_proof(signer, identity_challenge(request.nonce, signer)))
+
+    async def drop(self, address: str) -> None:
+        self.dropped.append(address)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _info(port: int) -> ServerInfo:
+    return ServerInfo(
+        state=ServerState.ONLINE,
+        start_block=0,
+        end_block=2,
+        throughput=1.0,
+        cache_tokens_left=64,
+        dtype="float32",
+        version="2",
+        endpoint=f"127.0.0.1:{port}",
+    )
+
+
+def _snapshot(**servers: ServerInfo) -> KeyedSnapshot:
+    return KeyedSnapshot(num_blocks=2, servers=dict(servers))
+
+
+def _dialer(servers: dict[str, str]) -> tuple[Dialer, Pool, BanList]:
+    pool, bans = Pool(servers), BanList(base_s=1.0, clock=Clock())
+    return Dialer(pool, bans), pool, bans
+
+
+def test_a_peer_is_reached_at_its_endpoint_and_measured_once():
+    dialer, pool, bans = _dialer({"127.0.0.1:1": "a"})
+    snapshot = _snapshot(a=_info(1))
+    asyncio.run(dialer.measure_rtts(snapshot))
+    assert dialer.paths == {"a": "127.0.0.1:1"} and 0 <= dialer.rtts["a"] < 1.0
+    asyncio.run(dialer.measure_rtts(snapshot))
+    assert pool.pinged == ["127.0.0.1:1"], "a measured peer was pinged again"
+    hop = RouteHop("a", 0, 2, "announced")
+    assert dialer.on_paths([hop, RouteHop("b", 0, 2, "b's")]) == [
+        RouteHop("a", 0, 2, "127.0.0.1:1"),
+        RouteHop("b", 0, 2, "b's"),
+    ]
+    assert bans.banned() == set()
+
+
+def test_a_peer_that_does_not_answer_at_its_endpoint_is_reached_over_libp2p(caplog):
+    dialer, pool, _ = _dialer({tunnel_address("a"): "a"})
+    with caplog.at_level(logging.INFO, logger="client.dialing"):
+        asyncio.run(dialer.measure_rtts(_snapshot(a=_info(1))))
+    assert dialer.paths == {"a": tunnel_address("a")}
+    assert pool.pinged == ["127.0.0.1:1", tunnel_address("a")] and pool.dropped == ["127.0.0.1:1"]
+    assert "is reached at" in caplog.text
+
+
+def test_a_peer_that_answers_nowhere_counts_the_timeout_and_keeps_its_endpoint():
+    dialer, pool, bans = _dialer({})
+    info = _info(1)
+    address = asyncio.run(dialer.address_of("a", info, _snapshot(a=info), timeout_s=0.25))
+    assert address == "127.0.0.1:1" and dialer.rtts == {"a": 0.25} and dialer.paths == {}
+    assert pool.pinged == pool.dropped == ["127.0.0.1:1", tunnel_address("a")]
+    assert bans.banned() == set(), "silence is not a lie"
+
+
+def test_a_server_without_the_record_owners_key_is_an_impostor_and_banned():
+    dialer, pool, bans = _dialer({"127.0.0.1:1": "b", tunnel_address("a"): "b"})
+    asyncio.run(dialer.measure_rtts(_snapshot(a=_info(1))))
+    assert dialer.paths == {} and dialer.rtts == {"a": 1.0}
+    assert bans.banned() == {"a"} and pool.dropped == ["127.0.0.1:1", tunnel_address("a")]
+
+
+def test_no_answer_is_trusted_without_the_keys_of_a_snapshot():
+    dialer, _, bans = _dialer({"127.0.0.1:1": "a"})
+    asyncio.run(dialer.address_of("a", _info(1), None))
+    assert dialer.paths == {} and bans.banned() == {"a"}
+
+
+def test_a_peer_that_moved_or_failed_is_measured_afresh():
+    dialer, pool, _ = _dialer({"127.0.0.1:1": "a", "127.0.0.1:2": "a"})
+    snapshot = _snapshot(a=_info(1))
+    assert asyncio.run(dialer.address_of("a", _info(1), snapshot)) == "127.0.0.1:1"
+    assert asyncio.run(dialer.address_of("a", _info(1), snapshot)) == "127.0.0.1:1"
+    assert pool.pinged == ["127.0.0.1:1"]
+    # back under the same id (its key kept) at another endpoint: not dialed at its old address
+    assert asyncio.run(dialer.address_of("a", _info(2), _snapshot(a=_info(2)))) == "127.0.0.1:2"
+    assert pool.pinged == ["127.0.0.1:1", "127.0.0.1:2"]
+    dialer.forget("a")
+    assert dialer.paths == {} and dialer.rtts == {}
+    asyncio.run(dialer.measure_rtts(_snapshot(a=_info(2))))
+    assert pool.pinged[-1] == "127.0.0.1:2" and dialer.paths == {"a": "127.0.0.1:2"}
+
+
+def test_only_the_peers_asked_for_are_measured():
+    dialer, pool, _ = _dialer({"127.0.0.1:1": "a", "127.0.0.1:2": "b"})
+    asyncio.run(dialer.measure_rtts(_snapshot(a=_info(1), b=_info(2)), only={"b"}))
+    assert pool.pinged == ["127.0.0.1:2"] and set(dialer.paths) == {"b"}

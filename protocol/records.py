@@ -25,9 +25,6 @@ MAX_RELAYS = 4
 MAX_THROUGHPUT = 1e7  # tokens/s; far above any span on one machine today
 MAX_CACHE_TOKENS = 1 << 32
 MAX_COUNT = 1 << 48  # epochs, samples
-MAX_PING_S = 60.0
-MAX_NEXT_PINGS = 32
-MAX_ADAPTERS = 16
 MAX_NUM_BLOCKS = 10_000
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_RECORD_TTL_S = 300.0
@@ -41,8 +38,9 @@ after: otherwise a peer that never finishes joining (or lies) would keep newcome
 
 
 _PeerId = pydantic.constr(pattern=PEER_ID_PATTERN)
-_AdapterName = pydantic.constr(pattern=r"^[A-Za-z0-9._/-]{1,128}$")
-_Ping = pydantic.confloat(ge=0, le=MAX_PING_S, allow_inf_nan=False)
+
+
+_RETIRED_FIELDS = ("adapters", "next_pings")
 
 
 class ServerState(enum.IntEnum):
@@ -81,9 +79,6 @@ class ServerInfo(_Record):
     transport: Literal["direct", "p2p"] = "direct"
     relays: tuple[_PeerId, ...] = pydantic.Field(default=(), max_length=MAX_RELAYS)
     relay: bool = False  # it forwards streams to peers behind NAT (swarm/net/relay.py)
-    adapters: tuple[_AdapterName, ...] = pydantic.Field(default=(), max_length=MAX_ADAPTERS)
-    # peer id -> RTT in seconds, to peers serving the next blocks
-    next_pings: dict[_PeerId, _Ping] = pydantic.Field(default={}, max_length=MAX_NEXT_PINGS)
     run_id: str = pydantic.Field(default="", pattern=r"^[A-Za-z0-9_-]{0,64}$")  # training run; "" when frozen
     epoch: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)  # updates applied in that run
     samples: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)  # samples accumulated towards the next update
@@ -97,7 +92,16 @@ class ServerInfo(_Record):
             raise ValueError(f"state must be one of {[int(s) for s in ServerState]}, got {value!r}")
         return ServerState(value)
 
-    @pydantic.field_validator("adapters", "relays", mode="before")
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _drop_unused_fields(cls, value: Any) -> Any:
+        """Peers of version 2 and older announced `adapters` and `next_pings`, always empty, and nothing read them;
+        their records stay valid without them, and a non-empty one is an unknown field."""
+        if isinstance(value, dict) and any(value.get(name) in ([], (), {}) for name in _RETIRED_FIELDS):
+            value = {k: v for k, v in value.items() if not (k in _RETIRED_FIELDS and v in ([], (), {}))}
+        return value
+
+    @pydantic.field_validator("relays", mode="before")
     @classmethod
     def _tuple_from_list(cls, value: Any) -> Any:
         return tuple(value) if isinstance(value, list) else value
@@ -111,7 +115,6 @@ class ServerInfo(_Record):
     def to_wire(self) -> dict[str, Any]:
         wire = super().to_wire()
         wire["state"] = int(self.state)
-        wire["adapters"] = list(self.adapters)
         wire["relays"] = list(self.relays)
         return wire
 

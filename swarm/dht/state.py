@@ -4,9 +4,10 @@
 swarm/dht/directory.py, so every value in it fits protocol/records.py's bounds), plus, where the caller pinged the
 peers (the monitor does, through client/), what each ping found. `read_state` does the DHT reads.
 
-The document (SCHEMA_VERSION 1; a field is only ever added within a version):
+The document (SCHEMA_VERSION 2; a field is only ever added within a version; 2 dropped the peers' "adapters",
+which no peer ever wrote):
 
-    {"schema_version": 1, "taken_at": unix time of the DHT read, "rtt_measured": whether peers were pinged,
+    {"schema_version": 2, "taken_at": unix time of the DHT read, "rtt_measured": whether peers were pinged,
      "error": null, or why the latest read failed (the monitor then serves the previous one's data),
      "models": [{"prefix", "repository", "num_blocks",
                  "coverage": [ONLINE peers announcing block i, for each block],
@@ -17,7 +18,7 @@ The document (SCHEMA_VERSION 1; a field is only ever added within a version):
                  "peers": [{"peer_id", "state" (ONLINE/JOINING/OFFLINE), "live", "start_block", "end_block",
                             "throughput" (tokens/s), "cache_tokens_left", "dtype", "version", "endpoint",
                             "transport" (direct/p2p), "relays", "relay", "reach" (how clients reach it, in words),
-                            "adapters", "run_id" ("" when frozen), "epoch", "samples", "expires_at",
+                            "run_id" ("" when frozen), "epoch", "samples", "expires_at",
                             "ping": null (not pinged: not ONLINE, or no pings at all), or "answered",
                                     "no answer" or "wrong key",
                             "rtt_s": seconds or null}]}]}
@@ -33,7 +34,7 @@ from typing import Any
 from protocol.records import ModelRecord, ServerInfo, ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,6 @@ def _peer(peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot, live: bool, p
         "relays": list(info.relays),
         "relay": info.relay,
         "reach": describe_reach(info),
-        "adapters": list(info.adapters),
         "run_id": info.run_id,
         "epoch": info.epoch,
         "samples": info.samples,

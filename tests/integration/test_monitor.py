@@ -145,7 +145,7 @@ def everyone_answered(state) -> bool:
 
 def test_api_state_shows_every_model_of_a_private_swarm(monitored):
     state = wait_for_state(monitored, everyone_answered, "every peer to answer the monitor", timeout_s=60)
-    assert state["schema_version"] == 1 and state["rtt_measured"] is True and state["error"] is None
+    assert state["schema_version"] == 2 and state["rtt_measured"] is True and state["error"] is None
     models = models_of(state)
     assert set(models) == {monitored.llama, monitored.qwen, EVIL_PREFIX}
     llama, qwen, evil = models[monitored.llama], models[monitored.qwen], models[EVIL_PREFIX]

@@ -219,7 +219,6 @@ _VALID_INFO = ServerInfo(
     dtype="float32",
     version="1",
     endpoint="127.0.0.1:5000",
-    next_pings={"12D3KooWAL5dXFrcKjsW1MHJJcEmAwgr7k2cHyYqNdQ4GSFLm172": 0.01},
 ).to_wire()
 
 

@@ -44,7 +44,7 @@ SNAPSHOTS = {
 
 def test_the_document_counts_online_peers_per_block_and_names_the_gaps():
     state = build_state(MODELS, SNAPSHOTS, taken_at=123.0)
-    assert state["schema_version"] == SCHEMA_VERSION == 1
+    assert state["schema_version"] == SCHEMA_VERSION == 2
     assert state["taken_at"] == 123.0 and state["rtt_measured"] is False and state["error"] is None
     assert [model["prefix"] for model in state["models"]] == ["llama", "qwen"]
     llama, qwen = state["models"]
@@ -76,7 +76,6 @@ def test_peers_are_listed_by_span_with_every_announced_field():
         "relays": [],
         "relay": False,
         "reach": "direct 127.0.0.1:5000",
-        "adapters": [],
         "run_id": "",
         "epoch": 0,
         "samples": 0,

@@ -1,16 +1,23 @@
 """The results folder: results.json (everything), results.md (a table per scenario) and one PNG per scenario.
 
-A scenario in SELF_PLOTTED draws its own PNG (train_swarm: loss curves); the others get bar charts here.
+The figures are drawn from the rows and the run's header alone (bench/plots.py), so they can be drawn again from a
+results.json without running anything:
+
+    python -m bench.report --from bench/results/20261202-115946/results.json --out /tmp/figures
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import logging
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
+from bench.plots import scenario_figure
 from bench.stats import Row
 from swarm.extras import EXTRAS, install_hint, missing_modules
 
@@ -27,7 +34,6 @@ TITLES = {
     "wan": "A wide-area network, emulated: per-token latency vs its floor",
     "train_swarm": "Training with the swarm (peers + trainers) vs local",
 }
-SELF_PLOTTED = {"train_swarm"}
 
 
 def _num(x: float | None, digits: int = 3) -> str:
@@ -85,77 +91,31 @@ def markdown(rows: list[Row], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[Row], out_dir: Path) -> list[Path]:
-    """One PNG per scenario: for each metric, ours vs reference per setting, with p10-p90 error bars."""
-    import matplotlib
+def run_label(header: dict) -> str:
+    """Which run a figure comes from: its mode and the minute it started ("full run of 2026-12-02 11:59")."""
+    started = str(header.get("started", "?"))
+    try:
+        started = f"{datetime.datetime.fromisoformat(started):%Y-%m-%d %H:%M}"
+    except ValueError:
+        pass
+    return f"{header.get('mode', 'bench')} run of {started}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    written = []
+def plot(rows: list[Row], out_dir: Path, header: dict) -> list[Path]:
+    """One PNG per scenario of one run (bench/plots.py), its start in the title; returns their paths."""
     by_scenario: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         by_scenario[row.scenario].append(row)
+    footnote = header.get("summary", {}).get("machine", "")
+    written = []
     for scenario, group in by_scenario.items():
-        if scenario in SELF_PLOTTED:
-            if (out_dir / f"{scenario}.png").is_file():
-                written.append(out_dir / f"{scenario}.png")
-            continue
-        metrics: dict[str, list[Row]] = defaultdict(list)
-        for row in group:
-            metrics[f"{row.metric} ({row.unit})"].append(row)
-        fig, axes = plt.subplots(len(metrics), 1, figsize=(10, 3.2 * len(metrics)), squeeze=False)
-        for ax, (metric, metric_rows) in zip(axes[:, 0], metrics.items()):
-            labels = [f"{r.config}\n{r.variant}" for r in metric_rows]
-            xs = range(len(metric_rows))
-            width = 0.38
-            ours = [r.ours for r in metric_rows]
-            ax.bar(
-                [x - width / 2 for x in xs],
-                [s.median for s in ours],
-                width,
-                label="ours",
-                yerr=_errors(ours),
-                capsize=3,
-            )
-            refs = [r.reference for r in metric_rows]
-            if any(ref is not None for ref in refs):
-                names = sorted({r.reference_name for r in metric_rows if r.reference is not None})
-                ax.bar(
-                    [x + width / 2 for x in xs],
-                    [ref.median if ref else 0 for ref in refs],
-                    width,
-                    label=" / ".join(names),
-                    yerr=_errors(refs),
-                    capsize=3,
-                )
-            bounds = [(x, r.target.bound) for x, r in zip(xs, metric_rows) if r.target and r.target.on == "value"]
-            if bounds:
-                ax.scatter(
-                    [x for x, _ in bounds],
-                    [b for _, b in bounds],
-                    marker="_",
-                    s=900,
-                    color="black",
-                    label="target bound",
-                    zorder=3,
-                )
-            ax.set_xticks(list(xs))
-            ax.set_xticklabels(labels, fontsize=7)
-            ax.set_title(f"{TITLES.get(scenario, scenario)}: {metric}", fontsize=10)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
+        fig = scenario_figure(
+            scenario, group, title=TITLES.get(scenario, scenario), run=run_label(header), footnote=footnote
+        )
         path = out_dir / f"{scenario}.png"
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         written.append(path)
     return written
-
-
-def _errors(summaries) -> list[list[float]]:
-    low = [max(0.0, s.median - s.p10) if s else 0.0 for s in summaries]
-    high = [max(0.0, s.p90 - s.median) if s else 0.0 for s in summaries]
-    return [low, high]
 
 
 def write(out_dir: Path, rows: list[Row], header: dict) -> dict[str, Path]:
@@ -168,6 +128,37 @@ def write(out_dir: Path, rows: list[Row], header: dict) -> dict[str, Path]:
     if missing_modules(EXTRAS["bench"]):  # the tables and JSON are written all the same
         logger.warning("matplotlib is missing: no plots written; install them with %s", install_hint("bench"))
         return paths
-    for path in plot(rows, out_dir):
+    for path in plot(rows, out_dir, header):
         paths[path.stem] = path
     return paths
+
+
+def read(results_json: Path) -> tuple[list[Row], dict]:
+    """The rows and the header of a results.json that `write` wrote."""
+    payload = json.loads(results_json.read_text())
+    rows = [Row.from_json(row) for row in payload.pop("rows")]
+    return rows, payload
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description="Draw a run's figures from its results.")
+    p.add_argument("--from", dest="source", type=Path, required=True, help="the run's results.json")
+    p.add_argument("--out", type=Path, help="where the PNGs go (default: beside the results.json)")
+    args = p.parse_args(argv)
+    if missing_modules(EXTRAS["bench"]):
+        print(f"error: drawing needs matplotlib; install it with {install_hint('bench')}", file=sys.stderr)
+        return 1
+    try:
+        rows, header = read(args.source)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"error: cannot read {args.source} as a bench results.json: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    out_dir = args.out or args.source.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in plot(rows, out_dir, header):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,8 @@ trained on the bundled Shakespeare plays. Its parts run one after the other, eac
     averaging    seconds per group all-reduce in those peers' logs vs two bare hivemind averagers of a stage's size
     pipelining   2 peers behind 20 ms one-way delay proxies: --max-in-flight 4 vs 1, tokens/s
     default      (full preset) tokens/s of the default model, seq 128, batch 4, vs --local
-    loss curves  train_swarm.png in the results folder
+
+The loss curves travel in the final-loss rows' `extra["curves"]`; bench/report.py draws train_swarm.png from them.
 
 It does not measure convergence beyond a few dozen steps, GPUs for the trainer (it computes on the CPU), or LoRA.
 """
@@ -22,7 +23,6 @@ import logging
 import math
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,24 +30,12 @@ import torch
 from bench import train_runs as tr
 from bench.plan import Plan
 from bench.proxy import DelayProxy, netem_available
-from bench.stats import Row, Summary, Target
+from bench.stats import Band, Row, Summary, Target
 from client.demo.local_swarm import LocalSwarm
-from swarm.extras import EXTRAS, missing_modules
 from swarm.models.checkpoint import load_config
 from swarm.models.default_model import resolve_default_model
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Band(Target):
-    """A target that the ratio lies between `low` and `bound`."""
-
-    low: float = 0.0
-
-    def met(self, ratio: float | None, value: float, reference: float | None = None) -> bool | None:
-        within = super().met(ratio, value, reference)
-        return within if within is not True else ratio >= self.low
 
 
 FIDELITY_TARGET = Band("ratio", "<=", 1.02, "0.98-1.02x local", low=0.98)
@@ -83,7 +71,6 @@ class TrainSwarm:
     def __init__(self, plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path):
         self.plan, self.models_dir, self.cache_dir, self.out_dir = plan, models_dir, cache_dir, out_dir
         self.small = tr.TrainSettings(seq_len=64, batch_size=8, micro_batch_size=2, steps=plan.train_swarm_steps)
-        self.curves: dict[str, dict[str, list[float]]] = {}
         self.rounds_s: list[float] = []
 
     def __enter__(self) -> TrainSwarm:
@@ -117,7 +104,7 @@ class TrainSwarm:
         ]
         if not self.plan.quick:
             parts.append(("default model", self.default_model))
-        return [*parts, ("loss curves", self.plot)]
+        return parts
 
     # --- processes ---
 
@@ -168,13 +155,13 @@ class TrainSwarm:
         with self._peers(self.model, prefix, "one", SPANS, s.batch_size, s) as names:
             ours = self._train({"one-swarm": [*self._remote(self.model, prefix, "one"), *s.args()]}, s)["one-swarm"]
             updates = [tr.updates_applied(self.swarm.log(name).read_text(), "one") for name in names]
-        self.curves["1 trainer"] = {
+        curves = {
             f"local, batch {s.batch_size}": [r["loss"] for r in local],
             "swarm, 1 trainer": [r["loss"] for r in ours],
         }
         variant = f"1 trainer, 2 peers, batch {s.batch_size}x{s.seq_len}, {len(ours)} steps"
         rows = [
-            self._fidelity(variant, [r["loss"] for r in ours], [r["loss"] for r in local], NOTES["exact"]),
+            self._fidelity(variant, [r["loss"] for r in ours], [r["loss"] for r in local], NOTES["exact"], curves),
             self._throughput(self.small, variant, ours, local),
         ]
         seconds = sum(tr.step_seconds(ours, s.seq_len))
@@ -212,7 +199,7 @@ class TrainSwarm:
         trainer_rounds = [t for name in runs for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
         trainers = [[r["loss"] for r in steps] for steps in runs.values()]
         ours = tr.mean_curve(trainers)
-        self.curves["2 trainers"] = {
+        curves = {
             f"local, batch {joint}": [r["loss"] for r in local],
             "swarm, mean of 2 trainers": ours,
             **{f"trainer seed {i}": curve for i, curve in enumerate(trainers)},
@@ -220,7 +207,7 @@ class TrainSwarm:
         variant = f"2 trainers x batch {s.batch_size}, 2 peers per stage, vs local batch {joint}, {len(ours)} steps"
         rates = tr.summed_rates(list(runs.values()), SKIP)
         return [
-            self._fidelity(variant, ours, [r["loss"] for r in local], NOTES["seeds"]),
+            self._fidelity(variant, ours, [r["loss"] for r in local], NOTES["seeds"], curves),
             Row(
                 "train_swarm",
                 tr.TRAIN_MODEL,
@@ -335,14 +322,11 @@ class TrainSwarm:
         variant = f"1 trainer, 2 peers (0:15, 15:30), batch {s.batch_size}x{s.seq_len}, {s.steps} steps"
         return [self._throughput(s, variant, ours["default-swarm"], local["default-local"], config="default")]
 
-    def plot(self) -> list[Row]:
-        if self.curves and not missing_modules(EXTRAS["bench"]):  # without matplotlib: the rows, no curves
-            plot_curves(self.curves, self.out_dir / "train_swarm.png")
-        return []
-
     # --- rows ---
 
-    def _fidelity(self, variant: str, ours: list[float], local: list[float], note: str) -> Row:
+    def _fidelity(
+        self, variant: str, ours: list[float], local: list[float], note: str, curves: dict[str, list[float]]
+    ) -> Row:
         return Row(
             "train_swarm",
             tr.TRAIN_MODEL,
@@ -353,7 +337,7 @@ class TrainSwarm:
             Summary.of([tr.final_loss(local)]),
             LOCAL,
             FIDELITY_TARGET,
-            extra={"loss": ours, "local_loss": local, "notes": [note]},
+            extra={"loss": ours, "local_loss": local, "curves": curves, "notes": [note]},
         )
 
     def _throughput(
@@ -382,32 +366,3 @@ def _two_note(trainer_rounds: list[float], stage_rounds: list[float]) -> str:
         f"Adam statistics; median round {median(trainer_rounds)}) after the stages' groups (median round "
         f"{median(stage_rounds)}), one after the other"
     )
-
-
-def plot_curves(curves: dict[str, dict[str, list[float]]], path: Path) -> Path:
-    """One panel per configuration, the loss of each run per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False, sharey=True)
-    for ax, (title, lines) in zip(axes[0], curves.items()):
-        for label, losses in lines.items():
-            thin = label.startswith("trainer")
-            ax.plot(
-                range(1, len(losses) + 1),
-                losses,
-                label=label,
-                linewidth=0.8 if thin else 1.8,
-                linestyle=":" if thin else ("--" if label.startswith("swarm") else "-"),
-            )
-        ax.set_title(f"train_swarm: {title}", fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

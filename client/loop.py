@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -18,6 +19,12 @@ class BackgroundLoop:
             self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Schedule `coro` on the loop; its future can be waited on, or cancelled, from any other thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BackgroundLoop.submit called from its own thread; await the coroutine instead")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
         """Run `coro` on the loop and wait for its result (its exception is re-raised here)."""

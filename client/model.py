@@ -6,6 +6,7 @@ repetition penalty, stopping criteria, streamers) is Hugging Face's own; only th
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -146,6 +147,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _run(self, coro):
         return self._loop.run(coro)
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Run `coro` on this model's event loop, where its remote blocks' coroutines live (client/sequence.py), and
+        return its future: for work built on the model's sequence, such as a trainer's step (client/training/)."""
+        if self._loop is None:
+            raise RuntimeError("this model is not connected to a swarm (shut down, or not made by from_pretrained)")
+        return self._loop.submit(coro)
 
     def shutdown(self) -> None:
         """Close sessions, channels and the DHT node. Safe to call more than once."""

@@ -52,6 +52,15 @@ class TrainingTag:
     epochs: Mapping[tuple[int, int], int]
 
 
+@dataclass(frozen=True, eq=False)  # identity: its tensors have no truth value
+class TakenBackward:
+    """A training backward that a peer answered: what to send again if that peer leaves before its stage updates."""
+
+    hop: RouteHop
+    inputs: torch.Tensor
+    grad: torch.Tensor
+
+
 @dataclass
 class HopRecord:
     """What one hop of a forward pass was sent, kept for its backward."""
@@ -302,12 +311,12 @@ class RemoteSequence:
         mask,
         positions,
         training: TrainingTag | None = None,
-        done: list | None = None,
+        done: list[TakenBackward] | None = None,
     ) -> torch.Tensor:
         """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output.
 
         With `training`, peers add their parameter gradients to their run's next update; `done` then receives
-        (hop, inputs, grad) of each hop that answered, so that a trainer can redo the work of a peer that died.
+        a TakenBackward for each hop that answered, so that a trainer can redo the work of a peer that died.
         """
         if records:
             checks.check_grad(grad, tuple(records[-1].inputs.shape))
@@ -323,7 +332,7 @@ class RemoteSequence:
         positions,
         attempt: int,
         training: TrainingTag | None = None,
-        done: list | None = None,
+        done: list[TakenBackward] | None = None,
     ) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
         attempts = self.attempts(attempt)  # each re-routed hop's backward counts from its depth of re-routing
@@ -336,7 +345,7 @@ class RemoteSequence:
             await attempts.backoff()
         else:
             if done is not None:
-                done.append((hop, inputs, grad))
+                done.append(TakenBackward(hop, inputs, grad))
             if training is None and self._draw_check():
                 grad_inputs = await self._spot_check_backward(record, grad, grad_inputs, mask, positions)
             return grad_inputs

@@ -26,7 +26,7 @@ import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from client.config import TrainConfig
-from client.sequence import TrainingTag
+from client.sequence import TakenBackward, TrainingTag
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
 from swarm.dht.node import start_dht, stop_dht
@@ -34,6 +34,19 @@ from swarm.training.averaging import TrainingGroup, group_key, has_nonfinite
 from swarm.training.optim import make_optimizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagePeer:
+    """A live peer of the run, as its Info answer and record describe it."""
+
+    span: tuple[int, int]
+    epoch: int
+    """Updates its stage has applied."""
+    samples: int
+    """Samples it holds towards the next update."""
+    updating: bool
+    """In the middle of an update: its group has what it needs, and counts as growing."""
 
 
 @dataclass
@@ -119,7 +132,7 @@ class SwarmTrainer:
         """Train on `batch` ([batch_size, seq_len] token ids) and return the step's mean loss."""
         if batch.shape[0] != self.config.batch_size:
             raise ValueError(f"expected a batch of {self.config.batch_size} sequences, got {batch.shape[0]}")
-        future = asyncio.run_coroutine_threadsafe(self._step(batch), self.model._loop.loop)
+        future = self.model.submit(self._step(batch))
         try:
             # in short waits: a Ctrl+C that another thread of this process received runs its handler (raising
             # KeyboardInterrupt here) only once this thread wakes, and a step may wait for a long time
@@ -137,7 +150,7 @@ class SwarmTrainer:
         began = time.perf_counter()
         epochs = await self._wait_for_stages(wait=True)
         tag = TrainingTag(self.config.run_id, epochs)
-        done: list = []
+        done: list[TakenBackward] = []
         limit = self.config.max_in_flight or batch.shape[0]
         gate = asyncio.Semaphore(limit)
         micro = list(batch.split(self.config.micro_batch_size))
@@ -158,7 +171,9 @@ class SwarmTrainer:
             self.steps_done, loss, batch.shape[0], batch.numel(), time.perf_counter() - began, stage_epochs
         )
 
-    async def _micro_batch(self, ids: torch.Tensor, tag: TrainingTag, gate: asyncio.Semaphore, done: list) -> float:
+    async def _micro_batch(
+        self, ids: torch.Tensor, tag: TrainingTag, gate: asyncio.Semaphore, done: list[TakenBackward]
+    ) -> float:
         async with gate:
             model = self.model
             positions = torch.arange(ids.shape[1]).unsqueeze(0)
@@ -196,8 +211,8 @@ class SwarmTrainer:
 
     # --- the stages' updates ---
 
-    async def _stage_epochs(self) -> dict[str, tuple[tuple[int, int], int, int]]:
-        """Peer id -> (span, epoch, samples) of every live peer of the run (those that answer an Info call)."""
+    async def _stage_epochs(self) -> dict[str, StagePeer]:
+        """Peer id -> state of every live peer of the run (those that answer an Info call)."""
         snapshot = await self.sequence.snapshot(refresh=True)
 
         async def ask(peer_id, info):
@@ -208,11 +223,8 @@ class SwarmTrainer:
                 return None
             if response.run_id != self.config.run_id:
                 return None
-            # a peer in the middle of an update counts as growing: its group has what it needs
-            return peer_id, (
-                (info.start_block, info.end_block),
-                int(response.epoch),
-                int(response.samples) + (1 << 40 if response.updating else 0),
+            return peer_id, StagePeer(
+                (info.start_block, info.end_block), int(response.epoch), int(response.samples), response.updating
             )
 
         answers = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
@@ -224,8 +236,8 @@ class SwarmTrainer:
         while True:
             peers = await self._stage_epochs()
             spans: dict[tuple[int, int], list[int]] = {}
-            for span, epoch, _ in peers.values():
-                spans.setdefault(span, []).append(epoch)
+            for peer in peers.values():
+                spans.setdefault(peer.span, []).append(peer.epoch)
             settled = all(min(e) == max(e) for e in spans.values())
             if settled or not wait or time.monotonic() > deadline:
                 if not settled and wait:
@@ -233,7 +245,7 @@ class SwarmTrainer:
                 return {span: max(e) for span, e in spans.items()}
             await asyncio.sleep(0.05)
 
-    async def _wait_for_update(self, tag: TrainingTag, done: list) -> bool:
+    async def _wait_for_update(self, tag: TrainingTag, done: list[TakenBackward]) -> bool:
         """Wait until every stage has moved past `tag`'s epochs; False if that stalled.
 
         Other trainers may still be filling the update: the wait lasts while the stages' samples grow, and
@@ -241,19 +253,20 @@ class SwarmTrainer:
         the next batch adds to the same update instead of waiting forever.
         """
         deadline = time.monotonic() + self.config.step_timeout_s
-        last_samples = None
+        last_progress = None
         while True:
             peers = await self._stage_epochs()
-            pending = {span for span, epoch, _ in peers.values() if epoch <= tag.epochs.get(span, -1)}
+            pending = {p.span for p in peers.values() if p.epoch <= tag.epochs.get(p.span, -1)}
             if not pending:
                 return True
-            lost = [item for item in done if item[0].peer_id not in peers and (item[0].start, item[0].end) in pending]
+            lost = [t for t in done if t.hop.peer_id not in peers and (t.hop.start, t.hop.end) in pending]
             for item in lost:
                 done.remove(item)
                 await self._redo(item, tag, done)
-            samples = sum(samples for _, _, samples in peers.values())
-            if samples != last_samples:
-                last_samples, deadline = samples, time.monotonic() + self.config.step_timeout_s
+            # a peer that enters an update counts as growing too: its group has what it needs
+            progress = (sum(p.samples for p in peers.values()), sum(p.updating for p in peers.values()))
+            if progress != last_progress:
+                last_progress, deadline = progress, time.monotonic() + self.config.step_timeout_s
             if time.monotonic() > deadline:
                 logger.warning(
                     "stages %s did not update, and got no samples for %.0fs; going on (the next batch "
@@ -264,9 +277,9 @@ class SwarmTrainer:
                 return False
             await asyncio.sleep(0.05)
 
-    async def _redo(self, item, tag: TrainingTag, done: list) -> None:
+    async def _redo(self, taken: TakenBackward, tag: TrainingTag, done: list[TakenBackward]) -> None:
         """Send a dead peer's share of the step again, to a live peer of its stage."""
-        hop, inputs, grad = item
+        hop, inputs, grad = taken.hop, taken.inputs, taken.grad
         await self.sequence.report_failure(hop, SwarmError("left before its stage updated"))
         positions = torch.arange(inputs.shape[1]).unsqueeze(0)
         try:

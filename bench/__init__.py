@@ -9,7 +9,8 @@ Modules:
     stats      Row (one measured figure vs its reference and target) and sample summaries
     memory     resident memory of processes, and of a process holding the whole local model
     load       how busy other processes kept the machine while a scenario ran
-    report     results.json, results.md and PNG plots (matplotlib, Agg)
+    report     results.json, results.md and the figures; `python -m bench.report --from RUN/results.json` redraws them
+    plots      a scenario's figure from its rows: ratios to the reference, targets, the run's date
     scenarios/ decode, prefill, train (forward+backward), wire, concurrency, startup (and memory)
     verify     `python -m bench.verify`: what client spot checks cost, forward+backward at fractions 0, 0.05, 1
     hop_profile `python -m bench.hop_profile`: where a decode step's milliseconds go, client and each peer

@@ -1,8 +1,8 @@
-"""`python -m bench.monitor_figure`: a screenshot of `swarmlm monitor` watching the demo's swarm, for the README.
+"""`python -m bench.monitor_figure`: a screenshot of `swarmlm monitor` watching the demo's swarm, for docs/monitor.md.
 
 The demo's swarm (the built-in model, peers on blocks 0:10, 10:20 and 20:30) plus a training peer on 0:15 (LoRA,
 run "demo"), with `swarmlm monitor` in front of it; once every peer answers, the 20:30 peer is killed (SIGKILL, as
-a crash) and the page is photographed when it shows the gap. Needs Chromium and chromedriver (see the README);
+a crash) and the page is photographed when it shows the gap. Needs Chromium and chromedriver (see docs/testing.md);
 every process it starts is stopped on the way out.
 """
 

@@ -20,7 +20,7 @@ error code does not decide between retry and abort (`blame`):
 | peer_unavailable, internal,    | the peer's                                                          | re-routes         |
 | no_peers, any other code       |                                                                     |                   |
 
-To re-route is to ban the peer for a while (client/sequence.py BanList) and send its blocks to others (an
+To re-route is to ban the peer for a while (client/bans.py BanList) and send its blocks to others (an
 inference session replays its history into them). Raised by the client itself, and not retried:
 BadRequestError (and its subclasses) for the caller's input, NoPeersError once nobody is left.
 """

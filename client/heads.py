@@ -7,7 +7,7 @@ computed together in the next one, which never makes a row wait longer than the 
 With `max_wait_s` > 0 a round also waits for the generations that are decoding (members) to hand in their hidden
 states, for `max_wait_s` at most after the first one did, and releases them together, so that their next
 steps reach the first peer together (lockstep). On 2 CPU cores shared by the client and three peers, 0.25-0.5 s
-waits gave rounds of 5-7 rows of 8 but no larger batches on the peers nor more tokens/s (README, Performance),
+waits gave rounds of 5-7 rows of 8 but no larger batches on the peers nor more tokens/s (docs/performance.md),
 and with generations on routes of different speeds it would hold the fast ones back, so the API does not wait.
 A row computed in a batch may differ from the row computed alone in the last bits of float rounding, as the
 peers' batched blocks do.

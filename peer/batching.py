@@ -4,7 +4,7 @@ A decode step (one new token per row) of a session waits in its group (sessions 
 compute thread is busy; the thread then takes the whole group, up to `max_batch_tokens` rows, and runs it as one
 forward. Batching pays because a decode step's cost is reading the weights, which one batched matmul reads once.
 
-Each session keeps its own KV cache (peer/handler.py Session.cache, a transformers DynamicCache). In the batched
+Each session keeps its own KV cache (peer/inference.py Session.cache, a transformers DynamicCache). In the batched
 forward, `BatchCache` stands for all of them: each layer's new keys and values are appended to each session's
 own cache, and attention reads their states padded on the right to the longest, with a per-row mask that hides
 the padding. Rotary positions are per row. Nothing else differs from the session computed alone, so outputs

@@ -5,7 +5,7 @@ a failure); a push that fails is reported there too (ForwardFailed), and the cli
 
 The client names each next hop in the step (`InferenceStep.next`): its endpoint, the session the client opened
 there, that session's push token, and the hop's step id. The next peer accepts the push only for a session that
-holds that token (peer/handler.py `push`), and checks the pushed tensor as it checks a client's.
+holds that token (peer/inference.py `push`), and checks the pushed tensor as it checks a client's.
 
 Pushes go only to direct gRPC endpoints ("host:port"); a hop reached through libp2p is driven by the client.
 """

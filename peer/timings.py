@@ -1,6 +1,6 @@
 """Where a peer's inference steps spend their time: phase timers summed since start, read through the Info RPC.
 
-The phases of one step (peer/handler.py `PeerServicer._step`):
+The phases of one step (peer/inference.py `InferenceStreams._step`):
 
     parse    from entering the handler until its inputs are decoded and checked
     wait     from then until its reply is packed, less its computation: admission, the batcher's gathering

@@ -26,7 +26,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print the swarm's state as one JSON document (described in the README) instead of text",
+        help="print the swarm's state as one JSON document (described in docs/monitor.md) instead of text",
     )
     return p
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 
+from protocol.vocab import DType, choices
 from swarm.extras import require_extra
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
@@ -79,7 +80,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=("auto", *choices(DType)),
         help="dtype of the local embeddings and head (default: the checkpoint's)",
     )
     p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")

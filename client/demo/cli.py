@@ -18,6 +18,7 @@ from pathlib import Path
 
 from client.demo.api import check_ports, run_with_api, start_demo_swarm
 from client.demo.local_swarm import LocalSwarm
+from protocol.vocab import TrainMode, choices
 from swarm.extras import require_extra
 from swarm.models.default_model import DEFAULT_MODEL, resolve_default_model
 from swarm.net.tunnel import describe_address
@@ -64,7 +65,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     t.add_argument(
         "--train-mode",
         default="lora",
-        choices=("full", "lora"),
+        choices=choices(TrainMode),
         help="what the peers train (default: lora, small enough for a laptop)",
     )
     t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")

@@ -39,6 +39,9 @@ def _member(vocabulary: type[StrEnum], name: str, value: object) -> StrEnum:
     return vocabulary(value)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen on every interface: never an address to announce
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """How a peer trains the blocks it serves (`swarmlm peer ... --train`)."""
@@ -212,5 +215,10 @@ class PeerConfig:
             )
         if self.announce_host is not None and not re.fullmatch(r"[^\s:]+(:\d{1,5})?", self.announce_host):
             raise ValueError(f"announce_host must be HOST or HOST:PORT, got {self.announce_host!r}")
+        if self.host in WILDCARD_HOSTS and self.announce_host is None:
+            raise ValueError(
+                f"a peer listening on every interface (host {self.host}) cannot announce that address: pass "
+                f"--announce-host PUBLIC_IP (or a DNS name) to say where clients reach it"
+            )
         if not 0 <= self.port <= 65535 or not 0 <= self.dht_port <= 65535:
             raise ValueError(f"ports must be in 0..65535, got port={self.port} dht_port={self.dht_port}")

@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
-from peer.config import PeerConfig
+from peer.config import WILDCARD_HOSTS, PeerConfig
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
 from peer.reach import Reach
@@ -95,8 +95,15 @@ class PeerServer:
             load_identity(cfg.identity_path) if cfg.identity_path else claim_identity(cache_dir / "identity")
         )
         try:
+            # with a fixed DHT port, the announced host is where others dial the DHT node too
+            announce = cfg.announce_host.partition(":")[0] if cfg.announce_host and cfg.dht_port else None
             self.dht = start_dht(
-                cfg.initial_peers, host=cfg.host, port=cfg.dht_port, identity=self.identity, swarm_key=cfg.swarm_key
+                cfg.initial_peers,
+                host=cfg.host,
+                port=cfg.dht_port,
+                identity=self.identity,
+                swarm_key=cfg.swarm_key,
+                announce_host=announce,
             )
         except BaseException:
             self.identity.release()
@@ -142,7 +149,7 @@ class PeerServer:
         await self.grpc_server.start()
         # where others connect, or else through libp2p (which may replace the DHT node: see peer/reach.py)
         self.dht = await self.reach.decide(self.dht, self.endpoint, self._relays_in_directory)
-        local_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host
+        local_host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
         await self.reach.start(self.dht, f"{local_host}:{port}", self._relays_changed)
 
         await self._serve_blocks(await asyncio.to_thread(self._choose_blocks))

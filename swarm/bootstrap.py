@@ -24,6 +24,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="TCP port (default: a free one)")
     parser.add_argument(
+        "--announce-host",
+        metavar="HOST",
+        help="the public IP or DNS name others reach this node at, printed and announced instead of the addresses "
+        "it listens on (with --host 0.0.0.0, or behind 1:1 NAT); needs --port",
+    )
+    parser.add_argument(
         "--identity", metavar="FILE", help="private key file; created if missing, keeps the peer id across restarts"
     )
     parser.add_argument(
@@ -45,6 +51,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"error: --port must be in 0..65535, got {args.port}")
+    if args.announce_host is not None:
+        from swarm.dht.addresses import announce_maddr
+
+        try:
+            announce_maddr(args.announce_host, args.port)
+        except ValueError as exc:
+            raise SystemExit(f"error: --announce-host: {exc}") from None
     try:
         if args.new_swarm_key is not None:
             swarm_key = create_key_file(args.new_swarm_key)
@@ -68,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         dht = await asyncio.to_thread(
-            start_dht, (), host=args.host, port=args.port, identity_path=args.identity, swarm_key=swarm_key
+            start_dht,
+            (),
+            host=args.host,
+            port=args.port,
+            identity_path=args.identity,
+            swarm_key=swarm_key,
+            announce_host=args.announce_host,
         )
         services = []
         try:

@@ -17,6 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from protocol.errors import DHTUnavailableError, UnauthorizedError
+from swarm.dht.addresses import announce_maddr
 from swarm.dht.validators import SwarmRecordValidator
 from swarm.trust.identity import NodeIdentity, fresh_identity, load_identity
 from swarm.trust.swarmkey import SwarmKey, refused_message
@@ -34,6 +35,7 @@ def start_dht(
     client_mode: bool = False,
     startup_timeout_s: float = 60.0,
     swarm_key: SwarmKey | None = None,
+    announce_host: str | None = None,
 ) -> hivemind.DHT:
     """Start a DHT node in its own process and wait until it is connected.
 
@@ -49,6 +51,8 @@ def start_dht(
         identity: a key this process holds already (swarm.trust.identity.claim_identity); by default a fresh one.
         client_mode: a client node only makes requests and does not serve the DHT.
         swarm_key: the key of a private swarm (swarm/trust/dhtauth.py); None for a public one.
+        announce_host: the address (IP or DNS name) others reach the node at, announced instead of the interfaces it
+            listens on (a public host behind 1:1 NAT, or one listening on 0.0.0.0); needs a fixed `port`.
     """
     kwargs = {}
     if swarm_key is not None:
@@ -57,6 +61,8 @@ def start_dht(
         kwargs["authorizer"] = SwarmKeyAuthorizer(swarm_key)
     if not client_mode:
         kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+        if announce_host is not None:
+            kwargs["announce_maddrs"] = [announce_maddr(announce_host, port)]
     if identity_path is not None:
         identity = load_identity(identity_path)
     else:

@@ -16,6 +16,8 @@
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
     ├── StateDownloadError         state_download     a joining training peer found no member to copy
+    ├── RecipeMismatchError        recipe_mismatch    a training setting differs from the run's published recipe
+    ├── TrainingFaultError         training_fault     a training step could not be completed exactly (it says why)
     ├── DHTUnavailableError        dht_unavailable    this process's DHT node did not answer in time
     ├── UnauthorizedError          unauthorized       no valid swarm key: a private swarm refused the call
     └── InternalError              internal           a bug on the remote side (its message is passed on)
@@ -96,6 +98,20 @@ class InvalidRecordError(SwarmError):
 
 class StateDownloadError(SwarmError):
     code = "state_download"
+
+
+class RecipeMismatchError(SwarmError):
+    """A peer's or trainer's training settings differ from the recipe its run published (swarm/training/recipe.py):
+    the message names each differing setting with both values."""
+
+    code = "recipe_mismatch"
+
+
+class TrainingFaultError(SwarmError):
+    """A training step could not be completed exactly (a round that kept failing, a stage that lost every member):
+    nothing was applied for it, and the message says what failed."""
+
+    code = "training_fault"
 
 
 class DHTUnavailableError(SwarmError):

@@ -14,11 +14,12 @@ outvoted two to one is banned (client/verify.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 
 import hivemind
@@ -50,6 +51,8 @@ class TrainingTag:
 
     run_id: str
     epochs: Mapping[tuple[int, int], int]
+    micro_batch: tuple[str, int, int] | None = None
+    """(trainer, index, samples): the micro-batch's id, which a peer adds to its update once."""
 
 
 @dataclass(frozen=True, eq=False)  # identity: its tensors have no truth value
@@ -84,15 +87,28 @@ class RemoteSequence:
         *,
         hidden_size: int | None = None,
         max_positions: int | None = None,
+        pool: ChannelPool | None = None,
+        directory: Callable[[str, int], SwarmSnapshot] | None = None,
     ):
+        """`pool` reaches the peers and `directory(prefix, num_blocks)` reads who serves what (blocking; it runs in a
+        thread); by default gRPC channels, and `fetch_snapshot` on `dht`. Tests pass in-memory peers instead
+        (tests/helpers/fake_swarm.py)."""
         self.dht, self.prefix, self.num_blocks, self.config = dht, prefix, num_blocks, config
         self.run_id = run_id  # when set, only peers that train this run are used
+        # peers not to route to whatever their record says (a trainer's stage members that are behind or fenced)
+        self.avoid: frozenset[str] = frozenset()
         # the model's, to check inputs as the peers will (None: not checked here)
         self.hidden_size, self.max_positions = hidden_size, max_positions
         self._p2p: hivemind.P2P | None = None
-        self.pool = ChannelPool(
-            config.max_message_bytes, TunnelPool(self.p2p), max_channels=config.max_channels, swarm_key=config.swarm_key
-        )
+        if pool is None:
+            pool = ChannelPool(
+                config.max_message_bytes,
+                TunnelPool(self.p2p),
+                max_channels=config.max_channels,
+                swarm_key=config.swarm_key,
+            )
+        self.pool = pool
+        self.directory = directory if directory is not None else functools.partial(fetch_snapshot, dht)
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
         self._snapshot_at = 0.0
@@ -135,7 +151,7 @@ class RemoteSequence:
         stale = time.monotonic() - self._snapshot_at > self.config.directory_refresh_s
         if refresh or stale or self._snapshot is None:
             began = time.monotonic()
-            snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_blocks)
+            snapshot = await asyncio.to_thread(self.directory, self.prefix, self.num_blocks)
             if self.run_id is not None:
                 snapshot = replace(
                     snapshot,
@@ -163,18 +179,26 @@ class RemoteSequence:
                         start,
                         end,
                         client_rtt_s=self.dialer.rtts,
-                        banned=self.bans.banned(snapshot.expirations),
+                        banned=self.bans.banned(snapshot.expirations) | self.avoid,
                         min_cache_tokens=min_cache_tokens,
                         model_name=self.prefix,
                     )
                 else:
                     hops = plan_forward_route(
-                        snapshot, start, end, banned=self.bans.banned(snapshot.expirations), model_name=self.prefix
+                        snapshot,
+                        start,
+                        end,
+                        banned=self.bans.banned(snapshot.expirations) | self.avoid,
+                        model_name=self.prefix,
                     )
                     await self.dialer.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
                     if {hop.peer_id for hop in hops} & self.bans.banned():  # an impostor among them: plan again
                         hops = plan_forward_route(
-                            snapshot, start, end, model_name=self.prefix, banned=self.bans.banned(snapshot.expirations)
+                            snapshot,
+                            start,
+                            end,
+                            model_name=self.prefix,
+                            banned=self.bans.banned(snapshot.expirations) | self.avoid,
                         )
                 return self.dialer.on_paths(hops)
             except NoPeersError as exc:
@@ -253,6 +277,11 @@ class RemoteSequence:
                 attention_mask=packer.optional(mask),
                 position_ids=packer.optional(positions),
                 backward_id=backward_id,
+                micro_batch=pb.MicroBatch(
+                    trainer=training.micro_batch[0], index=training.micro_batch[1], samples=training.micro_batch[2]
+                )
+                if training is not None and training.micro_batch is not None
+                else None,
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
@@ -373,7 +402,7 @@ class RemoteSequence:
                 snapshot,
                 start,
                 end,
-                banned=self.bans.banned(snapshot.expirations) | excluded,
+                banned=self.bans.banned(snapshot.expirations) | self.avoid | excluded,
                 rng=self.spot_checks.rng,
                 model_name=self.prefix,
             )

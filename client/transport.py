@@ -10,6 +10,7 @@ import asyncio
 import logging
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -30,6 +31,8 @@ class ChannelPool:
     At most `max_channels` stay open: opening one more closes the least recently used channel that no call or
     inference stream is using (a busy one is never closed for room: the pool then holds more until calls end).
     With `swarm_key` (a private swarm) channels are TLS to a member of that swarm and every call carries its tag.
+    `connect` opens each channel (`rpcauth.open_channel`); tests pass one to in-memory peers
+    (tests/helpers/fake_swarm.py).
     """
 
     def __init__(
@@ -38,10 +41,12 @@ class ChannelPool:
         tunnels: TunnelPool | None = None,
         max_channels: int = 64,
         swarm_key: SwarmKey | None = None,
+        *,
+        connect: Callable[[str, Sequence, RpcAuth | None], grpc.aio.Channel] = open_channel,
     ):
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
-        self.tunnels, self.max_channels = tunnels, max_channels
+        self.tunnels, self.max_channels, self._connect = tunnels, max_channels, connect
         self.auth = RpcAuth(swarm_key) if swarm_key is not None else None
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -70,7 +75,7 @@ class ChannelPool:
                     )
                 target = await self.tunnels.local_endpoint(endpoint)
             if endpoint not in self._stubs:  # another request may have opened it meanwhile
-                channel = open_channel(target, self._options, self.auth)
+                channel = self._connect(target, self._options, self.auth)
                 self._stubs[endpoint] = (channel, PeerStub(channel))
         self._stubs.move_to_end(endpoint)
         return self._stubs[endpoint][1]

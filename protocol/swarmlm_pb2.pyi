@@ -67,7 +67,7 @@ class ForwardResponse(_message.Message):
     def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "run_id", "epoch", "payload")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "run_id", "epoch", "micro_batch", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class BackwardRequest(_message.Message):
     BACKWARD_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
@@ -87,8 +88,119 @@ class BackwardRequest(_message.Message):
     backward_id: str
     run_id: str
     epoch: int
+    micro_batch: MicroBatch
     payload: bytes
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., micro_batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class MicroBatch(_message.Message):
+    __slots__ = ("trainer", "index", "samples")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    index: int
+    samples: int
+    def __init__(self, trainer: _Optional[str] = ..., index: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class Holding(_message.Message):
+    __slots__ = ("peer_id", "held")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    held: _containers.RepeatedCompositeFieldContainer[TrainerIndices]
+    def __init__(self, peer_id: _Optional[str] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ...) -> None: ...
+
+class TrainerIndices(_message.Message):
+    __slots__ = ("trainer", "indices", "samples")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    samples: int
+    def __init__(self, trainer: _Optional[str] = ..., indices: _Optional[_Iterable[int]] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("run_id", "span", "epoch", "version", "trainer", "trainers", "members")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    span: Span
+    epoch: int
+    version: int
+    trainer: str
+    trainers: _containers.RepeatedScalarFieldContainer[str]
+    members: _containers.RepeatedCompositeFieldContainer[Holding]
+    def __init__(self, run_id: _Optional[str] = ..., span: _Optional[_Union[Span, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., trainer: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ...) -> None: ...
+
+class RoundStatus(_message.Message):
+    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        IDLE: _ClassVar[RoundStatus.State]
+        WAITING: _ClassVar[RoundStatus.State]
+        AVERAGING: _ClassVar[RoundStatus.State]
+        AVERAGED: _ClassVar[RoundStatus.State]
+        FAILED: _ClassVar[RoundStatus.State]
+        FENCED: _ClassVar[RoundStatus.State]
+    IDLE: RoundStatus.State
+    WAITING: RoundStatus.State
+    AVERAGING: RoundStatus.State
+    AVERAGED: RoundStatus.State
+    FAILED: RoundStatus.State
+    FENCED: RoundStatus.State
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    state: RoundStatus.State
+    round_id: str
+    grad_digest: str
+    grad_sq_norm: float
+    samples: int
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: RoundStatus
+    def __init__(self, status: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
+
+class ApplyRequest(_message.Message):
+    __slots__ = ("run_id", "span", "epoch", "round_id", "grad_digest", "clip_scale")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CLIP_SCALE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    span: Span
+    epoch: int
+    round_id: str
+    grad_digest: str
+    clip_scale: float
+    def __init__(self, run_id: _Optional[str] = ..., span: _Optional[_Union[Span, _Mapping]] = ..., epoch: _Optional[int] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., clip_scale: _Optional[float] = ...) -> None: ...
+
+class ApplyResponse(_message.Message):
+    __slots__ = ("epoch", "param_digest", "applied_samples")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    param_digest: str
+    applied_samples: int
+    def __init__(self, epoch: _Optional[int] = ..., param_digest: _Optional[str] = ..., applied_samples: _Optional[int] = ...) -> None: ...
 
 class BackwardResponse(_message.Message):
     __slots__ = ("grad_inputs", "payload")
@@ -229,15 +341,17 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ("param_digest", "nonce")
+    __slots__ = ("param_digest", "nonce", "held")
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     param_digest: bool
     nonce: bytes
-    def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    held: bool
+    def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings", "round", "held", "applied_samples")
     class StepTimings(_message.Message):
         __slots__ = ("steps", "parse_s", "wait_s", "compute_s", "reply_s")
         STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +388,9 @@ class InfoResponse(_message.Message):
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     PUSHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -297,7 +414,10 @@ class InfoResponse(_message.Message):
     batched_steps: int
     pushed_steps: int
     step_timings: InfoResponse.StepTimings
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ...) -> None: ...
+    round: RoundStatus
+    held: _containers.RepeatedCompositeFieldContainer[TrainerIndices]
+    applied_samples: int
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

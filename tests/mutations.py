@@ -62,7 +62,12 @@ GEN = "tests/integration/test_generation.py"
 FAIL = "tests/integration/test_failover.py"
 TRAIN = "tests/integration/test_training.py"
 API = "tests/integration/test_api.py"
-GENERATION_FAILOVER = "generation_survives_sigkill"  # -k for test_failover.py: peers killed mid-generation
+# the client's logic on in-memory peers (tests/helpers/fake_swarm.py): milliseconds, so they run first
+FAST_FAIL = "tests/client/test_failover.py"
+FAST_CRASH = f"{FAST_FAIL}::test_generation_survives_a_crash"
+FAST_PADDED_CRASH = f"{FAST_CRASH}[first-span-padded-batch]"
+FAST_PUSHES = "tests/client/test_pushes.py::test_steps_travel_peer_to_peer_and_stay_exact"
+FAST_LIES = "tests/client/test_lying_peers.py"
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            prompt = session.remote.spans[0].inputs[0].shape[1]  # MUTATION\n"
         "            position_ids = torch.full_like(position_ids, prompt)\n",
         "every decode step gets the position where the prompt ended",
-        (f"{GEN}::test_greedy_generation_is_identical[llama]",),
+        (f"{FAST_PUSHES}[never]", f"{GEN}::test_greedy_generation_is_identical[llama]"),
     ),
     Mutation(
         "peer-cache-does-not-grow",
@@ -117,7 +122,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        rewind_cache(session.cache, step.prefix_length)\n"
         "                    return out\n",
         "the peer's KV cache keeps only the prompt: a new token sees the prompt and itself",
-        (f"{GEN}::test_greedy_generation_is_identical[llama]",),
+        (f"{FAST_PUSHES}[never]", f"{GEN}::test_greedy_generation_is_identical[llama]"),
     ),
     Mutation(
         "replay-drops-last-token",
@@ -126,8 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            history = torch.cat(old.inputs, dim=1)[:, :-1]  # MUTATION\n"
         "            positions = torch.cat(old.positions, dim=1)[:, :-1]\n",
         "failover replays a span's history without its last token",
-        (FAIL,),
-        GENERATION_FAILOVER,
+        (FAST_CRASH, f"{FAIL}::test_generation_survives_sigkill"),
     ),
     Mutation(
         "replay-positions-off-by-one",
@@ -135,8 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            positions = torch.cat(old.positions, dim=1)\n",
         "            positions = torch.cat(old.positions, dim=1) + 1  # MUTATION\n",
         "failover replays the history at positions shifted by one",
-        (FAIL,),
-        GENERATION_FAILOVER,
+        (FAST_CRASH, f"{FAIL}::test_generation_survives_sigkill"),
     ),
     Mutation(
         "peer-ignores-mask",
@@ -144,7 +147,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return hidden, mask, positions\n",
         "        return hidden, None, positions  # MUTATION\n",
         "the peer validates the padding mask, then drops it",
-        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",),
+        (FAST_PADDED_CRASH, f"{GEN}::test_batch_with_left_padding_is_identical[llama]"),
     ),
     Mutation(
         "session-mask-not-sent",
@@ -152,7 +155,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                    attention_mask=packer.optional(mask),\n",
         "                    attention_mask=packer.optional(None),  # MUTATION\n",
         "inference steps are sent without the padding mask",
-        (f"{GEN}::test_batch_with_left_padding_is_identical[llama]",),
+        (FAST_PADDED_CRASH, f"{GEN}::test_batch_with_left_padding_is_identical[llama]"),
     ),
     Mutation(
         "peer-span-one-block-short",
@@ -181,7 +184,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        for record in reversed(records[1:]):  # MUTATION\n"
         "            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)\n",
         "backward does not go through the first hop",
-        (f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",),
+        (
+            f"{FAST_FAIL}::test_forward_and_backward_fail_over",
+            f"{GEN}::test_gradients_flow_through_remote_blocks[llama]",
+        ),
     ),
     Mutation(
         "peer-backward-returns-grad",
@@ -211,7 +217,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        length_s = self.bans.ban(hop.peer_id)",
         "        length_s = 0 and self.bans.ban(hop.peer_id)",
         "a failed peer is not banned, so it is routed to again",
-        (f"{FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",),
+        (
+            f"{FAST_FAIL}::test_no_peer_left_raises_typed_error_in_bounded_time",
+            "tests/client/test_giving_up.py::test_a_request_tries_max_retries_other_peers_then_raises",
+        ),
     ),
     Mutation(
         "inference-failover-retries-dead-peer",
@@ -219,8 +228,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        replacements = await self._open_route(old.hop.start, old.hop.end, refresh=True)\n",
         "        replacements = [await self._open(old.hop)]  # MUTATION\n",
         "an inference session retries the failed peer instead of re-routing its span",
-        (FAIL,),
-        GENERATION_FAILOVER,
+        (FAST_CRASH, f"{FAIL}::test_generation_survives_sigkill"),
     ),
     Mutation(
         "replay-skips-second-replacement",
@@ -228,8 +236,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            for span in replacements:\n                span.inputs, span.positions",
         "            for span in replacements[:1]:  # MUTATION\n                span.inputs, span.positions",
         "when two peers replace a span, only the first gets the history replayed",
-        (FAIL,),
-        "two_peers",
+        (f"{FAST_FAIL}::test_span_is_rerouted_to_two_peers",),
     ),
     Mutation(
         "replay-drops-mask",
@@ -237,8 +244,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            mask = self.mask[:, : history.shape[1]] if self.mask is not None else None\n",
         "            mask = None  # MUTATION\n",
         "failover replays a padded batch without its mask",
-        (FAIL,),
-        f"{GENERATION_FAILOVER} and padded",
+        (FAST_PADDED_CRASH,),
     ),
     Mutation(
         "backward-retries-dead-peer",
@@ -246,8 +252,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)\n",
         "        records = [record]  # MUTATION\n",
         "a failed backward hop is retried on the dead peer instead of re-routed",
-        (FAIL,),
-        "backward",
+        (f"{FAST_FAIL}::test_forward_and_backward_fail_over",),
     ),
     Mutation(
         "kept-activations-unchecked",
@@ -296,7 +301,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            self._outvoted(first, blocks, diffs)\n            return second\n",
         "            self._outvoted(first, blocks, diffs)\n            return first  # MUTATION\n",
         "a spot check bans the peer outvoted two to one but keeps its wrong answer",
-        ("tests/client/test_verify.py", "tests/integration/test_spot_checks.py"),
+        ("tests/client/test_verify.py", "tests/client/test_spot_checks.py"),
     ),
     # --- a hostile network ---
     Mutation(
@@ -340,7 +345,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if snapshot is None or not snapshot.verify(\n",
         "            if False and not snapshot.verify(  # MUTATION\n",
         "a client uses a server that cannot prove the record owner's key",
-        ("tests/integration/test_lying_peer.py::test_a_record_pointing_at_another_peers_server_is_an_impostor",),
+        (
+            f"{FAST_LIES}::test_a_record_pointing_at_another_peers_server_is_an_impostor",
+            "tests/integration/test_lying_peer.py::test_a_record_pointing_at_another_peers_server_is_an_impostor",
+        ),
     ),
     Mutation(
         "step-id-unchecked",
@@ -350,6 +358,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a client takes a peer's answer to another step",
         (
             "tests/client/test_checks.py",
+            f"{FAST_LIES}::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]",
             "tests/integration/test_lying_peer.py::test_a_lying_peer_is_banned_and_the_results_stay_exact[inference-step_id]",
         ),
     ),
@@ -399,9 +408,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return isinstance(error, SessionExpiredError) and age >= self.sequence.config.min_session_lifetime_s\n",
         "        return False  # MUTATION\n",
         "a client bans a peer that ended a session at its lifetime",
-        (
-            "tests/integration/test_limits.py::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",
-        ),
+        (f"{FAST_FAIL}::test_a_client_reopens_a_session_that_reached_its_lifetime_and_keeps_the_peer",),
     ),
     Mutation(
         "batch-padding-unmasked",
@@ -516,7 +523,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
-        ("tests/integration/test_forwarding.py::test_steps_travel_peer_to_peer_and_stay_exact",),
+        (
+            FAST_PUSHES,
+            "tests/integration/test_forwarding.py::test_the_middle_peer_of_a_forwarding_route_dies_and_the_outputs_do_not_change",
+        ),
     ),
 )
 

@@ -1,4 +1,5 @@
-"""Dialing (client/dialing.py): each peer's path and round trip, through a fake pool of peers that answer pings.
+"""Dialing (client/dialing.py): each peer's path and round trip, through a fake pool of peers that answer pings; and
+a client on in-memory peers (tests/helpers/fake_swarm.py) that dials a restarted peer where it is now.
 
 A peer proves its key by signing the ping's challenge; here a "signature" is the challenge tagged with the signer's
 id, which the snapshot accepts only from the record's owner.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+
+import torch
 
 from client.bans import BanList
 from client.dialing import Dialer
@@ -18,6 +22,8 @@ from protocol.records import ServerInfo, ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.net.tunnel import tunnel_address
 from swarm.trust.identity import identity_challenge
+from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.models import VOCAB_SIZE
 
 
 def _proof(signer: str, data: bytes) -> bytes:
@@ -142,3 +148,22 @@ def test_only_the_peers_asked_for_are_measured():
     dialer, pool, _ = _dialer({"127.0.0.1:1": "a", "127.0.0.1:2": "b"})
     asyncio.run(dialer.measure_rtts(_snapshot(a=_info(1), b=_info(2)), only={"b"}))
     assert pool.pinged == ["127.0.0.1:2"] and set(dialer.paths) == {"b"}
+
+
+def test_a_peer_back_at_another_endpoint_is_dialed_there(fake_swarm, tiny_llama_local):
+    """Through a client on in-memory peers: the peer it generated with crashes and comes back with its key at another
+    endpoint; the next generation dials the new endpoint, with no failure on the old one."""
+    first = fake_swarm.add_peer(0, 4)
+    ids = torch.randint(3, VOCAB_SIZE, (1, 6), generator=torch.Generator().manual_seed(31))
+    expected = generate_with_logits(tiny_llama_local, ids, max_new_tokens=6, do_sample=False)
+    remote = fake_swarm.client(directory_refresh_s=0.01)
+    try:
+        assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
+        back = fake_swarm.restart(first)
+        time.sleep(0.02)  # the client's view of the directory goes stale
+        assert back.peer_id == first.peer_id and back.endpoint != first.endpoint
+        assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
+        assert remote.sequence.failovers == 0, "the client dialed the peer's old endpoint"
+        assert remote.sequence.paths[back.peer_id] == back.endpoint
+    finally:
+        remote.shutdown()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.records import check_run_id
 from protocol.vocab import StrEnum, choices
-from swarm.training.settings import OPTIMIZERS, AveragingSettings
+from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides
+from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
 
 
@@ -100,20 +102,47 @@ def _forward_steps(value: object) -> ForwardSteps:
     raise ValueError(f"forward_steps must be one of {choices(ForwardSteps)}, True or False, got {value!r}")
 
 
+# TrainConfig's fields of the run's recipe (swarm/training/recipe.py), by the recipe's names
+_RECIPE_FIELDS = (
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "lr_schedule",
+    "total_steps",
+    "max_grad_norm",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """What a trainer does per step (`swarmlm train`); the local reference reads the same fields."""
+    """What a trainer does per step (`swarmlm train`); the local reference reads the same fields.
+
+    The fields of the run's recipe (optimizer to max_grad_norm) are None unless given: a trainer adopts the run's
+    setting then, or RunRecipe's default when it starts the run; one given must equal the run's.
+    """
 
     run_id: str = "default"
     batch_size: int = 8
-    """Samples (sequences) per step from this trainer."""
+    """Samples (sequences) per step from this trainer: its share of the run's batch."""
     micro_batch_size: int = 2
     """Samples per request through the peers; batch_size / micro_batch_size of them are in flight."""
     max_in_flight: int = 0
     """Micro-batches in flight at once (0: all of a step's)."""
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    optimizer: str | None = None
+    """adamw, adam or sgd."""
+    lr: float | None = None
+    """Learning rate after warmup."""
+    weight_decay: float | None = None
+    """Weight decay (not on norms, biases and embeddings)."""
+    warmup_steps: int | None = None
+    """Updates over which the learning rate rises linearly from 0."""
+    lr_schedule: LRSchedule | None = None
+    """After warmup: constant, or cosine down to 0 at total_steps."""
+    total_steps: int | None = None
+    """Updates the run is planned for (a cosine schedule needs it)."""
+    max_grad_norm: float | None = None
+    """Clip each update to this global gradient norm (0: no clipping)."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     step_timeout_s: float = 60.0
     """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""
@@ -122,8 +151,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for name, value in check_overrides(self.recipe_overrides()).items():
+            object.__setattr__(self, name, value)
         if self.batch_size < 1 or self.micro_batch_size < 1 or self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a positive multiple of micro_batch_size "
@@ -133,3 +162,16 @@ class TrainConfig:
             raise ValueError(
                 f"max_in_flight must be >= 0 and step_timeout_s > 0, got {self.max_in_flight}, {self.step_timeout_s}"
             )
+
+    def recipe_overrides(self) -> dict[str, Any]:
+        """The settings of the run's recipe given here (not None), by their names in RunRecipe."""
+        return {name: getattr(self, name) for name in _RECIPE_FIELDS if getattr(self, name) is not None}
+
+    def recipe(self) -> RunRecipe:
+        """The recipe this trainer starts a run with: RunRecipe's defaults, what was given, and its batch as the
+        run's (alone, it is the whole batch).
+
+        Raises:
+            ValueError: the settings given do not go together (a cosine schedule without total_steps).
+        """
+        return RunRecipe(**{"batch_size": self.batch_size, **self.recipe_overrides()})

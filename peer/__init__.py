@@ -28,8 +28,8 @@ _EXPORTS = {
     "BlockSpan": ("peer.blocks", "BlockSpan"),
     "PeerConfig": ("peer.config", "PeerConfig"),
     "PeerServer": ("peer.server", "PeerServer"),
-    "SpanTraining": ("peer.training", "SpanTraining"),
-    "TrainingConfig": ("peer.training", "TrainingConfig"),
+    "SpanTraining": ("peer.training.span", "SpanTraining"),
+    "TrainingConfig": ("peer.config", "TrainingConfig"),
     "load_span": ("peer.blocks", "load_span"),
 }
 

@@ -12,7 +12,13 @@ from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, 
 from protocol.errors import SwarmError
 from protocol.vocab import TrainMode, choices
 from swarm.runtime import run_until_signal, wait_for_signal
-from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.training.recipe import RunRecipe
+from swarm.training.settings import (
+    add_averaging_arguments,
+    add_recipe_arguments,
+    averaging_from_args,
+    recipe_arguments,
+)
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
 logger = logging.getLogger(__name__)
@@ -190,19 +196,25 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training (with --train; needs --blocks)")
     t.add_argument("--train", action="store_true", help="train the served blocks with the peers of the same span")
     t.add_argument("--run-id", default="default", help="training run to join (default: default)")
-    t.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
-    t.add_argument("--lr", type=float, default=1e-4, help="learning rate (default: 1e-4)")
-    t.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    # the run's recipe: None unless given, so that a peer adopts the run's settings (swarm/training/recipe.py)
+    add_recipe_arguments(t)
+    d = RunRecipe()
     t.add_argument(
-        "--target-batch-size", type=int, default=8, help="samples the span's group accumulates per update (default: 8)"
+        "--target-batch-size",
+        type=int,
+        help=f"samples per update, all trainers together (default: the run's; {d.batch_size} when starting one)",
     )
     t.add_argument(
         "--train-mode",
-        default=TrainMode.FULL.value,
         choices=choices(TrainMode),
-        help="full weights, or LoRA adapters of the linear layers (default: full)",
+        help=f"full weights, or LoRA adapters of the linear layers (default: the run's; {d.train_mode} when "
+        f"starting one)",
     )
-    t.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA adapters (default: 8)")
+    t.add_argument(
+        "--lora-rank",
+        type=int,
+        help=f"rank of the LoRA adapters (default: the run's; {d.lora_rank} when starting one)",
+    )
     add_averaging_arguments(t)
     t.add_argument("--save-dir", help="save the span's training state here, and resume from it on restart")
     t.add_argument(
@@ -219,11 +231,9 @@ def training_from_args(args: argparse.Namespace) -> TrainingConfig | None:
         return None
     return TrainingConfig(
         run_id=args.run_id,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
+        **recipe_arguments(args),
         target_batch_size=args.target_batch_size,
-        mode=TrainMode(args.train_mode),
+        mode=args.train_mode,
         lora_rank=args.lora_rank,
         averaging=averaging_from_args(args),
         save_dir=args.save_dir,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from peer.admission import WorkLimits
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
 from protocol.vocab import DType, StrEnum, TrainMode, choices
-from swarm.training.settings import OPTIMIZERS, AveragingSettings
+from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides, check_setting
+from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
 
 
@@ -42,20 +44,51 @@ def _member(vocabulary: type[StrEnum], name: str, value: object) -> StrEnum:
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen on every interface: never an address to announce
 
 
+# TrainingConfig's fields of the run's recipe -> their names in RunRecipe
+_RECIPE_FIELDS = {
+    "optimizer": "optimizer",
+    "lr": "lr",
+    "weight_decay": "weight_decay",
+    "warmup_steps": "warmup_steps",
+    "lr_schedule": "lr_schedule",
+    "total_steps": "total_steps",
+    "max_grad_norm": "max_grad_norm",
+    "target_batch_size": "batch_size",
+    "mode": "train_mode",
+    "lora_rank": "lora_rank",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    """How a peer trains the blocks it serves (`swarmlm peer ... --train`)."""
+    """How a peer trains the blocks it serves (`swarmlm peer ... --train`).
+
+    The fields of the run's recipe (optimizer to lora_rank) are None unless given: the peer adopts the run's setting
+    then, or RunRecipe's default when it starts the run; one given must equal the run's.
+    """
 
     run_id: str = "default"
     """Peers of one run and one span average together; trainers name the run they feed."""
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    target_batch_size: int = 8
-    """Samples the group accumulates (over all its members) per update."""
-    mode: TrainMode = TrainMode.FULL
+    optimizer: str | None = None
+    """adamw, adam or sgd."""
+    lr: float | None = None
+    """Learning rate after warmup."""
+    weight_decay: float | None = None
+    """Weight decay (not on norms, biases and embeddings)."""
+    warmup_steps: int | None = None
+    """Updates over which the learning rate rises linearly from 0."""
+    lr_schedule: LRSchedule | None = None
+    """After warmup: constant, or cosine down to 0 at total_steps."""
+    total_steps: int | None = None
+    """Updates the run is planned for (a cosine schedule needs it)."""
+    max_grad_norm: float | None = None
+    """Clip each update to this global gradient norm (0: no clipping)."""
+    target_batch_size: int | None = None
+    """Samples per update, all trainers together (the recipe's batch_size)."""
+    mode: TrainMode | None = None
     """full: train every weight of the span; lora: train LoRA adapters of its linear layers only."""
-    lora_rank: int = 8
+    lora_rank: int | None = None
+    """Rank of the LoRA adapters."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     save_dir: str | None = None
     """Save the span's weights and optimizer state here, and resume from them on restart."""
@@ -64,16 +97,28 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        object.__setattr__(self, "mode", _member(TrainMode, "train mode", self.mode))
-        if not self.lr > 0 or not self.weight_decay >= 0:
-            raise ValueError(f"lr must be > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
-        if self.target_batch_size < 1 or self.lora_rank < 1 or self.save_every < 0:
-            raise ValueError(
-                f"target_batch_size and lora_rank must be >= 1 and save_every >= 0, got "
-                f"{self.target_batch_size}, {self.lora_rank}, {self.save_every}"
-            )
+        if self.mode is not None:
+            object.__setattr__(self, "mode", _member(TrainMode, "train mode", self.mode))
+        for name, setting in _RECIPE_FIELDS.items():
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_setting(setting, getattr(self, name), name))
+        check_overrides(self.recipe_overrides())  # settings that go together, where all are given
+        if self.save_every < 0:
+            raise ValueError(f"save_every must be >= 0, got {self.save_every}")
+
+    def recipe_overrides(self) -> dict[str, Any]:
+        """The settings of the run's recipe given here (not None), by their names in RunRecipe."""
+        return {
+            setting: getattr(self, name) for name, setting in _RECIPE_FIELDS.items() if getattr(self, name) is not None
+        }
+
+    def recipe(self) -> RunRecipe:
+        """The recipe this peer starts a run with: RunRecipe's defaults and what was given.
+
+        Raises:
+            ValueError: the settings given do not go together (a cosine schedule without total_steps).
+        """
+        return RunRecipe(**self.recipe_overrides())
 
 
 @dataclass(frozen=True, kw_only=True)

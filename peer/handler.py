@@ -133,7 +133,7 @@ class PeerServicer:
                         f"this peer does not train (run {request.run_id!r}); route training "
                         f"steps to peers started with --train --run-id {request.run_id}"
                     )
-                training.check(request.run_id, blocks, request.epoch)
+                training.check(request.run_id, blocks, request.epoch, request.micro_batch)
 
             def run():
                 kept = self.activations.pop(request.backward_id) if request.backward_id else None
@@ -142,12 +142,7 @@ class PeerServicer:
                     kept = self._forward_graph(span, blocks, hidden, mask, positions)
                 if training is not None:
                     return training.backward(
-                        kept.outputs,
-                        kept.inputs,
-                        grad.to(span.device),
-                        run_id=request.run_id,
-                        blocks=blocks,
-                        epoch=request.epoch,
+                        kept.outputs, kept.inputs, grad.to(span.device), request.micro_batch, request.epoch
                     )
                 with torch.enable_grad():
                     (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
@@ -187,10 +182,40 @@ class PeerServicer:
             training = self.training
             if training is not None:
                 response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples
-                response.train_mode, response.updating = training.config.mode, training.group.closing
+                response.train_mode = training.recipe.train_mode
+                response.updating = training.status.state == pb.RoundStatus.AVERAGING
+                response.round.CopyFrom(training.status)
+                response.applied_samples = training.applied_samples
+                response.applied_round.CopyFrom(training.applied_round)
+                if request.held:
+                    response.held.extend(training.held())
                 if request.param_digest:
                     response.param_digest = await self.served.run(training.digest, tokens=1 << 20)
             return response
+
+        return await _unary(context, work)
+
+    # --- a training run's updates (peer/training/span.py) ---
+
+    def _training_of(self, run_id: str) -> SpanTraining:
+        if self.training is None:
+            raise BadRequestError(
+                f"this peer does not train (run {run_id!r}); send training calls to peers started with --train "
+                f"--run-id {run_id}"
+            )
+        return self.training
+
+    async def commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        async def work():
+            status = await self._training_of(request.run_id).commit(request)
+            return pb.CommitResponse(status=status)
+
+        return await _unary(context, work)
+
+    async def apply(self, request: pb.ApplyRequest, context) -> pb.ApplyResponse:
+        async def work():
+            training = self._training_of(request.run_id)
+            return await training.apply(request, lambda fn: self.served.run(fn, tokens=1 << 20))
 
         return await _unary(context, work)
 

@@ -187,21 +187,19 @@ class PeerServer:
 
     async def _start_training(self) -> None:
         """Join the span's training group: copy its state if it is ahead, then update with it in the background."""
-        from peer.training import SpanTraining
+        from peer.training.span import SpanTraining
+        from swarm.training.recipe import adopt_recipe
 
-        # built on this (main) thread: hivemind's averager touches signal handlers when it starts its process
-        self.training = SpanTraining(
-            self.span, self.config.training, self.dht, self.prefix, swarm_key=self.config.swarm_key
+        cfg = self.config.training
+        recipe = await asyncio.to_thread(
+            adopt_recipe, self.dht, self.prefix, cfg.run_id, cfg.recipe_overrides(), cfg.recipe()
         )
+        self.training = SpanTraining(self.span, cfg, recipe, self.prefix)
+        # on this (main) thread: hivemind's averager touches signal handlers when it starts its process
+        self.training.start_group(self.dht, swarm_key=self.config.swarm_key)
         await asyncio.to_thread(self.training.join)
         self.servicer.set_training(self.training)
-        logger.info(
-            "training run %r with %s (%s mode), at update %d",
-            self.training.run_id,
-            self.config.training.optimizer,
-            self.config.training.mode,
-            self.training.epoch,
-        )
+        logger.info("training run %r (%s), at update %d", self.training.run_id, recipe.describe(), self.training.epoch)
         self._trainer = asyncio.create_task(self.training.run(self._compute, self.servicer.activations.clear))
 
     async def _compute(self, fn):

@@ -127,10 +127,19 @@ class ModelRecord(_Record):
 
 
 class TrainingProgress(_Record):
-    """What a member of a training group publishes, often, so that the group knows when to update."""
+    """What a member of a training group publishes, often, under its signed subkey (swarm/training/members.py): where
+    it stands, so that the group knows when to update and a member that fell behind knows which state a majority
+    vouches for (swarm/training/state.py)."""
 
-    epoch: int = pydantic.Field(ge=0, le=MAX_COUNT)
-    samples: int = pydantic.Field(ge=0, le=MAX_COUNT)
+    epoch: int = pydantic.Field(ge=0, le=MAX_COUNT)  # updates applied
+    samples: int = pydantic.Field(ge=0, le=MAX_COUNT)  # samples accumulated towards the next update
+    # sha256 (hex) of its trainable state (parameters and optimizer statistics) after its update `epoch`; "" when it
+    # vouches for none (it is joining, or its last round failed)
+    param_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64})?$")
+    # trainers only: their round of update `epoch` (a try number, the same for all), and its outcome here: the
+    # digest of what it averaged, "x" when it failed here, "" before it ends; they apply only once all agree
+    round: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)
+    round_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
 
 
 def record_ttl_s(update_period_s: float) -> float:

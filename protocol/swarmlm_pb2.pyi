@@ -139,7 +139,7 @@ class CommitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., span: _Optional[_Union[Span, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., trainer: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason")
+    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason", "trainers")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IDLE: _ClassVar[RoundStatus.State]
@@ -161,6 +161,7 @@ class RoundStatus(_message.Message):
     GRAD_SQ_NORM_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAINERS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     state: RoundStatus.State
     round_id: str
@@ -168,7 +169,8 @@ class RoundStatus(_message.Message):
     grad_sq_norm: float
     samples: int
     reason: str
-    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    trainers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status",)
@@ -351,7 +353,7 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings", "round", "held", "applied_samples")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings", "round", "held", "applied_samples", "applied_round")
     class StepTimings(_message.Message):
         __slots__ = ("steps", "parse_s", "wait_s", "compute_s", "reply_s")
         STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +393,7 @@ class InfoResponse(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_ROUND_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -417,7 +420,8 @@ class InfoResponse(_message.Message):
     round: RoundStatus
     held: _containers.RepeatedCompositeFieldContainer[TrainerIndices]
     applied_samples: int
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ...) -> None: ...
+    applied_round: RoundStatus
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ..., applied_round: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span",)

@@ -1,4 +1,5 @@
-"""`swarmlm status`: which models the swarm serves, who serves which blocks, and what is uncovered.
+"""`swarmlm status`: which models the swarm serves, who serves which blocks, what is uncovered, and the recipe of
+each training run.
 
 `--json` prints the document of swarm/dht/state.py instead (the one `swarmlm monitor` serves), without pinging the
 peers: its "rtt_measured" is false and every "rtt_s" null.
@@ -9,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from protocol.errors import SwarmError
 from protocol.records import ServerState
 from swarm.dht.snapshot import SwarmSnapshot
-from swarm.dht.state import block_ranges, build_state, describe_reach
+from swarm.dht.state import block_ranges, build_state, describe_reach, training_runs
+from swarm.training.recipe import RunRecipe, read_recipes
 from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 
 
@@ -35,7 +37,11 @@ def _ranges(blocks: list[int]) -> str:
     return ", ".join(f"{start}:{end}" for start, end in block_ranges(blocks))
 
 
-def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> str:
+def format_snapshot(
+    prefix: str, repository: str, snapshot: SwarmSnapshot, recipes: Mapping[str, Sequence[RunRecipe]] | None = None
+) -> str:
+    """The text of one model; `recipes`: run id -> the different RunRecipes published for it, the one that counts
+    first (None: not read)."""
     lines = [f"model {prefix} ({repository}): {snapshot.num_blocks} blocks"]
     servers = sorted(snapshot.servers.items(), key=lambda item: (item[1].start_block, item[1].end_block, item[0]))
     for peer_id, info in servers:
@@ -46,7 +52,27 @@ def format_snapshot(prefix: str, repository: str, snapshot: SwarmSnapshot) -> st
         )
     uncovered = snapshot.uncovered_blocks()
     lines.append(f"  uncovered blocks: {_ranges(uncovered)}" if uncovered else "  all blocks covered")
+    for run_id in training_runs(snapshot.online()) if recipes is not None else ():
+        published = recipes.get(run_id) or []
+        recipe = published[0].describe() if published else "no recipe published"
+        others = f" ({len(published) - 1} other recipes published; the first published counts)"
+        lines.append(f"  run {run_id!r}: {recipe}" + (others if len(published) > 1 else ""))
     return "\n".join(lines)
+
+
+def recipes_of_runs(dht, snapshots: Mapping[str, SwarmSnapshot]) -> dict[str, dict[str, list[RunRecipe]]]:
+    """prefix -> run id -> the different recipes published for each run its ONLINE peers train, the one that
+    counts first (swarm/training/recipe.py).
+
+    Raises:
+        DHTUnavailableError: the DHT did not answer in time.
+    """
+    found: dict[str, dict[str, list[RunRecipe]]] = {}
+    for prefix, snapshot in snapshots.items():
+        for run_id in training_runs(snapshot.online()):
+            distinct = {r.recipe.digest(): r.recipe for r in read_recipes(dht, prefix, run_id)}  # in order
+            found.setdefault(prefix, {})[run_id] = list(distinct.values())
+    return found
 
 
 def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
@@ -105,15 +131,20 @@ def _show(dht, args: argparse.Namespace) -> int:
 
     try:
         models, snapshots = read_state(dht, args.model)
+        recipes = recipes_of_runs(dht, snapshots)
         if args.json:
-            print(json.dumps(build_state(models, snapshots), indent=2))
+            wire = {
+                prefix: {run: [r.to_wire() for r in found] for run, found in runs.items()}
+                for prefix, runs in recipes.items()
+            }
+            print(json.dumps(build_state(models, snapshots, recipes=wire), indent=2))
         if not models:
             if not args.json:
                 print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))
             return 1
         if not args.json:
             for prefix, record in sorted(models.items()):
-                print(format_snapshot(prefix, record.repository, snapshots[prefix]))
+                print(format_snapshot(prefix, record.repository, snapshots[prefix], recipes.get(prefix, {})))
         return 0
     finally:
         dht.shutdown()

@@ -68,8 +68,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=choices(TrainMode),
         help="what the peers train (default: lora, small enough for a laptop)",
     )
-    t.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
-    t.add_argument("--peer-lr", type=float, default=1e-3, help="learning rate of the peers (default: 1e-3)")
+    t.add_argument("--lr", type=float, default=1e-3, help="the run's learning rate, peers and trainer (default: 1e-3)")
     t.add_argument("--train-prompt", default="ROMEO:\n", help="what the trained model continues (default: ROMEO:)")
     return p
 

@@ -49,7 +49,7 @@ def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> 
             "--train-mode",
             args.train_mode,
             "--lr",
-            str(args.peer_lr),
+            str(args.lr),
             "--target-batch-size",
             str(args.batch_size),
             "--matchmaking-time-s",
@@ -69,9 +69,8 @@ def run_training(args, model_path: Path, cache_dir: Path, swarm: LocalSwarm) -> 
         )
         trainer = SwarmTrainer(
             model,
-            TrainConfig(
-                run_id="demo", batch_size=args.batch_size, micro_batch_size=2, lr=args.lr, averaging=_AVERAGING
-            ),
+            # no recipe settings: the trainer adopts the run's, which the peers published
+            TrainConfig(run_id="demo", batch_size=args.batch_size, micro_batch_size=2, averaging=_AVERAGING),
         )
         print(
             f"swarm ready in {time.monotonic() - began:.1f}s; fine-tuning on Shakespeare "

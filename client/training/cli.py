@@ -16,7 +16,12 @@ from pathlib import Path
 
 from client.config import TrainConfig
 from protocol.errors import SwarmError
-from swarm.training.settings import OPTIMIZERS, add_averaging_arguments, averaging_from_args
+from swarm.training.settings import (
+    add_averaging_arguments,
+    add_recipe_arguments,
+    averaging_from_args,
+    recipe_arguments,
+)
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
 # torch, transformers and hivemind are imported once the flags are known good: a wrong one is answered at once
@@ -24,6 +29,7 @@ from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.json"
+OPTIMIZER_FILE = "optimizer.pt"  # the trainer's update count and optimizer statistics: a resumed run continues exactly
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -34,15 +40,18 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="train the whole model in this process: the reference")
     p.add_argument("--data", help="a text file or a folder of them (default: the bundled Shakespeare plays)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step from this trainer (default: 8)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="sequences per step from this trainer, its share of the run's batch (default: 8)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per request (default: 2)")
     p.add_argument(
         "--max-in-flight", type=int, default=0, help="micro-batches in flight at once (default: 0, all of a step's)"
     )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default: 100)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="(default: adamw)")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of the embeddings and head (default: 1e-4)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    add_recipe_arguments(p.add_argument_group("the run's recipe (given ones must equal a running run's)"))
     p.add_argument("--seed", type=int, default=0, help="data order (default: 0)")
     p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
@@ -68,9 +77,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size,
         max_in_flight=args.max_in_flight,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
+        **recipe_arguments(args),
         averaging=averaging_from_args(args),
         step_timeout_s=args.step_timeout_s,
         host=args.host,
@@ -108,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
     try:
         config = config_from_args(args)
+        if args.local:
+            config.recipe()  # alone, this process is the run: its settings must go together now
         swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -120,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_path = resolve_model_path(args.model)
         batches = load_batches(model_path, args, resumed["data"] if resumed else None)
-        trainer, model = _make_trainer(args, config, model_path, save if resumed else None, swarm_key)
+        trainer, model = _make_trainer(
+            args, config, model_path, save if resumed else None, swarm_key, steps_done=resumed["step"] if resumed else 0
+        )
         _train(trainer, batches, args, first=resumed["step"] + 1 if resumed else 1)
     except KeyboardInterrupt:
         logger.warning("interrupted")
@@ -137,13 +148,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | None, swarm_key=None):
+def _make_trainer(
+    args, config: TrainConfig, model_path: Path, resume: Path | None, swarm_key=None, *, steps_done: int = 0
+):
     import torch
 
     if args.local:
         from client.training.local import LocalTrainer
 
-        return LocalTrainer(resume or model_path, config), None
+        local = LocalTrainer(resume or model_path, config, steps_done=steps_done)
+        if resume is not None and (resume / OPTIMIZER_FILE).exists():
+            local.load_state_dict(torch.load(resume / OPTIMIZER_FILE, weights_only=True))
+        return local, None
     from client.model import AutoDistributedModelForCausalLM
     from client.training.trainer import SwarmTrainer
 
@@ -159,7 +175,10 @@ def _make_trainer(args, config: TrainConfig, model_path: Path, resume: Path | No
             from client.training.export import TRAINER_FILE
 
             _load_local_parts(model, resume / TRAINER_FILE)
-        return SwarmTrainer(model, config), model
+        trainer = SwarmTrainer(model, config)
+        if resume is not None and (resume / OPTIMIZER_FILE).exists():
+            trainer.load_state_dict(torch.load(resume / OPTIMIZER_FILE, weights_only=True))
+        return trainer, model
     except BaseException:
         model.shutdown()
         raise
@@ -181,7 +200,16 @@ def _train(trainer, batches, args, first: int) -> None:
             if log is not None:
                 log.write(
                     json.dumps(
-                        {"step": step, "loss": result.loss, "samples": result.samples, "tokens_per_s": tokens_per_s}
+                        {
+                            "step": step,
+                            "loss": result.loss,
+                            "samples": result.samples,
+                            "tokens_per_s": tokens_per_s,
+                            # what every stage and the trainers really applied in this step's update
+                            "stage_samples": {f"{s}:{e}": n for (s, e), n in sorted(result.stage_samples.items())},
+                            "trainer_samples": result.trainer_samples,
+                            "faults": result.faults,
+                        }
                     )
                     + "\n"
                 )
@@ -213,6 +241,11 @@ def _save(save: Path, trainer, batches, args) -> None:
         if model.lm_head.weight is model.model.embed_tokens.weight:
             tensors.pop("lm_head.weight")
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(save / TRAINER_FILE))
+    import torch
+
+    tmp = save / (OPTIMIZER_FILE + ".tmp")
+    torch.save(trainer.state_dict(), tmp)
+    tmp.replace(save / OPTIMIZER_FILE)
     step = getattr(args, "last_step", None)
     if step is not None:
         (save / STATE_FILE).write_text(json.dumps({"step": step, "data": batches.state_dict()}))

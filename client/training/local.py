@@ -1,6 +1,9 @@
-"""The reference for swarm training: the same model, data order, micro-batches and optimizer, in one process.
+"""The reference for swarm training: the same model, data order, micro-batches and update, in one process.
 
-`swarmlm train --local` runs it; the tests and the `train_swarm` benchmark compare the swarm against it.
+`swarmlm train --local` runs it; the tests and the `train_swarm` benchmark compare the swarm against it. An update
+follows the run's recipe as the swarm applies it: mean gradients of the step's micro-batches (weighted by their
+samples), clipped by their global norm, then the optimizer with the schedule's learning rate for that update and
+weight decay spared on norms, biases and embeddings; all in float32.
 """
 
 from __future__ import annotations
@@ -13,21 +16,27 @@ from transformers import AutoModelForCausalLM
 
 from client.config import TrainConfig
 from client.training.trainer import StepResult, lm_loss, local_parameters
-from swarm.training.optim import make_optimizer
+from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
+from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
 
 
 class LocalTrainer:
     """Trains the whole model here, step for step as SwarmTrainer trains it with the swarm."""
 
-    def __init__(self, model_path: str | Path, config: TrainConfig, *, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model_path: str | Path, config: TrainConfig, *, recipe: RunRecipe | None = None, steps_done: int = 0
+    ):
+        """`recipe`: the run's (by default `config.recipe()`, this trainer's batch as the run's); `steps_done`: the
+        updates already applied (resuming), which the schedule goes on from."""
         self.config = config
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        self.recipe = recipe if recipe is not None else config.recipe()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         self.model.eval()  # as the peers run their blocks: no dropout
         self.params = local_parameters(self.model)
         for p in self.params:
             p.requires_grad_(True)
-        self.optimizer = make_optimizer(config.optimizer, self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.steps_done = 0
+        self.optimizer = make_optimizer(self.recipe, self.model, self.params)
+        self.steps_done = steps_done
 
     def step(self, batch: torch.Tensor) -> StepResult:
         began = time.perf_counter()
@@ -43,8 +52,11 @@ class LocalTrainer:
                     acc.add_(grad, alpha=ids.shape[0])
             losses.append(float(loss.detach()) * ids.shape[0])
         with torch.no_grad():
-            for p, acc in zip(self.params, sums):
-                p.grad = acc / batch.shape[0]
+            mean = [acc / batch.shape[0] for acc in sums]
+            scale = self.clip_scale(mean)
+            for p, grad in zip(self.params, mean):
+                p.grad = grad if scale == 1.0 else grad * scale
+            set_lr(self.optimizer, lr_at(self.recipe, self.steps_done))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
@@ -55,7 +67,32 @@ class LocalTrainer:
             batch.numel(),
             time.perf_counter() - began,
             {},
+            trainer_samples=batch.shape[0],
         )
+
+    def clip_scale(self, grads: list[torch.Tensor]) -> float:
+        """The factor the step's mean gradients are clipped by (1: none): from each tensor's squared norm, summed as
+        the swarm sums its stages' and the trainer's."""
+        if self.recipe.max_grad_norm == 0.0:
+            return 1.0
+        return clip_scale(global_norm(float(g.double().pow(2).sum()) for g in grads), self.recipe.max_grad_norm)
+
+    def state_dict(self) -> dict:
+        """What a resumed reference needs besides its weights: its update count and optimizer statistics."""
+        return {
+            "epoch": self.steps_done,
+            "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        live = state_tensors(self.optimizer)
+        if len(state["optimizer"]) != len(live) or any(s.shape != t.shape for s, t in zip(state["optimizer"], live)):
+            raise ValueError("the saved optimizer state does not fit this model")
+        with torch.no_grad():
+            for dst, src in zip(live, state["optimizer"]):
+                dst.copy_(src)
+        self.steps_done = int(state["epoch"])
+        set_step_count(self.optimizer, self.steps_done)
 
     def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path, safe_serialization=True)

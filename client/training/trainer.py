@@ -1,52 +1,58 @@
 """A trainer: routes pipelined micro-batches through the peers of a run and trains the local parts.
 
-One step, synchronous (the swarm then computes what one process would):
-1. wait until every stage of the run has applied the previous update;
-2. run the batch's micro-batches, several in flight at once: embeddings here, the blocks on one peer per
-   stage (forward kept for the backward; the backward goes to any peer of the stage, chosen by load), loss
-   and head here, then backward through the stages, which accumulate their parameter gradients;
-3. wait until every stage has updated, redoing on a live member the backward calls that a dead peer took
-   with it;
-4. update the embeddings, norm and head, averaged with the run's other trainers if there are any.
+One step is one update of the whole model (the swarm computes what one process would):
+1. find every stage's members at the run's current update (client/training/stages.py);
+2. run the batch's micro-batches, several in flight at once: embeddings here, the blocks on one member per stage
+   (forward kept for the backward), loss and head here, then backward through the stages. Each micro-batch has an
+   id (this trainer, its index); a member adds an id once, so a backward whose answer was lost goes to the same
+   member again, never to another while the first may hold it (client/training/ledger.py);
+3. commit the update to every member, wait for each stage's round, and apply it everywhere with one clipping
+   factor from the global norm (client/training/update.py);
+4. apply the same update to the embeddings, norm and head here.
 
-Loss weighting is the same everywhere: each micro-batch's mean loss is weighted by its samples, and each
-update divides by all the samples of the step (swarm/training/averaging.py), exactly as the local reference does.
+Loss weighting is the same everywhere: each micro-batch's mean loss is weighted by its samples, and each update
+divides by all the samples of the step, exactly as the local reference (client/training/local.py) does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from client import checks
 from client.config import TrainConfig
-from client.sequence import TakenBackward, TrainingTag
-from protocol import swarmlm_pb2 as pb
-from protocol.errors import StaleEpochError, StateDownloadError, SwarmError
+from client.retry import describe
+from client.routing import RouteHop
+from client.sequence import HopRecord, TakenBackward, TrainingTag
+from client.training.ledger import Ledger
+from client.training.stages import Span, Stages
+from client.training.update import Update
+from protocol.errors import BadRequestError, StaleEpochError, TrainingFaultError, UnauthorizedError
+from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
-from swarm.training.averaging import TrainingGroup, group_key, has_nonfinite
-from swarm.training.optim import make_optimizer
+from swarm.training.averaging import group_key
+from swarm.training.group import GroupMember
+from swarm.training.optim import make_optimizer, set_step_count, state_tensors
+from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
+from swarm.training.state import state_digest
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class StagePeer:
-    """A live peer of the run, as its Info answer and record describe it."""
-
-    span: tuple[int, int]
-    epoch: int
-    """Updates its stage has applied."""
-    samples: int
-    """Samples it holds towards the next update."""
-    updating: bool
-    """In the middle of an update: its group has what it needs, and counts as growing."""
+# trainers' progress records outlive a few lost stores under load: a trainer that missed its co-trainer would update
+# alone; one that died is still expected this long, which costs at most a rendezvous's matchmaking time
+TRAINER_PROGRESS_TTL_S = 15.0
+POLL_S = 0.05
+MAX_WAIT_S = 5.0
+MAX_LATE_STEPS = 20  # tries of one batch whose update moves on without it (other trainers going on meanwhile)
 
 
 @dataclass
@@ -54,18 +60,30 @@ class StepResult:
     step: int
     loss: float
     samples: int
+    """Samples of this trainer's batch."""
     tokens: int
     seconds: float
     stage_epochs: dict[tuple[int, int], int]
+    """Span -> updates its members have applied after this step."""
+    stage_samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Span -> the samples its members applied in this step's update (all trainers together)."""
+    trainer_samples: int = 0
+    """The samples the trainers' own update (embeddings, norm, head) applied."""
+    faults: list[str] = field(default_factory=list)
+    """What went wrong in this step and was repaired (a member fenced, a round repeated)."""
 
 
 def local_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The trainer's own parameters (embeddings, final norm, head), each once even when tied, in a fixed order."""
+    return [p for _, p in local_named_parameters(model)]
+
+
+def local_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     seen, params = set(), []
-    for _, p in sorted(model.named_parameters()):
+    for name, p in sorted(model.named_parameters()):
         if id(p) not in seen:
             seen.add(id(p))
-            params.append(p)
+            params.append((name, p))
     return params
 
 
@@ -74,65 +92,68 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.T
     return ForCausalLMLoss(logits=logits, labels=ids, vocab_size=vocab_size)
 
 
-# Trainers' progress records count no samples, only who is in the run, so they may outlive lagging DHT stores (a
-# 2 s record lapsed under load, and a trainer that missed its co-trainer updated alone); a trainer that died is
-# still expected for this long, which costs at most a round's timeout or two.
-TRAINER_PROGRESS_TTL_S = 15.0
-
-
 class SwarmTrainer:
     """Trains `model` (a connected DistributedModelForCausalLM) with the peers of `config.run_id`.
 
     `step(batch)` blocks; its work runs on the model's event loop and, for local tensors, on one thread.
     """
 
-    def __init__(self, model, config: TrainConfig):
+    def __init__(self, model, config: TrainConfig, *, epoch: int | None = None):
+        """`epoch`: the update this trainer's own parts are at (resuming from a save); None adopts the stages'."""
         self.model, self.config = model, config
         self.sequence = model.sequence
         self.sequence.run_id = config.run_id
-        self.params = local_parameters(model)
+        named = local_named_parameters(model)
+        self.params = [p for _, p in named]
         for p in self.params:
             p.requires_grad_(True)
-        self.optimizer = make_optimizer(config.optimizer, self.params, lr=config.lr, weight_decay=config.weight_decay)
-        # a node that accepts connections (the model's own DHT is a client): trainers average through it
+        # a node that accepts connections (the model's own DHT is a client): it signs this trainer's records
         self.dht = start_dht(
             self.sequence.config.initial_peers, host=config.host, swarm_key=self.sequence.config.swarm_key
         )
         try:
-            self.group = TrainingGroup(
-                self.dht,
-                group_key(self.sequence.prefix, config.run_id, "trainers"),
-                self.params,
-                self.optimizer,
-                settings=config.averaging,
-                progress_ttl_s=TRAINER_PROGRESS_TTL_S,
-                swarm_key=self.sequence.config.swarm_key,
+            self.trainer_id = self.dht.peer_id.to_base58()
+            self.recipe: RunRecipe = adopt_recipe(
+                self.dht, self.sequence.prefix, config.run_id, config.recipe_overrides(), config.recipe()
             )
+            self.optimizer = make_optimizer(self.recipe, model, named)
         except BaseException:
             stop_dht(self.dht)
             raise
+        self.stages = Stages(self.sequence, config.run_id)
         self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local")
+        self.epoch = epoch
         self.steps_done = 0
-        self.redone = 0  # backward calls redone because the peer that took them died before its update
-        self.stale = 0  # micro-batches that reached a stage after it had updated
-        try:  # a trainer joining a run copies the other trainers' state first
-            if any(pid != self.group.peer_id and p.epoch > 0 for pid, p in self.group.progress().items()):
-                try:
-                    self.group.load_state()
-                except StateDownloadError as exc:
-                    # their records outlive them: those may have left (a restarted trainer sees its old self);
-                    # if not, the next round averages our parameters into theirs
-                    logger.warning("starting from this trainer's own weights: %s", exc)
-            self.group.share_state()
+        self._progress = TrainingProgress(epoch=epoch or 0, samples=0)
+        self._stop = threading.Event()
+        try:
+            self.trainers = GroupMember(
+                self.dht,
+                group_key(self.sequence.prefix, config.run_id, "trainers"),
+                grads_like=self.params,
+                state=self._shared_state,
+                settings=config.averaging,
+                swarm_key=self.sequence.config.swarm_key,
+                progress_ttl_s=TRAINER_PROGRESS_TTL_S,
+            )
+            self._join_trainers()
         except BaseException:
             self.close()
             raise
+        self._publisher = threading.Thread(target=self._publish_forever, name="trainer-progress", daemon=True)
+        self._publisher.start()
+
+    # --- the blocking facade ---
 
     def step(self, batch: torch.Tensor) -> StepResult:
-        """Train on `batch` ([batch_size, seq_len] token ids) and return the step's mean loss."""
+        """Train on `batch` ([batch_size, seq_len] token ids) and return the step's mean loss and what was applied.
+
+        Raises:
+            TrainingFaultError: the update could not be completed exactly; nothing of it was applied here.
+        """
         if batch.shape[0] != self.config.batch_size:
             raise ValueError(f"expected a batch of {self.config.batch_size} sequences, got {batch.shape[0]}")
-        future = self.model.submit(self._step(batch))
+        future = self.model.submit(self._step_retrying(batch))
         try:
             # in short waits: a Ctrl+C that another thread of this process received runs its handler (raising
             # KeyboardInterrupt here) only once this thread wakes, and a step may wait for a long time
@@ -146,33 +167,117 @@ class SwarmTrainer:
     async def _local(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.local, fn)
 
+    # --- one step ---
+
+    async def _step_retrying(self, batch: torch.Tensor) -> StepResult:
+        """A step; one whose update moved on without it (it was late among several trainers) is done again at the
+        next update: its micro-batches at the stages are left out of the update they missed."""
+        for attempt in range(MAX_LATE_STEPS):
+            try:
+                return await self._step(batch)
+            except StaleEpochError as exc:
+                if attempt + 1 == MAX_LATE_STEPS:
+                    raise TrainingFaultError(f"this trainer missed {MAX_LATE_STEPS} updates in a row: {exc}") from exc
+                logger.warning("%s; doing this batch again at the next update", exc)
+                await asyncio.to_thread(self._catch_up_trainers, self.epoch)
+        raise AssertionError("unreachable")
+
+    def _catch_up_trainers(self, missed: int | None) -> None:
+        """After update `missed` went on without it: copy the state that a majority of the trainers vouches for
+        once they have applied it."""
+        deadline = time.monotonic() + self.config.averaging.load_state_timeout_s
+        claim = self.trainers.majority()
+        missed = -1 if missed is None else missed
+        while (claim is None or claim[0] <= missed) and time.monotonic() < deadline:
+            time.sleep(self.config.averaging.progress_period_s)
+            claim = self.trainers.majority()
+        verified = self.trainers.load_state(self.state())
+        self._load_state(verified.epoch, verified.tensors)
+
     async def _step(self, batch: torch.Tensor) -> StepResult:
         began = time.perf_counter()
-        epochs = await self._wait_for_stages(wait=True)
-        tag = TrainingTag(self.config.run_id, epochs)
-        done: list[TakenBackward] = []
-        limit = self.config.max_in_flight or batch.shape[0]
-        gate = asyncio.Semaphore(limit)
+        epoch, members = await self.stages.ready(None, self.config.step_timeout_s)
+        if self.epoch is not None and epoch > self.epoch:
+            raise StaleEpochError(f"the stages are at update {epoch}, this trainer's own parts at {self.epoch}")
+        if self.epoch is not None and epoch < self.epoch:  # members are still applying the last update
+            epoch, members = await self.stages.ready(self.epoch, self.config.step_timeout_s)
+        if self.epoch is None and epoch > 0:
+            if await asyncio.to_thread(self.trainers.majority) is not None:  # other trainers: take their state
+                raise StaleEpochError(f"the stages are at update {epoch}; this trainer joins the others there")
+            logger.warning(
+                "the run's stages have applied %d updates; this trainer's embeddings and head start from the "
+                "checkpoint (resume a trainer with --save to continue its own)",
+                epoch,
+            )
+        self.epoch = epoch
+        self._publish(TrainingProgress(epoch=epoch, samples=0, param_digest=self._progress.param_digest))
+        everyone = {pid for span_members in (await self.stages.members()).values() for pid in span_members}
+        self.sequence.avoid = frozenset(everyone - {pid for ms in members.values() for pid in ms})
+        ledger = Ledger(members)
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        gate = asyncio.Semaphore(self.config.max_in_flight or batch.shape[0])
         micro = list(batch.split(self.config.micro_batch_size))
-        losses = await asyncio.gather(*(self._micro_batch(ids, tag, gate, done) for ids in micro))
-        updated = await self._wait_for_update(tag, done)
-        if updated:
-            members = await asyncio.to_thread(self.group.expected_members)
-            grads, samples = await self._local(self.group.take)
-            grads, state, epoch = await asyncio.to_thread(self.group.average, grads, samples, members)
-            if has_nonfinite(grads) or (state is not None and has_nonfinite(state)):
-                logger.warning("the trainers' update %d is not finite; skipping it", epoch)
-                grads, state = None, None
-            await self._local(lambda: self.group.apply(grads, state, epoch))
+        losses = await asyncio.gather(
+            *(self._micro_batch(i, ids, epoch, ledger, sums, gate) for i, ids in enumerate(micro))
+        )
+        for span in members:
+            if not ledger.complete(span, len(micro)):
+                raise AssertionError(f"stage {span} does not hold every micro-batch once: {ledger.holdings(span)}")
+        trainers, mean = await self._with_trainers(epoch, sums, batch.shape[0])
+
+        update = Update(
+            self.stages,
+            run_id=self.config.run_id,
+            prefix=self.sequence.prefix,
+            epoch=epoch,
+            trainer=self.trainer_id,
+            trainers=list(trainers),
+            members=members,
+            ledger=ledger,
+            redo=lambda span, pid: self._fence(span, pid, epoch, ledger),
+            round_timeout_s=self.config.averaging.averaging_timeout_s,
+            trainers_alive=lambda: asyncio.to_thread(lambda: set(self.trainers.members())),
+        )
+        done = await update.average()
+        head_sq = float(sum(float(g.double().pow(2).sum()) for g in mean))
+        total_norm = global_norm([*(d.grad_sq_norm for d in done.values()), head_sq])
+        scale = clip_scale(total_norm, self.recipe.max_grad_norm)
+        applied = await update.apply(done, scale)
+        await self._local(lambda: self._apply_local(mean, scale, epoch))
+        self.epoch = epoch + 1
+        self._publish(TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest)))
         self.steps_done += 1
         loss = sum(loss * ids.shape[0] for loss, ids in zip(losses, micro)) / batch.shape[0]
-        stage_epochs = await self._wait_for_stages(wait=False)
-        return StepResult(
-            self.steps_done, loss, batch.shape[0], batch.numel(), time.perf_counter() - began, stage_epochs
+        result = StepResult(
+            self.steps_done,
+            loss,
+            batch.shape[0],
+            batch.numel(),
+            time.perf_counter() - began,
+            dict.fromkeys(members, epoch + 1),
+            stage_samples=applied,
+            trainer_samples=sum(trainers.values()),
+            faults=update.faults,
         )
+        logger.info(
+            "update %d applied: samples per stage %s, trainer %d, global norm %.4g (scale %.3g)%s",
+            epoch,
+            {f"{s[0]}:{s[1]}": n for s, n in sorted(applied.items())},
+            batch.shape[0],
+            total_norm,
+            scale,
+            f", {len(update.faults)} faults repaired" if update.faults else "",
+        )
+        return result
 
     async def _micro_batch(
-        self, ids: torch.Tensor, tag: TrainingTag, gate: asyncio.Semaphore, done: list[TakenBackward]
+        self,
+        index: int,
+        ids: torch.Tensor,
+        epoch: int,
+        ledger: Ledger,
+        sums: list[torch.Tensor],
+        gate: asyncio.Semaphore,
     ) -> float:
         async with gate:
             model = self.model
@@ -192,115 +297,246 @@ class SwarmTrainer:
                     grads = torch.autograd.grad(loss, [out, *self.params], allow_unused=True)
                 return float(loss.detach()), grads[0], grads[1:]
 
-            loss, grad_out, head_grads = await self._local(head)
-            try:
-                grad_in = await self.sequence.backward(grad_out, records, None, positions, training=tag, done=done)
-            except StaleEpochError as exc:  # a stage updated without this micro-batch (another trainer filled it)
-                self.stale += 1
-                logger.warning("a micro-batch came after its stage's update and was dropped: %s", exc)
-                return loss
+            loss, grad, head_grads = await self._local(head)
+            tag = TrainingTag(
+                self.config.run_id, dict.fromkeys(ledger.stages, epoch), (self.trainer_id, index, ids.shape[0])
+            )
+            for record in reversed(records):
+                grad = await self._backward_once(record, grad, positions, tag, ledger)
 
             def embed_backward():
                 with torch.enable_grad():
-                    grads = torch.autograd.grad(hidden, self.params, grad_in, allow_unused=True)
-                total = [_add(a, b, p) for a, b, p in zip(head_grads, grads, self.params)]
-                self.group.accumulate(total, samples=ids.shape[0])
+                    grads = torch.autograd.grad(hidden, self.params, grad, allow_unused=True)
+                for acc, a, b in zip(sums, head_grads, grads):
+                    for g in (a, b):
+                        if g is not None:
+                            acc.add_(g.to(torch.float32), alpha=ids.shape[0])
 
             await self._local(embed_backward)
             return loss
 
-    # --- the stages' updates ---
-
-    async def _stage_epochs(self) -> dict[str, StagePeer]:
-        """Peer id -> state of every live peer of the run (those that answer an Info call)."""
-        snapshot = await self.sequence.snapshot(refresh=True)
-
-        async def ask(peer_id, info):
+    async def _backward_once(
+        self, record: HopRecord, grad: torch.Tensor, positions, tag: TrainingTag, ledger: Ledger
+    ) -> torch.Tensor:
+        """The backward of one stage for one micro-batch, added by exactly one member of the stage."""
+        hop, backward_id = record.hop, record.backward_id
+        span: Span = (hop.start, hop.end)
+        _, index, samples = tag.micro_batch
+        deadline = time.monotonic() + self.config.step_timeout_s
+        attempt = 0
+        while True:
             try:
-                address = await self.sequence.address_of(peer_id, info)
-                response = await self.sequence.pool.unary(address, "info", pb.InfoRequest(), 5.0)
-            except SwarmError:
-                return None
-            if response.run_id != self.config.run_id:
-                return None
-            return peer_id, StagePeer(
-                (info.start_block, info.end_block), int(response.epoch), int(response.samples), response.updating
-            )
-
-        answers = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
-        return dict(answer for answer in answers if answer is not None)
-
-    async def _wait_for_stages(self, *, wait: bool) -> dict[tuple[int, int], int]:
-        """Span -> epoch of each stage, once every live peer of a stage is at its stage's highest epoch."""
-        deadline = time.monotonic() + self.config.step_timeout_s
-        while True:
-            peers = await self._stage_epochs()
-            spans: dict[tuple[int, int], list[int]] = {}
-            for peer in peers.values():
-                spans.setdefault(peer.span, []).append(peer.epoch)
-            settled = all(min(e) == max(e) for e in spans.values())
-            if settled or not wait or time.monotonic() > deadline:
-                if not settled and wait:
-                    logger.warning("peers of a stage disagree on their update: %s", spans)
-                return {span: max(e) for span, e in spans.items()}
-            await asyncio.sleep(0.05)
-
-    async def _wait_for_update(self, tag: TrainingTag, done: list[TakenBackward]) -> bool:
-        """Wait until every stage has moved past `tag`'s epochs; False if that stalled.
-
-        Other trainers may still be filling the update: the wait lasts while the stages' samples grow, and
-        gives up `step_timeout_s` after they stopped growing (a trainer died, or this one is alone), so that
-        the next batch adds to the same update instead of waiting forever.
-        """
-        deadline = time.monotonic() + self.config.step_timeout_s
-        last_progress = None
-        while True:
-            peers = await self._stage_epochs()
-            pending = {p.span for p in peers.values() if p.epoch <= tag.epochs.get(p.span, -1)}
-            if not pending:
-                return True
-            lost = [t for t in done if t.hop.peer_id not in peers and (t.hop.start, t.hop.end) in pending]
-            for item in lost:
-                done.remove(item)
-                await self._redo(item, tag, done)
-            # a peer that enters an update counts as growing too: its group has what it needs
-            progress = (sum(p.samples for p in peers.values()), sum(p.updating for p in peers.values()))
-            if progress != last_progress:
-                last_progress, deadline = progress, time.monotonic() + self.config.step_timeout_s
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "stages %s did not update, and got no samples for %.0fs; going on (the next batch "
-                    "adds to the same update)",
-                    sorted(pending),
-                    self.config.step_timeout_s,
+                grad_in = await self.sequence._call_backward(
+                    hop, record.inputs, grad, None, positions, backward_id, tag
                 )
-                return False
-            await asyncio.sleep(0.05)
+            except Exception as exc:
+                error = checks.blame(exc, describe(hop), training=True)
+                if isinstance(error, (BadRequestError, UnauthorizedError)):  # ours to fix (StaleEpochError too)
+                    raise error from exc
+                if await self.stages.lost(hop.peer_id, error):
+                    await self._fence(span, hop.peer_id, tag.epochs[span], ledger)
+                    hop, backward_id = await self._other_member(span), ""
+                    continue
+                if time.monotonic() > deadline:
+                    raise TrainingFaultError(
+                        f"peer {describe(hop)} neither answered micro-batch {index} nor left the swarm within "
+                        f"{self.config.step_timeout_s:.0f}s: {error}"
+                    ) from exc
+                # it may hold the micro-batch: only it may take it again (it adds it once)
+                logger.info("peer %s did not answer micro-batch %d (%s); asking it again", describe(hop), index, error)
+                await asyncio.sleep(min(0.25 * 2**attempt, MAX_WAIT_S))
+                attempt += 1
+                continue
+            if ledger.record(span, hop.peer_id, index, samples, TakenBackward(hop, record.inputs, grad)):
+                return grad_in
+            hop, backward_id = await self._other_member(span), ""  # fenced meanwhile: its answer counts for nothing
 
-    async def _redo(self, taken: TakenBackward, tag: TrainingTag, done: list[TakenBackward]) -> None:
-        """Send a dead peer's share of the step again, to a live peer of its stage."""
-        hop, inputs, grad = taken.hop, taken.inputs, taken.grad
-        await self.sequence.report_failure(hop, SwarmError("left before its stage updated"))
-        positions = torch.arange(inputs.shape[1]).unsqueeze(0)
-        try:
-            _, records = await self.sequence.forward(
-                inputs, None, positions, hop.start, hop.end, keep_for_backward=True
+    async def _fence(self, span: Span, peer_id: str, epoch: int, ledger: Ledger) -> None:
+        """Leave `peer_id` out of this update and send every micro-batch it held to another member of `span`."""
+        moved = ledger.fence(span, peer_id)
+        self.sequence.avoid = self.sequence.avoid | {peer_id}
+        logger.warning(
+            "peer %s (blocks %d:%d) is gone: left out of update %d, its %d micro-batches sent to other members",
+            peer_id,
+            *span,
+            epoch,
+            len(moved),
+        )
+        for index, taken in moved:
+            tag = TrainingTag(
+                self.config.run_id, {span: epoch}, (self.trainer_id, index, ledger.stages[span].samples[index])
             )
-            await self.sequence.backward(grad, records, None, positions, training=tag, done=done)
-            self.redone += 1
-        except StaleEpochError:  # the stage is updating already, without it
-            self.stale += 1
+            positions = torch.arange(taken.inputs.shape[1]).unsqueeze(0)
+            hop = await self._other_member(span)
+            await self._backward_once(HopRecord(hop, taken.inputs, ""), taken.grad, positions, tag, ledger)
+
+    async def _other_member(self, span: Span) -> RouteHop:
+        """A live member of the stage that is not avoided (one hop over the whole span)."""
+        hops = await self.sequence.plan(span[0], span[1], inference=False, refresh=True)
+        if len(hops) != 1 or (hops[0].start, hops[0].end) != span:
+            raise TrainingFaultError(f"no member of stage {span[0]}:{span[1]} is left to take its micro-batches")
+        return hops[0]
+
+    # --- the run's other trainers ---
+
+    def _join_trainers(self) -> None:
+        """Copy the state of the run's trainers when a majority of them vouches for one ahead of ours."""
+        claim = self.trainers.majority()
+        if claim is not None and self.epoch is None and claim[0] > 0:
+            verified = self.trainers.load_state(self.state())
+            self._load_state(verified.epoch, verified.tensors)
+            logger.info("copied the other trainers' state at update %d", verified.epoch)
+        self._publish(TrainingProgress(epoch=self.epoch or 0, samples=0, param_digest=self._digest()))
+        self.trainers.serve_state(True)
+
+    def _publish(self, progress: TrainingProgress) -> None:
+        self._progress = progress
+        self.trainers.publish(progress)
+
+    def _publish_forever(self) -> None:
+        while not self._stop.wait(self.config.averaging.progress_period_s):
+            try:
+                self.trainers.publish(self._progress)
+            except Exception as exc:  # the DHT may be briefly unreachable
+                logger.debug("publishing the trainer's progress failed: %r", exc)
+
+    async def _rendezvous(self, epoch: int, samples: int) -> dict[str, int]:
+        """The trainers of update `epoch`: trainer id -> its samples, once every trainer at that update is done with
+        its micro-batches (one that has not been within the step timeout sits this update out)."""
+        self._publish(TrainingProgress(epoch=epoch, samples=samples, param_digest=self._progress.param_digest))
+        # a co-trainer at this update still computing is waited for: its record says it is there
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while True:
+            members = await asyncio.to_thread(self.trainers.members)
+            at = {pid: p for pid, p in members.items() if p.epoch == epoch}
+            ready = {pid: p.samples for pid, p in at.items() if p.samples > 0}
+            ready[self.trainer_id] = samples
+            if len(ready) == len(at | {self.trainer_id: None}) or time.monotonic() > deadline:
+                return dict(sorted(ready.items()))
+            await asyncio.sleep(POLL_S)
+
+    async def _with_trainers(self, epoch: int, sums: list[torch.Tensor], samples: int) -> tuple[dict[str, int], list]:
+        """(the trainers of update `epoch`, the mean gradients of the trainers' parts over all their samples).
+
+        The trainers average their parts in a round, then agree through their records that every one of them got
+        the same result before any applies it; a round that failed anywhere is tried again by all, under the next
+        try number. A trainer whose record lapses (it died; records outlive it by TRAINER_PROGRESS_TTL_S at most)
+        is left out and the others go on."""
+        trainers = await self._rendezvous(epoch, samples)
+        if len(trainers) == 1:
+            return trainers, [s / samples for s in sums]
+        deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
+        attempt = 0
+        while True:
+            mean, digest = await self._trainers_round(epoch, sums, trainers, attempt)
+            self._publish(
+                TrainingProgress(
+                    epoch=epoch,
+                    samples=samples,
+                    param_digest=self._progress.param_digest,
+                    round=attempt,
+                    round_digest=digest,
+                )
+            )
+            agreed, trainers, attempt = await self._agree(epoch, attempt, trainers, digest)
+            if agreed:
+                return trainers, mean
+            if time.monotonic() > deadline:
+                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round")
+            logger.warning("the trainers' round of update %d failed; trying again (try %d)", epoch, attempt)
+
+    async def _agree(
+        self, epoch: int, attempt: int, trainers: dict[str, int], digest: str
+    ) -> tuple[bool, dict[str, int], int]:
+        """Wait for every trainer's outcome of try `attempt`: (all got `digest`, the trainers still there, the next
+        try number)."""
+        while True:
+            members = await asyncio.to_thread(self.trainers.members)
+            gone = [pid for pid in trainers if pid != self.trainer_id and pid not in members]
+            if gone:
+                logger.warning("trainers %s left during update %d; going on without them", gone, epoch)
+                left = {pid: n for pid, n in trainers.items() if pid not in gone}
+                return False, left, attempt + 1
+            outcomes = {pid: members[pid] for pid in trainers if pid != self.trainer_id}
+            ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
+            if ahead > attempt:  # another trainer saw this try fail already
+                return False, trainers, ahead
+            done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
+            if len(done) == len(outcomes) and all(done):
+                agreed = digest != "x" and all(d == digest for d in done)
+                return agreed, trainers, attempt + (not agreed)
+            if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
+                return digest != "x", trainers, attempt + 1
+            await asyncio.sleep(POLL_S)
+
+    async def _trainers_round(
+        self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int
+    ) -> tuple[list | None, str]:
+        """(the mean gradients of the trainers' parts over every trainer's samples, their digest), or (None, "x")."""
+        total = sum(trainers.values())
+        scale = len(trainers) / total  # uniform weights, pre-scaled (swarm/training/rounds.py)
+        # the same id for every trainer of the try: what it averages, and the try number
+        round_id = hashlib.sha256(f"{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
+        result = await asyncio.to_thread(
+            self.trainers.average,
+            [s.double() * scale for s in sums],
+            round_id=round_id,
+            members=list(trainers),
+            timeout_s=self.config.averaging.averaging_timeout_s,
+        )
+        if not result.complete:
+            return None, "x"
+        return [t.to(torch.float32) for t in result.tensors], state_digest(result.tensors)
+
+    # --- the trainer's own parts ---
+
+    def state(self) -> list[torch.Tensor]:
+        """The trainer's part of the run's state: its parameters, then the optimizer's statistics."""
+        return [*(p.data for p in self.params), *state_tensors(self.optimizer)]
+
+    def _shared_state(self) -> tuple[int, list[torch.Tensor]]:
+        return self.epoch or 0, [t.detach().cpu().clone() for t in self.state()]
+
+    def _digest(self) -> str:
+        return state_digest(self.state())
+
+    def _load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for dst, src in zip(self.state(), tensors):
+                dst.copy_(src)
+        self.epoch = epoch
+        set_step_count(self.optimizer, epoch)
+
+    def _apply_local(self, mean: list[torch.Tensor], scale: float, epoch: int) -> None:
+        lr = lr_at(self.recipe, epoch)
+        with torch.no_grad():
+            for p, g in zip(self.params, mean):
+                p.grad = (g * scale).to(p.dtype)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            set_step_count(self.optimizer, epoch)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        """What a resumed trainer needs besides its weights: its update count and optimizer statistics."""
+        return {"epoch": self.epoch, "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        live = state_tensors(self.optimizer)
+        saved = state["optimizer"]
+        if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
+            raise ValueError("the saved optimizer state does not fit this model's trainer parts")
+        with torch.no_grad():
+            for dst, src in zip(live, saved):
+                dst.copy_(src)
+        self.epoch = int(state["epoch"])
+        set_step_count(self.optimizer, self.epoch)
 
     def close(self) -> None:
-        """Stop the local thread, the group's averager and the DHT node (idempotent)."""
+        """Stop the local thread, the trainers' group and the DHT node (idempotent)."""
+        self._stop.set()
         self.local.shutdown(wait=False, cancel_futures=True)
-        self.group.shutdown()
+        if getattr(self, "trainers", None) is not None:
+            self.trainers.shutdown()
         stop_dht(self.dht)
-
-
-def _add(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    if a is None and b is None:
-        return torch.zeros_like(like)
-    if a is None or b is None:
-        return a if b is None else b
-    return a + b

@@ -1,8 +1,14 @@
-"""A training peer: the span's trainable tensors, its optimizer, and its place in the span's training group.
+"""A training peer: the span's trainable tensors, float32 masters, its optimizer, and its part in each update.
 
-Backward requests of a run add their parameter gradients (weighted by their batch size); a background loop
-publishes this peer's progress and, once the group holds `target_batch_size` samples, averages with it and
-updates (swarm/training/averaging.py). Updates run on the compute thread, between requests, never under one.
+- Backward requests of the run add each micro-batch's gradients once (peer/training/accumulators.py).
+- A trainer's commit says what an update consists of (peer/training/commits.py); the members named average
+  exactly that among themselves (swarm/training/rounds.py) and report the result's digest and squared norm.
+- Apply, from the trainer, updates the float32 masters with the recipe's optimizer, learning rate for this update
+  and the trainer's clipping factor, then casts them into the span's compute weights.
+- A member left out of a commit, or one that finds a majority of its group ahead, drops what it holds and copies
+  the group's state, checked against the digest the majority announces (swarm/training/state.py).
+
+Heavy work (backward, apply, copying state) runs on the compute thread; the rest on the event loop.
 """
 
 from __future__ import annotations
@@ -11,7 +17,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import statistics
+import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -19,41 +28,66 @@ import torch
 
 from peer.blocks import BlockSpan
 from peer.config import TrainingConfig
-from protocol.errors import BadRequestError, StaleEpochError, StateDownloadError
+from peer.training.accumulators import Accumulators, HeldMismatch
+from peer.training.commits import Commits, RoundPlan
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError, StaleEpochError
+from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
-from swarm.training.averaging import TrainingGroup, digest, group_key, has_nonfinite
+from swarm.training.averaging import digest, group_key, has_nonfinite
+from swarm.training.group import GroupMember
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
+from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
+from swarm.training.state import state_digest
 
 logger = logging.getLogger(__name__)
 
+Compute = Callable[[Callable], Awaitable]
+
+NORM_WINDOW = 64  # accepted micro-batches whose gradient norms make the running median
+NORM_WARMUP = 8  # below this many, any finite gradient is accepted
+RECIPE_RENEW_S = 60.0  # recipe records live 240 s: every member vouches for its run's again well before
+MAX_NORM_RATIO = 100.0  # a gradient this many times the median norm is refused as an outlier (or an attack)
+
 
 class SpanTraining:
-    """The trainable state of one span, and the loop that updates it with its group."""
+    """The trainable state of one span, and the handlers of its run's training calls."""
 
-    def __init__(self, span: BlockSpan, config: TrainingConfig, dht, prefix: str, *, swarm_key=None):
-        self.span, self.config = span, config
-        if config.mode == TrainMode.LORA:
+    def __init__(self, span: BlockSpan, config: TrainingConfig, recipe: RunRecipe, prefix: str):
+        """`recipe`: the run's, adopted (swarm/training/recipe.py); `config`: this peer's saving and timing."""
+        self.span, self.config, self.recipe, self.prefix = span, config, recipe, prefix
+        self.group: GroupMember | None = None  # once start_group() joined the span's group
+        if recipe.train_mode == TrainMode.LORA:
             from peer.lora import LoraSettings, add_lora  # peft is needed only for LoRA
 
-            params = add_lora(span, LoraSettings(rank=config.lora_rank, alpha=2.0 * config.lora_rank), seed=0)
+            params = add_lora(span, LoraSettings(rank=recipe.lora_rank, alpha=2.0 * recipe.lora_rank), seed=0)
+            named = [(f"adapter.{i}", p) for i, p in enumerate(params)]
         else:
-            params = [p for _, p in sorted(span.layers.named_parameters())]
-            for p in params:
+            named = sorted(span.layers.named_parameters())
+            for _, p in named:
                 p.requires_grad_(True)
-        self.params = params
-        self.optimizer = make_optimizer(config.optimizer, params, lr=config.lr, weight_decay=config.weight_decay)
-        self.group = TrainingGroup(
-            dht,
-            group_key(prefix, config.run_id, f"{span.start}-{span.end}"),
-            params,
-            self.optimizer,
-            settings=config.averaging,
-            swarm_key=swarm_key,
-        )
+        self.params = [p for _, p in named]
+        # float32 masters: in bfloat16 an update of 1e-4 on a weight of 1.0 rounds away; the compute copy is
+        # re-cast from them after each update (a float32 span trains its own weights)
+        self.masters = [
+            p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params
+        ]
+        masters_named = [(name, m) for (name, _), m in zip(named, self.masters)]
+        self.optimizer = make_optimizer(recipe, span.layers, masters_named)
+        self.accumulators = Accumulators(self.masters)
+        self.epoch = 0
+        self.commits = Commits(0)
+        self.status = pb.RoundStatus(epoch=0, state=pb.RoundStatus.IDLE)
+        self._averaged: list[torch.Tensor] | None = None
+        self._round: asyncio.Task | None = None
+        self._applying: asyncio.Lock | None = None  # made on the event loop that serves Apply
+        self._last_apply: tuple[int, str, pb.ApplyResponse] | None = None  # (epoch, round id, answer)
+        self._norms: deque[float] = deque(maxlen=NORM_WINDOW)
         self._digest: tuple[int, str] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._woken: asyncio.Event | None = None  # set when gradients arrive, so the loop looks at once
-        self._catch_up_after = 0.0  # after a failed catch-up, when to try again
+        self.applied_samples = 0
+        self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
+        self._lock = threading.Lock()  # an update versus a joiner copying the state
+        self._ahead_since: float | None = None  # when the group was first seen ahead of this member
         self.saved_as = (
             Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" if config.save_dir else None
         )
@@ -63,176 +97,373 @@ class SpanTraining:
         return self.config.run_id
 
     @property
-    def epoch(self) -> int:
-        return self.group.epoch
-
-    @property
     def samples(self) -> int:
-        return self.group.samples
+        return sum(samples for _, samples in self.accumulators.held().values())
 
-    # --- requests (on the compute thread) ---
+    # --- backward (checks on the event loop, the computation on the compute thread) ---
 
-    def check(self, run_id: str, blocks: tuple[int, int], epoch: int) -> None:
+    def check(self, run_id: str, blocks: tuple[int, int], epoch: int, micro_batch: pb.MicroBatch) -> None:
         if run_id != self.run_id:
             raise BadRequestError(f"this peer trains run {self.run_id!r}, not {run_id!r}; route to peers of your run")
         if blocks != (self.span.start, self.span.end):
             raise BadRequestError(
-                f"a training backward must cover this peer's whole span "
-                f"{self.span.start}:{self.span.end}, got {blocks[0]}:{blocks[1]}"
+                f"a training backward must cover this peer's whole span {self.span.start}:{self.span.end}, got "
+                f"{blocks[0]}:{blocks[1]}"
             )
-        if epoch != self.epoch or self.group.closing:
+        if epoch != self.epoch:
             raise StaleEpochError(
-                f"this peer is at update {self.epoch} of run {self.run_id!r}, the gradient is for "
-                f"update {epoch}{' (being applied now)' if epoch == self.epoch else ''}; recompute it against "
-                f"the weights after the update"
+                f"this peer is at update {self.epoch} of run {self.run_id!r}, the gradient is for update {epoch}; "
+                f"recompute it against the weights of update {self.epoch}"
+            )
+        if not micro_batch.trainer:
+            raise BadRequestError("a training backward needs its micro_batch id (trainer, index, samples)")
+        trainers = self.commits.trainers()
+        if trainers is not None and micro_batch.trainer not in trainers:
+            # its trainers have committed the update without this one (it came late): never mix it in
+            raise StaleEpochError(
+                f"update {epoch} of run {self.run_id!r} is committed here without trainer {micro_batch.trainer[-8:]}; "
+                f"send it to the next one"
             )
 
     def backward(
-        self,
-        outputs: torch.Tensor,
-        inputs: torch.Tensor,
-        grad: torch.Tensor,
-        *,
-        run_id: str,
-        blocks: tuple[int, int],
-        epoch: int,
+        self, outputs: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor, micro_batch: pb.MicroBatch, epoch: int
     ) -> torch.Tensor:
-        """Gradient w.r.t. `inputs`; the parameters' gradients join the next update."""
-        self.check(run_id, blocks, epoch)  # again: an update may have come while the request waited
+        """Gradient w.r.t. `inputs`; the parameters' gradients join the update once per micro-batch id."""
+        if epoch != self.epoch:  # an update may have come while the request waited
+            raise StaleEpochError(f"this peer moved to update {self.epoch} while the gradient for {epoch} waited")
+        trainer, index = micro_batch.trainer, int(micro_batch.index)
+        if self.accumulators.holds(trainer, index):  # sent again (its answer was lost): answer, add nothing
+            with torch.enable_grad():
+                (grad_inputs,) = torch.autograd.grad(outputs, inputs, grad)
+            return grad_inputs
         with torch.enable_grad():
             grads = torch.autograd.grad(outputs, [inputs, *self.params], grad, allow_unused=True)
         param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
         if has_nonfinite(param_grads):
             raise BadRequestError("the gradients are not finite; check grad_outputs and the learning rate")
-        self.group.accumulate(param_grads, samples=inputs.shape[0])
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._woken.set)
+        self._check_norm(param_grads, int(micro_batch.samples))
+        if micro_batch.samples != inputs.shape[0]:
+            raise BadRequestError(f"micro_batch.samples is {micro_batch.samples}, the batch is {inputs.shape[0]}")
+        self.accumulators.add(trainer, index, inputs.shape[0], param_grads)
         return grads[0]
 
+    def _check_norm(self, grads: list[torch.Tensor], samples: int) -> None:
+        """Refuse a gradient far above the run's usual ones: one sender must not own an update."""
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in grads)))
+        if len(self._norms) >= NORM_WARMUP and norm > MAX_NORM_RATIO * statistics.median(self._norms):
+            raise BadRequestError(
+                f"the gradient's norm {norm:.3g} is over {MAX_NORM_RATIO:g}x the run's median "
+                f"{statistics.median(self._norms):.3g}; refused"
+            )
+        self._norms.append(norm)
+
+    def held(self) -> list[pb.TrainerIndices]:
+        return [
+            pb.TrainerIndices(trainer=t, indices=indices, samples=samples)
+            for t, (indices, samples) in sorted(self.accumulators.held().items())
+        ]
+
+    # --- commit, round, apply (on the event loop) ---
+
+    async def commit(self, request: pb.CommitRequest) -> pb.RoundStatus:
+        self._check_call(request.run_id, request.span)
+        if request.epoch < self.epoch:  # a late or repeated commit of an update applied here
+            return self.status
+        if request.epoch > self.epoch:
+            return self._set_status(pb.RoundStatus.FAILED, f"behind: at update {self.epoch}, not {request.epoch}")
+        if self._last_apply is not None and self._last_apply[0] == request.epoch:
+            return self.status
+        self.commits.add(request)
+        me = self.group.peer_id
+        if self.commits.fenced(me):
+            self.accumulators.clear()
+            return self._set_status(pb.RoundStatus.FENCED, f"left out of update {self.epoch}")
+        plan = self.commits.plan(me)
+        if plan is None:
+            return self._set_status(pb.RoundStatus.WAITING, "waiting for the other trainers' commits")
+        if plan.round_id != self.status.round_id:
+            self.status = pb.RoundStatus(
+                epoch=self.epoch,
+                state=pb.RoundStatus.AVERAGING,
+                round_id=plan.round_id,
+                samples=plan.samples,
+                trainers=plan.trainers,
+            )
+            self._averaged = None
+            self._round = asyncio.ensure_future(self._run_round(plan))
+        return self.status
+
+    def _set_status(self, state: int, reason: str = "") -> pb.RoundStatus:
+        self.status = pb.RoundStatus(epoch=self.epoch, state=state, reason=reason)
+        return self.status
+
+    async def _run_round(self, plan: RoundPlan) -> None:
+        try:
+            total, samples = self.accumulators.total(plan.mine)
+            # uniform weights, pre-scaled: the round's mean is the sum of every member's gradients over the
+            # update's samples, and no member can weigh its own share up (swarm/training/rounds.py)
+            scale = len(plan.members) / max(plan.samples, 1)
+            began = time.perf_counter()
+            if len(plan.members) == 1:
+                averaged = [t / max(plan.samples, 1) for t in total]
+            else:
+                # a retry comes as a new commit version, whose plan has a new id: late parts of a failed round
+                # cannot join the next, and every member derives the same id from the same commits
+                round_id = bytes.fromhex(plan.round_id)
+                result = await asyncio.to_thread(
+                    self.group.average,
+                    [t * scale for t in total],
+                    round_id=round_id,
+                    members=list(plan.members),
+                    timeout_s=self.config.averaging.averaging_timeout_s,
+                )
+                if not result.complete:
+                    raise RuntimeError(f"round incomplete: {result.reason}")
+                averaged = result.tensors
+            if self.status.round_id != plan.round_id:
+                return  # a later commit replaced this round
+            self._averaged = averaged
+            self.status = pb.RoundStatus(
+                epoch=self.epoch,
+                state=pb.RoundStatus.AVERAGED,
+                round_id=plan.round_id,
+                grad_digest=digest(averaged),
+                grad_sq_norm=float(sum(float(t.pow(2).sum()) for t in averaged)),
+                samples=plan.samples,
+                trainers=plan.trainers,
+            )
+            logger.info(
+                "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
+                self.epoch,
+                self.run_id,
+                plan.samples,
+                samples,
+                len(plan.members),
+                time.perf_counter() - began,
+            )
+        except asyncio.CancelledError:
+            raise
+        except HeldMismatch as exc:
+            if self.status.round_id == plan.round_id:
+                self._set_status(pb.RoundStatus.FAILED, f"holds other micro-batches than committed: {exc}")
+        except Exception as exc:
+            logger.warning("update %d of run %r: the round failed: %s", self.epoch, self.run_id, exc)
+            if self.status.round_id == plan.round_id:
+                self._set_status(pb.RoundStatus.FAILED, f"round failed: {exc}")
+
+    async def apply(self, request: pb.ApplyRequest, compute: Compute) -> pb.ApplyResponse:
+        self._check_call(request.run_id, request.span)
+        if self._applying is None:
+            self._applying = asyncio.Lock()
+        async with self._applying:  # every trainer of an update sends Apply: the second must find it applied
+            return await self._apply_once(request, compute)
+
+    async def _apply_once(self, request: pb.ApplyRequest, compute: Compute) -> pb.ApplyResponse:
+        if self._last_apply is not None and self._last_apply[:2] == (request.epoch, request.round_id):
+            return self._last_apply[2]  # applied already: the answer was lost
+        if request.epoch != self.epoch:
+            raise StaleEpochError(f"this peer is at update {self.epoch}, not {request.epoch}")
+        status = self.status
+        if status.state != pb.RoundStatus.AVERAGED or status.round_id != request.round_id:
+            raise BadRequestError(
+                f"update {self.epoch} is not averaged for round {request.round_id[:12]} here (state "
+                f"{pb.RoundStatus.State.Name(status.state)}, round {status.round_id[:12]})"
+            )
+        if status.grad_digest != request.grad_digest:
+            raise BadRequestError("the averaged gradients here are not the ones the trainer names")
+        if not 0 < request.clip_scale <= 1:
+            raise BadRequestError(f"clip_scale must lie in (0, 1], got {request.clip_scale}")
+        averaged, scale = self._averaged, request.clip_scale
+        await compute(lambda: self._apply(averaged, scale))
+        response = pb.ApplyResponse(
+            epoch=self.epoch, param_digest=await compute(self.digest), applied_samples=status.samples
+        )
+        self._last_apply = (request.epoch, request.round_id, response)
+        self.applied_round = status
+        self.applied_samples = status.samples
+        if self.config.save_every and self.epoch % self.config.save_every == 0:
+            await compute(self.save)
+        return response
+
+    def _apply(self, averaged: list[torch.Tensor], scale: float) -> None:
+        """The update: the optimizer on the float32 masters, then the compute weights cast from them."""
+        lr = lr_at(self.recipe, self.epoch)
+        with self._lock, torch.no_grad():
+            for master, g in zip(self.masters, averaged):
+                master.grad = (g * scale).to(device=master.device, dtype=torch.float32)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            set_step_count(self.optimizer, self.epoch)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for param, master in zip(self.params, self.masters):
+                if param is not master:
+                    param.copy_(master)
+        self._finish_update(self.epoch + 1)
+
+    def _finish_update(self, epoch: int) -> None:
+        self.epoch = epoch
+        set_step_count(self.optimizer, epoch)
+        self.accumulators.clear()
+        self.commits = Commits(epoch)
+        self._averaged = None
+        self.status = pb.RoundStatus(epoch=epoch, state=pb.RoundStatus.IDLE)
+
+    def _check_call(self, run_id: str, span: pb.Span) -> None:
+        if run_id != self.run_id or (span.start, span.end) != (self.span.start, self.span.end):
+            raise BadRequestError(
+                f"this peer trains blocks {self.span.start}:{self.span.end} of run {self.run_id!r}, not "
+                f"{span.start}:{span.end} of {run_id!r}"
+            )
+
+    # --- state ---
+
+    def state(self) -> list[torch.Tensor]:
+        """The trainable state, as the group shares it: float32 masters, then the optimizer's statistics."""
+        return [*self.masters, *state_tensors(self.optimizer)]
+
     def digest(self) -> str:
-        if self._digest is None or self._digest[0] != self.epoch:
-            self._digest = (self.epoch, digest(self.params))
-        return self._digest[1]
+        """The digest of the state this member vouches for (compute thread: it reads every state tensor)."""
+        with self._lock:
+            if self._digest is None or self._digest[0] != self.epoch:
+                self._digest = (self.epoch, state_digest(self.state()))
+            return self._digest[1]
+
+    def shared_state(self) -> tuple[int, list[torch.Tensor]]:
+        """(epoch, a copy of the state) for a joiner: consistent, never half an update."""
+        with self._lock:
+            return self.epoch, [t.detach().cpu().clone() for t in self.state()]
+
+    def load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:
+        """Take the group's state at `epoch` (compute thread): masters, statistics, then the compute weights."""
+        live = self.state()
+        if len(tensors) != len(live) or any(t.shape != v.shape for t, v in zip(tensors, live)):
+            raise ValueError("a state of another span or mode")
+        with self._lock, torch.no_grad():
+            for dst, src in zip(live, tensors):
+                dst.copy_(src)
+            for param, master in zip(self.params, self.masters):
+                if param is not master:
+                    param.copy_(master)
+        self._finish_update(epoch)
+        self._digest = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The span's current weights named as in the checkpoint (LoRA merged in)."""
         from peer import lora
 
-        if self.config.mode == TrainMode.LORA:
+        if self.recipe.train_mode == TrainMode.LORA:
             return lora.merged_layer_state(self.span)
         return lora.layer_state(self.span)
-
-    # --- joining and updating ---
-
-    def join(self) -> None:
-        """Resume from the save file, then copy the group's state if the group is ahead (blocking, bounded)."""
-        if self.saved_as is not None and self.saved_as.exists():
-            self._resume()
-        members = self.group.progress()
-        ahead = [pid for pid, p in members.items() if pid != self.group.peer_id and p.epoch > self.epoch]
-        if ahead:
-            logger.info(
-                "group %s is at update %d; copying its state", self.group.key, max(members[pid].epoch for pid in ahead)
-            )
-            try:
-                self.group.load_state()
-            except StateDownloadError:
-                # the members seen may have left since (their progress outlives them by a few seconds)
-                if any(p.epoch > self.epoch for pid, p in self.group.progress().items() if pid != self.group.peer_id):
-                    raise
-                logger.warning(
-                    "the members of %s that were ahead left; starting from update %d", self.group.key, self.epoch
-                )
-        self.group.share_state()
-        self.group.publish()
-
-    async def run(self, compute: Callable[[Callable], Awaitable], on_update: Callable[[], None]) -> None:
-        """Publish progress and update with the group whenever it holds its target batch. Runs until cancelled."""
-        group, settings = self.group, self.config.averaging
-        self._loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
-        while True:
-            self._woken.clear()
-            try:
-                members = await asyncio.to_thread(group.progress)
-                same = {pid: p for pid, p in members.items() if p.epoch == group.epoch}
-                if sum(p.samples for p in same.values()) >= self.config.target_batch_size:
-                    await self._update(len(same), compute)
-                    on_update()
-                elif (
-                    max(p.epoch for p in members.values()) > group.epoch
-                    and not group.closing
-                    and time.monotonic() >= self._catch_up_after
-                ):
-                    # its samples can never complete an update the others have made: drop them and catch up
-                    logger.warning(
-                        "group %s moved on without this peer (update %d, here %d); dropping %d samples "
-                        "and copying its state",
-                        group.key,
-                        max(p.epoch for p in members.values()),
-                        group.epoch,
-                        group.samples,
-                    )
-                    try:
-                        await compute(lambda: (group.discard(), group.load_state()))
-                    except StateDownloadError as exc:  # try again later, not at every tick
-                        self._catch_up_after = time.monotonic() + settings.load_state_timeout_s
-                        logger.warning("%s", exc)
-                busy = any(p.samples for p in same.values())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the DHT may be briefly unreachable; training goes on next tick
-                logger.warning("training loop: %r", exc)
-                busy = False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), settings.progress_period_s / (5 if busy else 1))
-
-    async def _update(self, members: int, compute) -> None:
-        grads, samples = await compute(self.group.take)
-        grads, state, epoch = await asyncio.to_thread(self.group.average, grads, samples, members)
-        if has_nonfinite(grads) or (state is not None and has_nonfinite(state)):
-            logger.warning("update %d of %s is not finite; skipping it", epoch, self.group.key)
-            grads, state = None, None
-        await compute(lambda: self.group.apply(grads, state, epoch))
-        logger.info(
-            "update %d of run %r applied (%d samples here, %d group members)", epoch, self.run_id, samples, members
-        )
-        if self.config.save_every and epoch % self.config.save_every == 0:
-            await compute(self.save)
-
-    # --- saving ---
 
     def save(self) -> None:
         if self.saved_as is None:
             return
         self.saved_as.parent.mkdir(parents=True, exist_ok=True)
-        state = {
-            "epoch": self.epoch,
-            "params": [p.detach().cpu() for p in self.params],
-            "optimizer": [t.detach().cpu() for t in state_tensors(self.optimizer)],
-        }
+        state = {"epoch": self.epoch, "state": [t.detach().cpu() for t in self.state()]}
         tmp = self.saved_as.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.saved_as)
         logger.info("saved update %d to %s", self.epoch, self.saved_as)
 
-    def _resume(self) -> None:
-        state = torch.load(self.saved_as, map_location="cpu", weights_only=True)
-        live = [*self.params, *state_tensors(self.optimizer)]
-        saved = [*state["params"], *state["optimizer"]]
-        if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
+    def resume(self) -> bool:
+        """Load the save file if there is one (its state must fit this span and mode)."""
+        if self.saved_as is None or not self.saved_as.exists():
+            return False
+        saved = torch.load(self.saved_as, map_location="cpu", weights_only=True)
+        try:
+            self.load_state(int(saved["epoch"]), saved["state"])
+        except (KeyError, ValueError):
             raise ValueError(
                 f"{self.saved_as} holds another span's or mode's state; move it away or choose another --save-dir"
-            )
-        with torch.no_grad():
-            for dst, src in zip(live, saved):
-                dst.copy_(src)
-        self.group.epoch = int(state["epoch"])
-        set_step_count(self.optimizer, self.group.epoch)
+            ) from None
         logger.info("resumed run %r at update %d from %s", self.run_id, self.epoch, self.saved_as)
+        return True
+
+    # --- the group: joining, progress, catching up ---
+
+    def start_group(self, dht, *, swarm_key=None) -> None:
+        """Join the span's group of the run (on the main thread: hivemind's averager touches signal handlers)."""
+        self.group = GroupMember(
+            dht,
+            stage_group_key(self.prefix, self.run_id, self.span),
+            grads_like=self.masters,
+            state=self.shared_state,
+            settings=self.config.averaging,
+            swarm_key=swarm_key,
+        )
+
+    def join(self) -> None:
+        """Resume from the save file, then copy the group's state if a majority of it vouches for another one
+        (blocking, bounded by the load-state timeout); then vouch for ours and serve it."""
+        self.resume()
+        claim = self.group.majority()
+        if claim is not None and (claim[0] > self.epoch or (claim[0] == self.epoch and claim[1] != self.digest())):
+            logger.info("group %s is at update %d; copying its state", self.group.key, claim[0])
+            verified = self.group.load_state(self.state())
+            self.load_state(verified.epoch, verified.tensors)
+        self.group.publish(self._progress())
+        self.group.serve_state(True)
+
+    def _progress(self) -> TrainingProgress:
+        return TrainingProgress(epoch=self.epoch, samples=self.samples, param_digest=self.digest())
+
+    async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
+        """Publish progress; copy the group's state when a majority is ahead for good. Runs until cancelled."""
+        settings = self.config.averaging
+        renewed = 0.0
+        while True:
+            try:
+                epoch = self.epoch
+                progress = await compute(self._progress)
+                await asyncio.to_thread(self.group.publish, progress)
+                if time.monotonic() - renewed > RECIPE_RENEW_S:
+                    await asyncio.to_thread(
+                        publish_recipe, self.group.averager.dht, self.prefix, self.run_id, self.recipe
+                    )
+                    renewed = time.monotonic()
+                claim = await asyncio.to_thread(self.group.majority)
+                if self._behind(claim):
+                    await self._catch_up(compute)
+                    on_update()
+                elif self.epoch != epoch:
+                    on_update()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the DHT may be briefly unreachable; training goes on next tick
+                logger.warning("training loop: %r", exc)
+            await asyncio.sleep(settings.progress_period_s)
+
+    def _behind(self, claim: tuple[int, str] | None) -> bool:
+        """Whether to copy the group's state: a majority is past this member's update, and this member is not in the
+        middle of that update (or has been past it for a whole round's timeout: its Apply never came)."""
+        if claim is None or claim[0] <= self.epoch:
+            self._ahead_since = None
+            return False
+        now = time.monotonic()
+        self._ahead_since = self._ahead_since or now
+        busy = self.status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED)
+        return not busy or now - self._ahead_since > self.config.averaging.averaging_timeout_s
+
+    async def _catch_up(self, compute: Compute) -> None:
+        logger.warning(
+            "group %s moved on without this peer (here update %d): dropping %d samples and copying its state",
+            self.group.key,
+            self.epoch,
+            self.samples,
+        )
+        verified = await asyncio.to_thread(self.group.load_state, self.state())
+        await compute(lambda: self.load_state(verified.epoch, verified.tensors))
+        self._ahead_since = None
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.save()
-        except Exception as exc:
-            logger.warning("could not save the training state: %r", exc)
-        self.group.shutdown()
+        if self._round is not None:
+            self._round.cancel()
+        if self.group is not None:
+            self.group.shutdown()
+
+
+def stage_group_key(prefix: str, run_id: str, span: BlockSpan) -> str:
+    return group_key(prefix, run_id, f"{span.start}-{span.end}")

@@ -2,7 +2,8 @@
 
 `build_state` is a pure function of the model index and the snapshots read from the DHT (already validated by
 swarm/dht/directory.py, so every value in it fits protocol/records.py's bounds), plus, where the caller pinged the
-peers (the monitor does, through client/), what each ping found. `read_state` does the DHT reads.
+peers (the monitor does, through client/), what each ping found, and where it read them (`swarmlm status` does,
+through swarm/training/recipe.py), the recipes of the training runs. `read_state` does the DHT reads of the rest.
 
 The document (SCHEMA_VERSION 2; a field is only ever added within a version; 2 dropped the peers' "adapters",
 which no peer ever wrote):
@@ -14,7 +15,11 @@ which no peer ever wrote):
                  "answering": [of those, how many answered the ping] or null (not pinged),
                  "gaps": [[start, end), ...] of blocks no usable peer serves (ONLINE and, when pinged, answering),
                  "complete": no gap,
-                 "training": [{"run_id", "peers", "epoch_min", "epoch_max"}],
+                 "training": [{"run_id", "peers", "epoch_min", "epoch_max",
+                               "recipe": the run's recipe (RunRecipe.to_wire()) or null (none published, or not
+                                         read),
+                               "other_recipes": how many other recipes were published for the run (a race or a
+                                                liar: the recipe shown is the one published first)}],
                  "peers": [{"peer_id", "state" (ONLINE/JOINING/OFFLINE), "live", "start_block", "end_block",
                             "throughput" (tokens/s), "cache_tokens_left", "dtype", "version", "endpoint",
                             "transport" (direct/p2p), "relays", "relay", "reach" (how clients reach it, in words),
@@ -27,7 +32,7 @@ which no peer ever wrote):
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +99,12 @@ def _peer(peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot, live: bool, p
     }
 
 
-def _training(servers: Mapping[str, ServerInfo]) -> list[dict[str, Any]]:
+def training_runs(servers: Mapping[str, ServerInfo]) -> list[str]:
+    """The run ids the peers of a snapshot train, sorted."""
+    return sorted({info.run_id for info in servers.values() if info.run_id})
+
+
+def _training(servers: Mapping[str, ServerInfo], recipes: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[dict]:
     runs: dict[str, list[ServerInfo]] = {}
     for info in servers.values():
         if info.run_id:
@@ -105,15 +115,22 @@ def _training(servers: Mapping[str, ServerInfo]) -> list[dict[str, Any]]:
             "peers": len(infos),
             "epoch_min": min(i.epoch for i in infos),
             "epoch_max": max(i.epoch for i in infos),
+            "recipe": dict(recipes[run_id][0]) if recipes.get(run_id) else None,
+            "other_recipes": max(0, len(recipes.get(run_id, ())) - 1),
         }
         for run_id, infos in sorted(runs.items())
     ]
 
 
 def model_state(
-    prefix: str, record: ModelRecord, snapshot: SwarmSnapshot, pings: Mapping[str, Ping] | None = None
+    prefix: str,
+    record: ModelRecord,
+    snapshot: SwarmSnapshot,
+    pings: Mapping[str, Ping] | None = None,
+    recipes: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """One model's entry of the document; `pings` (peer id -> Ping) None when the peers were not pinged."""
+    """One model's entry of the document; `pings` (peer id -> Ping) None when the peers were not pinged; `recipes`:
+    run id -> the different recipes published for it, the one that counts first (None: not read)."""
     online = snapshot.online()
     coverage = [0] * snapshot.num_blocks
     answering = None if pings is None else [0] * snapshot.num_blocks
@@ -134,7 +151,7 @@ def model_state(
         "answering": answering,
         "gaps": gaps,
         "complete": not gaps,
-        "training": _training(online),
+        "training": _training(online, recipes or {}),
         "peers": [
             _peer(
                 peer_id,
@@ -154,6 +171,7 @@ def build_state(
     *,
     pings: Mapping[str, Ping] | None = None,
     taken_at: float | None = None,
+    recipes: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]] | None = None,
 ) -> dict[str, Any]:
     """The whole document (see the module's docstring) for the models that have a snapshot, sorted by prefix.
 
@@ -161,6 +179,8 @@ def build_state(
         pings: peer id -> what pinging it found, for every ONLINE peer (one missing counts as no answer); None
             when the peers were not pinged: then "answering", "ping" and "rtt_s" are null and gaps count records.
         taken_at: unix time of the reads; now by default.
+        recipes: prefix -> run id -> the different recipes published for the run (wire form), the one that counts
+            first; None when they were not read: then every run's "recipe" is null.
     """
     return {
         "schema_version": SCHEMA_VERSION,
@@ -168,7 +188,7 @@ def build_state(
         "rtt_measured": pings is not None,
         "error": None,
         "models": [
-            model_state(prefix, models[prefix], snapshots[prefix], pings)
+            model_state(prefix, models[prefix], snapshots[prefix], pings, (recipes or {}).get(prefix))
             for prefix in sorted(models)
             if prefix in snapshots
         ],

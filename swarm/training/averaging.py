@@ -10,6 +10,9 @@ weights (weight 0 when it brought no samples), or rounding. A member alone skips
 
 A joining member copies the state of a member (`load_state`), bounded in time: hivemind's own retry loop
 around this never gives up when nobody answers.
+
+Progress records are signed (swarm/training/members.py). The protocol that replaces this one: rounds among the
+members a trainer's commit names (rounds.py) and state copied only when a majority vouches for it (state.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 
 # typing's, not collections.abc's: hivemind tells streaming RPCs by the `_name` that only typing's alias has
 from typing import AsyncIterator  # noqa: UP035
@@ -32,12 +34,12 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
 
-from protocol.errors import InvalidRecordError, StateDownloadError
+from protocol.errors import StateDownloadError
 from protocol.records import TrainingProgress
-from swarm.dht.node import dht_result
+from swarm.training.members import GroupProgress, OwnerCache, progress_key, verified_progress
 from swarm.training.optim import set_step_count, state_tensors
+from swarm.training.process import bounded_call, exit_with_parent
 from swarm.training.settings import AveragingSettings
 from swarm.trust.groupgate import TAG_FIELD, GroupGate
 from swarm.trust.swarmkey import SwarmKey
@@ -49,12 +51,12 @@ class _Averager(DecentralizedAverager):
     """hivemind's averager process, serving this member's state to joiners and stopping when its parent dies.
 
     With a `gate` (a private swarm), only members of the swarm may join its rounds or download its state
-    (swarm/trust/groupgate.py); `progress_key` is the DHT record whose subkeys are the members' peer ids.
+    (swarm/trust/groupgate.py); `progress_key` is the DHT record of the members' signed progress.
     """
 
     def __init__(self, tensors, dht, *, state: Callable, gate: GroupGate | None, progress_key: str, **kwargs):
         self._state, self._starter_pid = state, os.getpid()
-        self._gate, self._progress_key = gate, progress_key
+        self._gate, self._progress_key, self._owners = gate, progress_key, OwnerCache()
         super().__init__(tensors, dht, start=False, **kwargs)
 
     async def rpc_join_group(
@@ -86,50 +88,15 @@ class _Averager(DecentralizedAverager):
         except Exception as exc:
             logger.debug("reading the members of %s failed: %r", self.prefix, exc)
             return False
-        return found is not None and isinstance(found.value, dict) and peer_id in found.value
+        return found is not None and peer_id in verified_progress(found.value, self._owners)
 
     def get_current_state(self):
         return self._state()
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler the starter's event loop installed
-        threading.Thread(target=_exit_with_parent, args=(self._starter_pid,), daemon=True).start()
+        threading.Thread(target=exit_with_parent, args=(self._starter_pid,), daemon=True).start()
         super().run()
-
-
-def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(poll_s)
-    os._exit(0)
-
-
-def _bounded(fn: Callable, process, timeout_s: float, stop: threading.Event, what: str):
-    """Call `fn` (a blocking call into the hivemind `process`) and give up after `timeout_s`, once `stop` is
-    set, or when the process is gone.
-
-    hivemind's averager waits on its process without a timeout even before a step starts, and a process that
-    died or was shut down never answers; the call runs on a daemon thread, so that one stuck for good holds up
-    neither the caller nor the interpreter's exit.
-    """
-    result: Future = Future()
-
-    def call() -> None:
-        try:
-            result.set_result(fn())
-        except BaseException as exc:
-            result.set_exception(exc)
-
-    threading.Thread(target=call, name=what, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not result.done():
-        if stop.is_set():
-            raise RuntimeError(f"{what}: the training group is shutting down")
-        if not process.is_alive():
-            raise RuntimeError(f"{what}: its process ({type(process).__name__}) is gone")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s (is the DHT or averager process alive?)")
-        stop.wait(0.1)
-    return result.result()
 
 
 class TrainingGroup:
@@ -157,6 +124,7 @@ class TrainingGroup:
         self.dht, self.key, self.settings = dht, key, settings
         self._gate = GroupGate(swarm_key) if swarm_key is not None else None
         self.progress_ttl_s = progress_ttl_s or 4 * settings.progress_period_s
+        self._progress = GroupProgress(dht, key, ttl_s=self.progress_ttl_s)
         self.params, self.optimizer = list(params), optimizer
         self.peer_id = dht.peer_id.to_base58()
         self.epoch, self.samples = 0, 0
@@ -183,7 +151,7 @@ class TrainingGroup:
             dht,
             state=self._state,
             gate=self._gate,
-            progress_key=f"{key}.progress",
+            progress_key=progress_key(key),
             prefix=key.replace(".", "_") + "_avg",
             min_group_size=2,
             min_matchmaking_time=settings.matchmaking_time_s,
@@ -232,25 +200,13 @@ class TrainingGroup:
                 logger.debug("publishing progress failed: %r", exc)
 
     def publish(self) -> None:
-        """Tell the group our epoch and samples (returns at once; the store completes in the background)."""
-        ttl = self.progress_ttl_s
-        value = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken).to_wire()
-        self.dht.store(f"{self.key}.progress", value, get_dht_time() + ttl, subkey=self.peer_id, return_future=True)
+        """Tell the group our epoch and samples, signed (returns at once; the store completes in the background)."""
+        self._progress.publish(TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken))
 
     def progress(self) -> dict[str, TrainingProgress]:
-        """Peer id -> progress of every member heard from lately, ourselves included (as we are now)."""
-        found = dht_result(
-            self.dht,
-            self.dht.get(f"{self.key}.progress", latest=True, return_future=True),
-            f"reading the progress of {self.key}",
-        )
-        members = {}
-        if found is not None and isinstance(found.value, dict):
-            for peer_id, item in found.value.items():
-                try:
-                    members[peer_id] = TrainingProgress.from_wire(getattr(item, "value", None))
-                except InvalidRecordError as exc:
-                    logger.debug("skipping progress of %s: %s", peer_id, exc)
+        """Peer id -> progress of every member heard from lately (verified records only), ourselves included (as we
+        are now)."""
+        members = self._progress.members()
         members[self.peer_id] = TrainingProgress(epoch=self.epoch, samples=self.samples + self._taken)
         return members
 
@@ -288,7 +244,7 @@ class TrainingGroup:
         began = time.perf_counter()
         try:
             # the whole timeout to find the group: under load, members see each other's progress seconds apart
-            gathered = _bounded(
+            gathered = bounded_call(
                 lambda: self.averager.step(
                     weight=float(samples), gather=self._gather(), timeout=self.settings.averaging_timeout_s
                 ),

@@ -1,15 +1,18 @@
-"""Settings of training that the CLI reads before anything heavy is imported: optimizer names, group timing.
+"""Settings of training that the CLI reads before anything heavy is imported: the recipe's flags, group timing.
 
 `swarmlm peer --train` and `swarmlm train` check their flags against these first, so that a wrong flag is
-answered at once, not after loading torch and hivemind.
+answered at once, not after loading torch and hivemind. The recipe's flags default to None, "not given": a process
+then adopts the run's setting, or RunRecipe's default when it starts the run (swarm/training/recipe.py).
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+from protocol.vocab import choices
+from swarm.training.recipe import OPTIMIZERS, LRSchedule, RunRecipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,3 +70,49 @@ def averaging_from_args(args: argparse.Namespace) -> AveragingSettings:
         averaging_timeout_s=args.averaging_timeout_s,
         load_state_timeout_s=args.load_state_timeout_s,
     )
+
+
+def add_recipe_arguments(t) -> None:
+    """The flags of the run's recipe that `swarmlm peer --train` and `swarmlm train` share, each None unless given."""
+    d = RunRecipe()
+
+    def default(value) -> str:
+        return f"(default: the run's; {value} when starting one)"
+
+    t.add_argument("--optimizer", choices=OPTIMIZERS, help=f"the run's optimizer {default(d.optimizer)}")
+    t.add_argument("--lr", type=float, help=f"learning rate after warmup {default(f'{d.lr:g}')}")
+    t.add_argument(
+        "--weight-decay",
+        type=float,
+        metavar="WD",
+        help=f"weight decay, not on norms, biases and embeddings {default(f'{d.weight_decay:g}')}",
+    )
+    t.add_argument(
+        "--warmup-steps",
+        type=int,
+        metavar="N",
+        help=f"updates over which the learning rate rises from 0 {default(d.warmup_steps)}",
+    )
+    t.add_argument(
+        "--lr-schedule",
+        choices=choices(LRSchedule),
+        help=f"after warmup: constant, or cosine down to 0 at --total-steps {default(d.lr_schedule)}",
+    )
+    t.add_argument(
+        "--total-steps",
+        type=int,
+        metavar="N",
+        help=f"updates the run is planned for; cosine needs it {default(d.total_steps)}",
+    )
+    t.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="NORM",
+        help=f"clip each update to this global gradient norm, 0 for none {default(f'{d.max_grad_norm:g}')}",
+    )
+
+
+def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `add_recipe_arguments` as config fields (None: not given)."""
+    names = ("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "total_steps", "max_grad_norm")
+    return {name: getattr(args, name) for name in names}

@@ -6,8 +6,13 @@ group its own tensors, or download the weights. In a private swarm each member t
 it gathers with its group, HMAC-SHA256 of its peer id under a key derived from the swarm key; a leader accepts a
 join request only with the tag of the requester's peer id (which libp2p authenticates, so a tag seen in a round
 is no use to anyone else). Tensor parts are accepted only from members of a group so formed (hivemind checks
-that), and the state is sent only to peers whose progress a key holder published in the group's DHT record (only
-key holders can write the DHT of a private swarm, swarm/trust/dhtauth.py).
+that), and the state is sent only to peers with a progress record of their own, signed by their key, in the group's
+DHT record (only key holders can write the DHT of a private swarm, swarm/trust/dhtauth.py; the signature ties the
+record to the peer id libp2p authenticates, swarm/training/members.py).
+
+Rounds among a known group (swarm/training/rounds.py) keep these guarantees without the tag: nobody joins them (every
+join request is refused), their members come from a trainer's commit (which only key holders can send, over gRPC:
+swarm/trust/rpcauth.py), parts are accepted only from those members, and the state goes out under the same rule.
 """
 
 from __future__ import annotations

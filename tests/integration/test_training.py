@@ -210,10 +210,10 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
                 assert all(results), f"a trainer did not finish step {step}\n{swarm.format_logs()}"
                 reference = local.step(batch)
                 assert (results[0].loss + results[1].loss) / 2 == pytest.approx(reference.loss, rel=1e-4)
-                assert dict(results[0].stage_epochs.items()) == {
-                    (0, 2): step + 1,
-                    (2, 4): step + 1,
-                }
+                for result in results:  # both trainers' micro-batches, once, at every stage and both trainers
+                    assert result.stage_epochs == {(0, 2): step + 1, (2, 4): step + 1}, result
+                    assert result.stage_samples == {(0, 2): 16, (2, 4): 16}, result
+                    assert result.trainer_samples == 16, result
                 # every member of a group holds the same weights
                 local_state = local.model.state_dict()
                 for span in [(0, 2), (2, 4)]:
@@ -234,7 +234,8 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
 
 def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
     """LoRA peers train adapters only; the export (adapters merged) is what the swarm computes and generates."""
-    config = TrainConfig(run_id="lora", batch_size=4, micro_batch_size=2, lr=LR, averaging=AVERAGING)
+    # the recipe (lr 3e-2, LoRA) is the peers's: a trainer that gives no lr adopts it
+    config = TrainConfig(run_id="lora", batch_size=4, micro_batch_size=2, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
         for start, end in [(0, 3), (3, 4)]:
@@ -323,6 +324,8 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
                 backward(TrainingTag("lora", {(0, 3): epoch - 1}))
             with pytest.raises(BadRequestError, match="whole span 0:3"):
                 backward(TrainingTag("lora", {(0, 2): epoch}), on=dataclasses.replace(hop, end=2))
+            with pytest.raises(BadRequestError, match="needs its micro_batch id"):
+                backward(TrainingTag("lora", {(0, 3): epoch}))
             with pytest.raises(BadRequestError, match="whole span 0:3"):
                 model._run(fetch_peer_weights(sequence.pool, hop.endpoint, sequence.prefix, 0, 2))
             trainer.step(torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator))

@@ -11,6 +11,7 @@ from peer.admission import WorkLimits
 from peer.cli import build_parser, config_from_args
 from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, TransportMode
 from protocol.vocab import DType, TrainMode, Transport, choices
+from swarm.training.recipe import LRSchedule, RunRecipe
 
 
 def test_string_values_become_members_and_keep_their_text():
@@ -123,8 +124,46 @@ def test_the_training_flags_map_onto_the_training_config():
     assert config.training.mode is TrainMode.LORA
 
 
+def test_the_recipe_flags_are_not_given_unless_passed():
+    assert _config("--blocks=0:2", "--train").training == TrainingConfig()
+    assert _config("--blocks=0:2", "--train").training.recipe_overrides() == {}
+    config = _config(
+        "--blocks=0:2",
+        "--train",
+        "--optimizer=sgd",
+        "--lr=0.01",
+        "--weight-decay=0.1",
+        "--warmup-steps=3",
+        "--lr-schedule=cosine",
+        "--total-steps=30",
+        "--max-grad-norm=2",
+        "--target-batch-size=16",
+        "--train-mode=lora",
+        "--lora-rank=4",
+    )
+    assert config.training.recipe() == RunRecipe(
+        optimizer="sgd",
+        lr=0.01,
+        weight_decay=0.1,
+        warmup_steps=3,
+        lr_schedule=LRSchedule.COSINE,
+        total_steps=30,
+        max_grad_norm=2.0,
+        batch_size=16,
+        train_mode=TrainMode.LORA,
+        lora_rank=4,
+    )
+    assert config.training.recipe_overrides().keys() == RunRecipe().to_wire().keys() - {"master_dtype"}
+
+
 @pytest.mark.parametrize(
-    "flag, vocabulary", [("--transport", TransportMode), ("--dtype", DTypeChoice), ("--train-mode", TrainMode)]
+    "flag, vocabulary",
+    [
+        ("--transport", TransportMode),
+        ("--dtype", DTypeChoice),
+        ("--train-mode", TrainMode),
+        ("--lr-schedule", LRSchedule),
+    ],
 )
 def test_the_flags_choices_are_the_enums(flag, vocabulary):
     parser = build_parser("swarmlm peer")

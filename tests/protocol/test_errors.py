@@ -19,10 +19,10 @@ from protocol.errors import (
     OverloadedError,
     PeerFaultError,
     PeerUnavailableError,
+    RecipeMismatchError,
     SequenceTooLongError,
     SessionExpiredError,
     StaleEpochError,
-    RecipeMismatchError,
     StateDownloadError,
     SwarmError,
     TrainingFaultError,
@@ -106,7 +106,7 @@ def test_base_code_rebuilds_internal_error():
 
 
 def test_methods_match_the_proto():
-    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info", "State", "Push"}
+    assert set(METHODS) == {"Forward", "Backward", "Inference", "Info", "State", "Push", "Commit", "Apply"}
     expected = {
         "Forward": (pb.ForwardRequest, pb.ForwardResponse, False, False),
         "Backward": (pb.BackwardRequest, pb.BackwardResponse, False, False),
@@ -114,6 +114,8 @@ def test_methods_match_the_proto():
         "Info": (pb.InfoRequest, pb.InfoResponse, False, False),
         "State": (pb.StateRequest, pb.StatePart, False, True),
         "Push": (pb.PushRequest, pb.PushResponse, False, False),
+        "Commit": (pb.CommitRequest, pb.CommitResponse, False, False),
+        "Apply": (pb.ApplyRequest, pb.ApplyResponse, False, False),
     }
     assert SERVICE_NAME == "swarmlm.v1.Peer"
     for name, (request, response, client_streaming, server_streaming) in expected.items():
@@ -188,6 +190,10 @@ def test_generic_handler_routes_every_method_to_snake_case():
         async def info(self, request, context): ...
         async def state(self, request, context): ...
         async def push(self, request, context): ...
+
+        async def commit(self, request, context): ...
+
+        async def apply(self, request, context): ...
 
     handler = make_generic_handler(Servicer())
 

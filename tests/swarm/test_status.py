@@ -1,10 +1,11 @@
-"""`swarmlm status` output: one line per peer, training state where a peer trains."""
+"""`swarmlm status` output: one line per peer, training state where a peer trains, and each run's recipe."""
 
 from __future__ import annotations
 
 from protocol.records import ServerInfo, ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.status import format_snapshot
+from swarm.training.recipe import RunRecipe
 
 
 def info(start: int, end: int, **changes) -> ServerInfo:
@@ -50,3 +51,27 @@ def test_status_shows_how_each_peer_is_reached():
     assert "direct 127.0.0.1:5000  relays for others" in lines[2]
     assert f"behind NAT, via relay {RELAY[:16]}..." in lines[3] and "127.0.0.1:5000" not in lines[3]
     assert "libp2p only" in lines[4]
+
+
+def test_status_shows_the_recipe_of_each_run_and_any_other_published():
+    snapshot = SwarmSnapshot(
+        num_blocks=2,
+        servers={
+            "a": info(0, 2, run_id="poems"),
+            "b": info(0, 2, run_id="plays"),
+            "c": info(0, 2, run_id="new"),
+            "gone": info(0, 2, run_id="old", state=ServerState.OFFLINE),
+        },
+    )
+    counts = RunRecipe(lr=3e-4, lr_schedule="cosine", total_steps=1000, warmup_steps=50, max_grad_norm=1.0)
+    recipes = {"poems": [counts], "plays": [counts, RunRecipe(lr=1.0)], "old": [counts]}
+    lines = format_snapshot("m", "repo", snapshot, recipes).splitlines()
+    assert lines[-3:] == [
+        "  run 'new': no recipe published",
+        "  run 'plays': adamw lr 0.0003 (cosine to 1000, warmup 50), weight decay 0, clip 1, batch 8, full, float32 "
+        "master (1 other recipes published; the first published counts)",
+        "  run 'poems': adamw lr 0.0003 (cosine to 1000, warmup 50), weight decay 0, clip 1, batch 8, full, float32 "
+        "master",
+    ]
+    assert "run 'old'" not in "\n".join(lines)  # only runs with ONLINE peers
+    assert "run '" not in format_snapshot("m", "repo", snapshot)  # recipes not read

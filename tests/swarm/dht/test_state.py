@@ -85,7 +85,23 @@ def test_peers_are_listed_by_span_with_every_announced_field():
     }
     assert (b["run_id"], b["epoch"], b["samples"]) == ("shakespeare", 7, 3)
     assert gone["state"] == "OFFLINE" and gone["live"] is False
-    assert llama["training"] == [{"run_id": "shakespeare", "peers": 2, "epoch_min": 7, "epoch_max": 8}]
+    assert llama["training"] == [
+        {"run_id": "shakespeare", "peers": 2, "epoch_min": 7, "epoch_max": 8, "recipe": None, "other_recipes": 0}
+    ]
+
+
+def test_each_run_shows_the_recipe_that_counts_and_how_many_others_were_published():
+    counts, other = {"lr": 3e-4, "optimizer": "adamw"}, {"lr": 1.0, "optimizer": "sgd"}
+    recipes = {"llama": {"shakespeare": [counts, other], "gone": [counts]}}
+    state = build_state(MODELS, SNAPSHOTS, recipes=recipes)
+    [run] = state["models"][0]["training"]
+    assert run["recipe"] == counts and run["other_recipes"] == 1
+    assert state["schema_version"] == 2
+    json.dumps(state)
+    alone = build_state(MODELS, SNAPSHOTS, recipes={"llama": {"shakespeare": [counts]}})
+    assert alone["models"][0]["training"][0]["other_recipes"] == 0
+    unread = build_state(MODELS, SNAPSHOTS, recipes={"llama": {"shakespeare": []}})
+    assert unread["models"][0]["training"][0]["recipe"] is None
 
 
 def test_with_pings_only_peers_that_answered_count_and_each_peer_says_what_its_ping_found():

@@ -12,6 +12,7 @@ import torch
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.training.averaging import TrainingGroup, group_key
 from swarm.training.optim import make_optimizer
+from swarm.training.recipe import RunRecipe
 from swarm.training.settings import AveragingSettings
 
 SETTINGS = AveragingSettings(matchmaking_time_s=0.5, averaging_timeout_s=6.0, load_state_timeout_s=2.0)
@@ -23,7 +24,7 @@ def make_group(dht, **kwargs) -> TrainingGroup:
         dht,
         group_key("test-model", "run", "trainers"),
         params,
-        make_optimizer("adamw", params, lr=1e-2, weight_decay=0.0),
+        make_optimizer(RunRecipe(optimizer="adamw", lr=1e-2), params),
         settings=SETTINGS,
         **kwargs,
     )

@@ -15,9 +15,13 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
-from swarm.dht.node import start_dht, stop_dht, visible_maddrs
-from swarm.training.averaging import TrainingGroup, _Averager, group_key
+from protocol.records import TrainingProgress
+from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
+from swarm.training.averaging import TrainingGroup, group_key
+from swarm.training.members import GroupProgress, progress_key
 from swarm.training.optim import make_optimizer
+from swarm.training.recipe import RunRecipe
+from swarm.training.rounds import RoundAverager, RoundSettings
 from swarm.training.settings import AveragingSettings
 from swarm.trust.groupgate import GroupGate
 from swarm.trust.swarmkey import SwarmKey
@@ -53,7 +57,7 @@ def make_group(dht, value: float) -> TrainingGroup:
         dht,
         group_key("test-model", "run", "0-2"),
         params,
-        make_optimizer("sgd", params, lr=0.1, weight_decay=0.0),
+        make_optimizer(RunRecipe(optimizer="sgd", lr=0.1), params),
         settings=SETTINGS,
         swarm_key=KEY,
     )
@@ -85,27 +89,27 @@ class Stranger:
     def run(self, coro, timeout_s: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def stub(self, group: TrainingGroup):
-        return _Averager.get_stub(self.p2p, PeerID(group.dht.peer_id.to_bytes()), namespace=group.averager.prefix)
+    def stub(self, averager):
+        return type(averager).get_stub(self.p2p, PeerID(averager.dht.peer_id.to_bytes()), namespace=averager.prefix)
 
-    def first_answer_to_join(self, group: TrainingGroup) -> int:
+    def first_answer_to_join(self, averager) -> int:
         async def join():
             request = averaging_pb2.JoinRequest(
-                schema_hash=group.averager.schema_hash,
+                schema_hash=averager.schema_hash,
                 expiration=get_dht_time() + 30,
                 client_mode=False,
                 gather=MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps({"epoch": 0})]),
-                group_key=f"{group.averager.prefix}.0b",
+                group_key=f"{averager.prefix}.0b",
             )
-            async for message in await self.stub(group).rpc_join_group(request):
+            async for message in await self.stub(averager).rpc_join_group(request):
                 return message.code
 
         return self.run(join())
 
-    def downloaded_parts(self, group: TrainingGroup) -> int:
+    def downloaded_parts(self, averager) -> int:
         async def download():
             return len(
-                [part async for part in await self.stub(group).rpc_download_state(averaging_pb2.DownloadRequest())]
+                [part async for part in await self.stub(averager).rpc_download_state(averaging_pb2.DownloadRequest())]
             )
 
         return self.run(download())
@@ -131,12 +135,12 @@ def test_a_stranger_cannot_join_a_round_or_download_the_state_and_members_can(ke
         )
         looking.start()
         time.sleep(0.5)
-        assert stranger.first_answer_to_join(first) == averaging_pb2.PROTOCOL_VIOLATION
+        assert stranger.first_answer_to_join(first.averager) == averaging_pb2.PROTOCOL_VIOLATION
         looking.join(SETTINGS.averaging_timeout_s + 15)
         assert rounds and rounds[0][1] is None, "the round without a second member should have failed"
 
         first.share_state()
-        assert stranger.downloaded_parts(first) == 0
+        assert stranger.downloaded_parts(first.averager) == 0
 
         second = make_group(second_dht, 5.0)
         assert second.load_state() == first.epoch  # a member copies the state
@@ -165,3 +169,39 @@ def test_a_stranger_cannot_join_a_round_or_download_the_state_and_members_can(ke
         first.shutdown()
         if second is not None:
             second.shutdown()
+
+
+def test_known_rounds_of_a_private_swarm_give_the_state_only_to_members_with_signed_progress(keyed_dhts):
+    holder_dht, member_dht, keyed_dht = keyed_dhts(3)
+    key = group_key("test-model", "run", "2-4")
+    state = [torch.arange(6, dtype=torch.float32)]
+    averagers = [
+        RoundAverager(
+            [torch.zeros(3)],
+            dht,
+            prefix="test_gate_rounds",
+            settings=RoundSettings(sender_timeout_s=4.0),
+            state=lambda: (2, state),
+            private=True,
+            progress_key=progress_key(key),
+        )
+        for dht in (holder_dht, member_dht, keyed_dht)
+    ]
+    holder, member, keyed = averagers
+    stranger = Stranger(visible_maddrs(holder_dht))
+    try:
+        holder.serve_state()
+        # no matchmaking at all: nobody joins a round, whatever tag it brings
+        assert stranger.first_answer_to_join(holder) == averaging_pb2.PROTOCOL_VIOLATION
+        assert stranger.downloaded_parts(holder) == 0
+        # a key holder that published no progress in the group is no member of it either
+        with pytest.raises(RuntimeError, match="sent no state"):
+            keyed.download_state(holder.member_id, timeout_s=10, max_bytes=1 << 20)
+        progress = GroupProgress(member_dht, key, ttl_s=60)
+        dht_result(member_dht, progress.publish(TrainingProgress(epoch=0, samples=0)), "publishing")
+        [got] = member.download_state(holder.member_id, timeout_s=10, max_bytes=1 << 20)
+        assert torch.equal(got, state[0])
+    finally:
+        stranger.close()
+        for averager in averagers:
+            averager.shutdown()

@@ -1,0 +1,136 @@
+"""The stages of a run as one trainer sees them: their members, and the commit and apply calls of an update.
+
+A member is a peer of the run that serves one stage's blocks and answers Info at the stage's epoch. One that is
+behind (it joined, or catches up after a fault) sits the update out. A member counts as lost only when its
+connection is refused (its process is gone) or its record has left the directory (it has not announced itself for
+a whole record lifetime); a slow one, or one that stopped answering for a few seconds, is waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from client.retry import describe
+from client.routing import RouteHop
+from client.sequence import RemoteSequence
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import PeerUnavailableError, SwarmError, TrainingFaultError
+from protocol.records import ServerInfo
+
+logger = logging.getLogger(__name__)
+
+Span = tuple[int, int]
+INFO_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: str
+    span: Span
+    address: str
+    epoch: int
+    round: pb.RoundStatus
+
+
+def refused(error: BaseException) -> bool:
+    """Whether a failed call means the peer's process is gone: nothing listens at its address any more."""
+    text = str(error).lower()
+    return isinstance(error, PeerUnavailableError) and ("connection refused" in text or "failed to connect" in text)
+
+
+class Stages:
+    """The members of each stage of `run_id`, read from the directory and their Info answers."""
+
+    def __init__(self, sequence: RemoteSequence, run_id: str):
+        self.sequence, self.run_id = sequence, run_id
+        self.refused: set[str] = set()  # peers whose connection was refused since the last directory read
+
+    async def members(self) -> dict[Span, dict[str, Member]]:
+        """Every peer of the run that answers Info, by stage (fresh directory read)."""
+        snapshot = await self.sequence.snapshot(refresh=True)
+        self.refused.clear()
+
+        async def ask(peer_id: str, info: ServerInfo) -> Member | None:
+            try:
+                address = await self.sequence.address_of(peer_id, info)
+                response = await self.sequence.pool.unary(address, "info", pb.InfoRequest(), INFO_TIMEOUT_S)
+            except SwarmError as exc:
+                if refused(exc):
+                    self.refused.add(peer_id)
+                return None
+            if response.run_id != self.run_id:
+                return None
+            span = (info.start_block, info.end_block)
+            return Member(peer_id, span, address, int(response.epoch), response.round)
+
+        found = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
+        stages: dict[Span, dict[str, Member]] = {}
+        for member in found:
+            if member is not None:
+                stages.setdefault(member.span, {})[member.peer_id] = member
+        return stages
+
+    async def ready(self, epoch: int | None, timeout_s: float) -> tuple[int, dict[Span, dict[str, Member]]]:
+        """(epoch, members at it per stage) once every stage has a member at one common epoch: `epoch`, or, when
+        None, the epoch most members are at. Members at another epoch sit this update out.
+
+        Raises:
+            TrainingFaultError: no such state within `timeout_s` (the message names each stage's epochs).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stages = await self.members()
+            chosen = epoch
+            if chosen is None and stages:
+                chosen = Counter(m.epoch for members in stages.values() for m in members.values()).most_common(1)[0][0]
+            at = {span: {pid: m for pid, m in members.items() if m.epoch == chosen} for span, members in stages.items()}
+            if at and all(at.values()) and self._cover(at):
+                return chosen, at
+            if time.monotonic() > deadline:
+                seen = {f"{s[0]}:{s[1]}": sorted(m.epoch for m in ms.values()) for s, ms in sorted(stages.items())}
+                raise TrainingFaultError(
+                    f"the stages of run {self.run_id!r} are not all at update {chosen} after {timeout_s:.0f}s "
+                    f"(members' updates per stage: {seen}); start or wait for the missing stages' peers"
+                )
+            await asyncio.sleep(0.2)
+
+    def _cover(self, stages: dict[Span, dict[str, Member]]) -> bool:
+        """Whether the stages' spans tile blocks [0, num_blocks) without gaps or overlaps."""
+        position = 0
+        for start, end in sorted(stages):
+            if start != position:
+                return False
+            position = end
+        return position == self.sequence.num_blocks
+
+    async def lost(self, peer_id: str, error: BaseException | None = None) -> bool:
+        """Whether `peer_id` is gone: its connection was refused, or its record has left the directory."""
+        if peer_id in self.refused or (error is not None and refused(error)):
+            self.refused.add(peer_id)
+            return True
+        snapshot = await self.sequence.snapshot(refresh=True)
+        return peer_id not in snapshot.online()
+
+    async def call(self, member: Member, method: str, request, timeout_s: float):
+        return await self.sequence.pool.unary(member.address, method, request, timeout_s)
+
+    async def status(self, member: Member, epoch: int) -> pb.RoundStatus | BaseException:
+        """The member's round of update `epoch`: the one under way, or, once applied (another trainer of the same
+        update sent Apply first), the round it applied."""
+        try:
+            response = await self.call(member, "info", pb.InfoRequest(), INFO_TIMEOUT_S)
+        except SwarmError as exc:
+            return exc
+        if response.round.epoch == epoch + 1 and response.applied_round.epoch == epoch:
+            return response.applied_round
+        return response.round
+
+    def hop(self, member: Member) -> RouteHop:
+        return RouteHop(member.peer_id, member.span[0], member.span[1], member.address)
+
+    def describe(self, member: Member) -> str:
+        return describe(self.hop(member))

@@ -1,0 +1,237 @@
+"""One update of every stage, driven by the trainer: commit, wait for the rounds, apply.
+
+After its micro-batches, the trainer tells each member of each stage what the update consists of (a commit: the
+members and the micro-batches each holds); the members average among exactly those members and report the
+averaged gradients' digest and squared norm; once every member of every stage has averaged the same thing, the
+trainer sends Apply with the clipping factor of the global norm, and each member applies it. A round that fails
+is a fault, never an update: a member that is gone is fenced, its micro-batches are sent to other members, and the
+update is committed again under a new version. A member that answers but cannot average is retried a few times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from client.training.ledger import Ledger
+from client.training.stages import INFO_TIMEOUT_S, Member, Span, Stages, refused
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import StaleEpochError, SwarmError, TrainingFaultError
+
+logger = logging.getLogger(__name__)
+
+MAX_VERSIONS = 10  # commits of one update before the step gives up (each after a fault)
+POLL_S = 0.05
+
+Redo = Callable[[Span, str], Awaitable[None]]
+"""Fence a member of a stage and send its micro-batches to other members (the trainer's)."""
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """A stage's round, done: what every member averaged."""
+
+    round_id: str
+    grad_digest: str
+    grad_sq_norm: float
+    samples: int
+    members: tuple[Member, ...]
+
+
+class Update:
+    """Update `epoch` of every stage, with the micro-batches of `ledger` and of the other `trainers`."""
+
+    def __init__(
+        self,
+        stages: Stages,
+        *,
+        run_id: str,
+        prefix: str,
+        epoch: int,
+        trainer: str,
+        trainers: list[str],
+        members: dict[Span, dict[str, Member]],
+        ledger: Ledger,
+        redo: Redo,
+        round_timeout_s: float,
+        trainers_alive: Callable[[], Awaitable[set[str]]] | None = None,
+    ):
+        self.stages, self.run_id, self.prefix, self.epoch = stages, run_id, prefix, epoch
+        self.trainer, self.trainers = trainer, trainers
+        self.members, self.ledger, self.redo = members, ledger, redo
+        self.round_timeout_s = round_timeout_s
+        self.trainers_alive = trainers_alive
+        self.faults: list[str] = []  # what went wrong and was repaired, for the step's log line
+
+    def listed(self, span: Span) -> list[Member]:
+        fenced = self.ledger.fenced()
+        return [m for pid, m in sorted(self.members[span].items()) if pid not in fenced]
+
+    def commit_request(self, span: Span, version: int) -> pb.CommitRequest:
+        holdings = self.ledger.holdings(span)
+        members = []
+        for member in self.listed(span):
+            indices = holdings.get(member.peer_id, [])
+            held = [
+                pb.TrainerIndices(trainer=self.trainer, indices=indices, samples=self.ledger.samples_of(span, indices))
+            ]
+            members.append(pb.Holding(peer_id=member.peer_id, held=held if indices else []))
+        return pb.CommitRequest(
+            run_id=self.run_id,
+            span=pb.Span(model=self.prefix, start=span[0], end=span[1]),
+            epoch=self.epoch,
+            version=version,
+            trainer=self.trainer,
+            trainers=self.trainers,
+            members=members,
+        )
+
+    async def average(self) -> dict[Span, Averaged]:
+        """Commit until every stage's round is done; the result of each stage's round.
+
+        Raises:
+            TrainingFaultError: the rounds kept failing (MAX_VERSIONS commits), or a stage lost every member.
+        """
+        for version in range(1, MAX_VERSIONS + 1):
+            for span in self.members:
+                if not self.listed(span):
+                    raise TrainingFaultError(f"stage {span[0]}:{span[1]} has no member left for update {self.epoch}")
+            problems = await self._commit(version)
+            if not problems:
+                done, problems = await self._await_rounds()
+                if done is not None:
+                    return done
+            await self._repair(problems, version)
+        raise TrainingFaultError(
+            f"update {self.epoch} of run {self.run_id!r} failed {MAX_VERSIONS} times; the last faults: "
+            f"{'; '.join(self.faults[-3:])}"
+        )
+
+    async def _commit(self, version: int) -> dict[tuple[Span, str], str]:
+        """Send this version's commit to every listed member; (span, member) -> why one did not take it."""
+        problems: dict[tuple[Span, str], str] = {}
+
+        async def send(span: Span, member: Member) -> None:
+            try:
+                response = await self.stages.call(member, "commit", self.commit_request(span, version), 30.0)
+            except SwarmError as exc:
+                if refused(exc):
+                    self.stages.refused.add(member.peer_id)
+                problems[(span, member.peer_id)] = f"commit failed: {exc}"
+                return
+            self._check_in(response.status)
+            if response.status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):
+                problems[(span, member.peer_id)] = response.status.reason or pb.RoundStatus.State.Name(
+                    response.status.state
+                )
+
+        await asyncio.gather(*(send(span, m) for span in self.members for m in self.listed(span)))
+        return problems
+
+    async def _await_rounds(self) -> tuple[dict[Span, Averaged] | None, dict[tuple[Span, str], str]]:
+        deadline = time.monotonic() + self.round_timeout_s
+        while True:
+            statuses = {}
+            for span in self.members:
+                listed = self.listed(span)
+                answers = await asyncio.gather(*(self.stages.status(m, self.epoch) for m in listed))
+                statuses.update({(span, m.peer_id): (m, answer) for m, answer in zip(listed, answers)})
+            problems = {}
+            for (span, pid), (_, status) in statuses.items():
+                if not isinstance(status, BaseException) and status.epoch == self.epoch:
+                    self._check_in(status)
+                if isinstance(status, BaseException):
+                    if refused(status):
+                        self.stages.refused.add(pid)
+                    problems[(span, pid)] = f"no answer: {status}"
+                elif status.epoch != self.epoch:
+                    problems[(span, pid)] = f"at update {status.epoch}, not {self.epoch}"
+                elif status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):
+                    problems[(span, pid)] = status.reason or pb.RoundStatus.State.Name(status.state)
+            done = self._all_averaged(statuses)
+            if done is not None:
+                return done, {}
+            if problems or time.monotonic() > deadline:
+                if not problems:
+                    problems = {key: "round not done in time" for key, (_, s) in statuses.items()}
+                return None, problems
+            await asyncio.sleep(POLL_S)
+
+    def _check_in(self, status: pb.RoundStatus) -> None:
+        """A round that takes other trainers' micro-batches but not ours: this trainer was late to the update."""
+        if status.trainers and self.trainer not in status.trainers:
+            raise StaleEpochError(
+                f"update {self.epoch} was committed without this trainer (by {len(status.trainers)} others); its "
+                f"batch goes to the next update"
+            )
+
+    def _all_averaged(self, statuses) -> dict[Span, Averaged] | None:
+        done = {}
+        for span in self.members:
+            mine = [statuses[(span, m.peer_id)] for m in self.listed(span)]
+            if any(isinstance(s, BaseException) or s.state != pb.RoundStatus.AVERAGED for _, s in mine):
+                return None
+            seen = {(s.round_id, s.grad_digest) for _, s in mine}
+            if len(seen) != 1:
+                return None  # members averaged different things: not done (their rounds fail, or a retry fixes it)
+            first = mine[0][1]
+            done[span] = Averaged(
+                first.round_id, first.grad_digest, first.grad_sq_norm, first.samples, tuple(m for m, _ in mine)
+            )
+        return done
+
+    async def _repair(self, problems: dict[tuple[Span, str], str], version: int) -> None:
+        """Fence the members that are gone (their micro-batches go to others); the others are tried again once the
+        other trainers had a moment to correct their own commits. A trainer of the update that is gone (it died
+        before it committed) is left out: the members drop its micro-batches."""
+        if self.trainers_alive is not None and len(self.trainers) > 1:
+            alive = await self.trainers_alive()
+            gone = [t for t in self.trainers if t != self.trainer and t not in alive]
+            if gone:
+                self.trainers = [t for t in self.trainers if t not in gone]
+                self.faults.append(f"update {self.epoch}: trainers {', '.join(g[-8:] for g in gone)} gone")
+        for (span, pid), why in sorted(problems.items()):
+            fault = f"update {self.epoch} v{version}, stage {span[0]}:{span[1]}, peer {pid[-8:]}: {why}"
+            self.faults.append(fault)
+            logger.warning("%s", fault)
+            # only a member that is gone is fenced: one that holds other micro-batches than a commit lists has seen a
+            # commit that a later version corrects (a trainer moved micro-batches of a fenced member to it)
+            if await self.stages.lost(pid):
+                await self.redo(span, pid)
+        await asyncio.sleep(POLL_S * version)
+
+    async def apply(self, done: dict[Span, Averaged], clip_scale: float) -> dict[Span, int]:
+        """Apply every stage's averaged update; span -> the samples its members applied."""
+        applied: dict[Span, int] = {}
+
+        async def apply_one(span: Span, averaged: Averaged, member: Member) -> pb.ApplyResponse | None:
+            request = pb.ApplyRequest(
+                run_id=self.run_id,
+                span=pb.Span(model=self.prefix, start=span[0], end=span[1]),
+                epoch=self.epoch,
+                round_id=averaged.round_id,
+                grad_digest=averaged.grad_digest,
+                clip_scale=clip_scale,
+            )
+            while True:  # an Apply whose answer was lost is sent again: applying twice is answered, not redone
+                try:
+                    return await self.stages.call(member, "apply", request, 60.0)
+                except SwarmError as exc:
+                    if await self.stages.lost(member.peer_id, exc):
+                        self.faults.append(f"stage {span[0]}:{span[1]} peer {member.peer_id[-8:]} gone at apply")
+                        return None
+                    await asyncio.sleep(INFO_TIMEOUT_S / 5)
+
+        for span, averaged in done.items():
+            answers = await asyncio.gather(*(apply_one(span, averaged, m) for m in averaged.members))
+            answered = [a for a in answers if a is not None]
+            digests = {a.param_digest for a in answered}
+            if len(digests) > 1:
+                fault = f"stage {span[0]}:{span[1]}: members differ after update {self.epoch} ({len(digests)} digests)"
+                self.faults.append(fault)
+                logger.warning("%s; the minority reloads the majority's state", fault)
+            applied[span] = max((a.applied_samples for a in answered), default=0)
+        return applied

@@ -1,0 +1,15 @@
+"""A training peer's part in a run (`swarmlm peer ... --train`).
+
+- span: SpanTraining, the span's trainable tensors, float32 masters and optimizer, and the handlers of the run's
+  calls (backward, commit, apply)
+- accumulators: the gradients held for the next update, one sum per trainer, each micro-batch added once
+- commits: the trainers' commits of an update and the round they define (plain data)
+
+May import protocol, swarm and the rest of peer.
+"""
+
+from protocol.lazy import lazy_exports
+
+__all__ = ["SpanTraining"]
+
+__getattr__ = lazy_exports("peer.training", {"SpanTraining": ("peer.training.span", "SpanTraining")})

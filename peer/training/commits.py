@@ -1,0 +1,109 @@
+"""A stage member's view of one update: the trainers' commits, the round they define, and its status.
+
+Each trainer of an update sends its own commit, naming every trainer of the update and every member of the stage
+with the micro-batches it holds from that trainer. The round starts once a commit from each named trainer is
+here; its id is a digest of what they say, so that members with different views never meet in one round. Plain
+data and pure functions: peer/training/span.py does the computing and the calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError
+
+MAX_TRAINERS = 64
+MAX_MEMBERS = 256
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the commits of an update say, once complete."""
+
+    round_id: str
+    trainers: tuple[str, ...]
+    """The trainers whose micro-batches it takes, sorted."""
+    members: tuple[str, ...]
+    """Every member of the stage in the round, sorted."""
+    mine: dict[str, list[int]]
+    """Trainer -> the indices this member must hold (every trainer of the update, possibly none)."""
+    samples: int
+    """The update's samples over the whole stage."""
+
+
+@dataclass
+class Commits:
+    """The commits received for the update at `epoch`."""
+
+    epoch: int
+    by_trainer: dict[str, pb.CommitRequest] = field(default_factory=dict)
+
+    def add(self, request: pb.CommitRequest) -> None:
+        """Keep `request` unless a later version of its trainer's commit is here.
+
+        Raises:
+            BadRequestError: a malformed commit (its sender not among its trainers, too many names, a member
+                named twice).
+        """
+        if not request.trainer or request.trainer not in request.trainers:
+            raise BadRequestError("a commit's trainer must be among the trainers it names")
+        if len(request.trainers) > MAX_TRAINERS or len(request.members) > MAX_MEMBERS:
+            raise BadRequestError(f"a commit names at most {MAX_TRAINERS} trainers and {MAX_MEMBERS} members")
+        names = [m.peer_id for m in request.members]
+        if len(set(names)) != len(names) or not all(names):
+            raise BadRequestError("a commit names each member once, by peer id")
+        held = self.by_trainer.get(request.trainer)
+        if held is None or request.version >= held.version:
+            self.by_trainer[request.trainer] = request
+
+    def plan(self, me: str) -> RoundPlan | None:
+        """The round, once a commit of every trainer named is here and they name the same trainers; else None.
+
+        A member named by no commit is fenced (`fenced`); it has no plan.
+        """
+        trainers = self.trainers()
+        if trainers is None:
+            return None
+        members: set[str] = set()
+        mine: dict[str, list[int]] = {t: [] for t in trainers}
+        samples = 0
+        for trainer in trainers:
+            commit = self.by_trainer[trainer]
+            for holding in commit.members:
+                members.add(holding.peer_id)
+                for held in holding.held:
+                    if held.trainer != trainer:
+                        raise BadRequestError(f"trainer {trainer[-8:]}'s commit lists another trainer's micro-batches")
+                    samples += held.samples
+                    if holding.peer_id == me:
+                        mine[trainer] = sorted(held.indices)
+        if me not in members:
+            return None
+        # the id names what the round averages, and the latest attempt: a trainer that commits the same again under a
+        # new version does not restart a round under way, unless it is the first to try again after a failure
+        digest = hashlib.sha256(f"{self.epoch}|{max(self.by_trainer[t].version for t in trainers)}".encode())
+        for trainer in trainers:
+            for holding in sorted(self.by_trainer[trainer].members, key=lambda h: h.peer_id):
+                held = [(h.trainer, sorted(h.indices)) for h in holding.held]
+                digest.update(f"|{trainer}>{holding.peer_id}:{held}".encode())
+        return RoundPlan(digest.hexdigest(), tuple(trainers), tuple(sorted(members)), mine, samples)
+
+    def trainers(self) -> list[str] | None:
+        """The trainers of the update: a set of trainers each of whose commits names exactly that set (the largest
+        such, by name on a tie); None until there is one. A trainer whose commit names others than they do (it was
+        late to its trainers' rendezvous) is not in it: its micro-batches go to the next update."""
+        agreeing = []
+        for commit in self.by_trainer.values():
+            named = tuple(sorted(commit.trainers))
+            if all(t in self.by_trainer and tuple(sorted(self.by_trainer[t].trainers)) == named for t in named):
+                agreeing.append(named)
+        return list(max(agreeing, key=lambda t: (len(t), t))) if agreeing else None
+
+    def fenced(self, me: str) -> bool:
+        """Whether commits of every trainer named are here and none of them names this member."""
+        trainers = self.trainers()
+        if trainers is None:
+            return False
+        return all(me not in {m.peer_id for m in self.by_trainer[t].members} for t in trainers)

@@ -1,0 +1,98 @@
+"""One process's membership in a training group: the peers of one stage of a run, or a run's trainers.
+
+Puts together what a member does with its group: its signed progress record (members.py), rounds among the
+members a commit names (rounds.py), and copying the state that a majority vouches for (state.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import hivemind
+import torch
+
+from protocol.records import TrainingProgress
+from swarm.training.members import GroupProgress, progress_key
+from swarm.training.rounds import RoundAverager, RoundResult, RoundSettings
+from swarm.training.settings import AveragingSettings
+from swarm.training.state import VerifiedState, load_verified_state, majority_claim
+from swarm.trust.swarmkey import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+
+class GroupMember:
+    """This process in the group `key` of `dht`'s swarm.
+
+    Args:
+        grads_like: what every round averages (shapes; rounds run in float64, see `average`).
+        state: returns (epoch, state tensors) for a joiner to copy: a consistent copy, whose digest is the one this
+            member announces.
+        settings: the group's timing.
+        swarm_key: a private swarm's key (state goes only to members whose signed progress is published).
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        key: str,
+        *,
+        grads_like: Sequence[torch.Tensor],
+        state: Callable[[], tuple[int, Sequence[torch.Tensor]]],
+        settings: AveragingSettings,
+        swarm_key: SwarmKey | None = None,
+        progress_ttl_s: float | None = None,
+    ):
+        self.key, self.settings = key, settings
+        self.progress = GroupProgress(dht, key, ttl_s=progress_ttl_s or 4 * settings.progress_period_s)
+        self.peer_id = self.progress.peer_id
+        # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; RoundAverager puts it back
+        self.averager = RoundAverager(
+            [torch.zeros(t.shape, dtype=torch.float64) for t in grads_like],
+            dht,
+            prefix=key.replace(".", "_") + "_rounds",
+            settings=RoundSettings(sender_timeout_s=max(settings.matchmaking_time_s, 5.0)),
+            state=state,
+            private=swarm_key is not None,
+            progress_key=progress_key(key),
+        )
+        self._stop = threading.Event()
+
+    def average(
+        self, tensors: Sequence[torch.Tensor], *, round_id: bytes, members: Sequence[str], timeout_s: float
+    ) -> RoundResult:
+        """A round among exactly `members` (blocking); float64 in and out: hivemind hands each member its own value
+        plus the averaged difference, and in float32 that sum rounds differently on every member."""
+        return self.averager.average(
+            [t.to(torch.float64) for t in tensors], round_id=round_id, members=members, timeout_s=timeout_s
+        )
+
+    def publish(self, progress: TrainingProgress) -> None:
+        self.progress.publish(progress)
+
+    def members(self) -> dict[str, TrainingProgress]:
+        """Peer id -> verified progress of every member heard from lately (this one too, once its record is in)."""
+        return self.progress.members()
+
+    def majority(self) -> tuple[int, str] | None:
+        """The (epoch, state digest) a strict majority of the other members announce, or None."""
+        return majority_claim({pid: p for pid, p in self.members().items() if pid != self.peer_id})
+
+    def load_state(self, like: Sequence[torch.Tensor]) -> VerifiedState:
+        """The state a majority vouches for, downloaded and checked (blocking, bounded by the load-state timeout).
+
+        Raises:
+            StateDownloadError: none within the timeout.
+        """
+        return load_verified_state(
+            self.averager, self.members, like=like, timeout_s=self.settings.load_state_timeout_s
+        )
+
+    def serve_state(self, serve: bool = True) -> None:
+        self.averager.serve_state(serve)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.averager.shutdown()

@@ -1,0 +1,142 @@
+"""Copying a group's state only when a majority of the group vouches for it.
+
+A member that joins, or that fell behind (declared lost, or its round failed), copies the group's parameters and
+optimizer statistics (float32 masters). Every member announces, in its signed progress record, the digest of its
+state after its last update (TrainingProgress.param_digest). A copy is accepted only when its digest equals the
+(epoch, digest) that a strict majority of the other members announce, and only from members that announced it; a
+donor whose state does not match is skipped and the next one tried. Donors are chosen here, from the signed
+records, not by hivemind's load_state_from_peers, which takes whoever announces the highest priority.
+
+What this bounds: a stranger (or a minority) cannot make a member take its state, or move the epoch a member catches
+up to. Members that have no state to vouch for (an empty digest: joining, or after a failed round) do not vote, so
+that joiners arriving together do not block each other. Sybils that outnumber the honest members are not bounded
+here: in a private swarm, only key holders can publish records at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.errors import DHTUnavailableError, StateDownloadError
+from protocol.records import TrainingProgress
+from swarm.training.rounds import RoundAverager
+
+logger = logging.getLogger(__name__)
+
+_STREAM_OVERHEAD_BYTES = 1 << 16  # per tensor: serialization headers, and the metadata
+
+
+def state_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 (hex) of the tensors' dtypes, shapes and bytes, in order: what TrainingProgress.param_digest holds."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def majority_claim(members: Mapping[str, TrainingProgress]) -> tuple[int, str] | None:
+    """The (epoch, digest) that a strict majority of `members` announce, or None.
+
+    `members`: the group's other members (leave out the caller: its own state is the one in question). Members
+    with an empty digest vouch for nothing and do not vote.
+    """
+    claims = Counter((p.epoch, p.param_digest) for p in members.values() if p.param_digest)
+    if not claims:
+        return None
+    claim, votes = claims.most_common(1)[0]
+    return claim if 2 * votes > sum(claims.values()) else None
+
+
+def donor_order(members: Mapping[str, TrainingProgress], claim: tuple[int, str], me: str) -> list[str]:
+    """The members that announced `claim`, in the order a member tries them: by peer id, starting after `me`, so
+    that joiners arriving together spread over the donors."""
+    donors = sorted(peer for peer, p in members.items() if (p.epoch, p.param_digest) == claim and peer != me)
+    later = [peer for peer in donors if peer > me]
+    return later + [peer for peer in donors if peer < me]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifiedState:
+    """A state whose digest a majority of the group announced."""
+
+    epoch: int
+    """The update it follows (the majority's epoch)."""
+    digest: str
+    tensors: list[torch.Tensor]
+    """In the order, shapes and dtypes of the caller's `like`."""
+    donor: str
+    """The member it was downloaded from."""
+
+
+def load_verified_state(
+    averager: RoundAverager,
+    read_members: Callable[[], Mapping[str, TrainingProgress]],
+    *,
+    like: Sequence[torch.Tensor],
+    timeout_s: float,
+    retry_s: float = 1.0,
+) -> VerifiedState:
+    """Download the state that a strict majority of the group vouches for, from a member that vouches for it.
+
+    Args:
+        averager: this member's averager (downloads go through its process).
+        read_members: peer id -> verified progress of the group's members (GroupProgress.members); read again after
+            each pass over the donors, since the group moves on while this member catches up.
+        like: this member's own state tensors, whose shapes and dtypes a download must have.
+        timeout_s: give up after this long.
+        retry_s: pause between passes.
+
+    Raises:
+        StateDownloadError: no majority claim, or no donor sent a state with the claimed digest, within `timeout_s`;
+            the message names every donor tried and why it was refused.
+    """
+    me = averager.member_id
+    schema = [(t.shape, t.dtype) for t in like]
+    max_bytes = sum(t.numel() * t.element_size() + _STREAM_OVERHEAD_BYTES for t in like)
+    deadline = time.monotonic() + timeout_s
+    tried: dict[str, str] = {}  # donor -> why its state was refused
+    claim = None
+    while True:
+        try:
+            members = {peer: p for peer, p in read_members().items() if peer != me}
+        except DHTUnavailableError as exc:  # this node's DHT under load: the next pass reads again
+            logger.warning("could not read the members of %s: %s", averager.prefix, exc)
+            members = {}
+        claim = majority_claim(members)
+        for donor in donor_order(members, claim, me) if claim is not None else []:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                tensors = averager.download_state(donor, timeout_s=left, max_bytes=max_bytes)
+            except Exception as exc:
+                tried[donor] = f"download failed: {exc}"
+                logger.warning("could not download the state of %s: %s", donor, exc)
+                continue
+            got = state_digest(tensors)
+            if [(t.shape, t.dtype) for t in tensors] != schema:
+                tried[donor] = "a state of other shapes or dtypes"
+            elif got != claim[1]:
+                tried[donor] = f"digest {got[:12]} is not the majority's {claim[1][:12]}"
+            else:
+                logger.info("copied the state of epoch %d (digest %s) from %s", claim[0], got[:12], donor)
+                return VerifiedState(epoch=claim[0], digest=got, tensors=list(tensors), donor=donor)
+            logger.warning("refused the state of %s: %s", donor, tried[donor])
+        if time.monotonic() + retry_s >= deadline:
+            break
+        time.sleep(retry_s)
+    refused = "; ".join(f"{donor}: {why}" for donor, why in tried.items()) or "none"
+    found = f"the majority announces epoch {claim[0]}" if claim is not None else "no strict majority announces a state"
+    raise StateDownloadError(
+        f"no verified state of group {averager.prefix} within {timeout_s:g}s: {found}; donors tried: {refused}. "
+        f"Check that the group's members are reachable, or raise the load-state timeout"
+    )

@@ -1,0 +1,77 @@
+"""The commits of an update and the round they define: plain data."""
+
+import pytest
+
+from peer.training.commits import Commits
+from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError
+
+
+def commit(trainer, trainers, members, version=1, epoch=3):
+    return pb.CommitRequest(
+        run_id="r",
+        span=pb.Span(model="m", start=0, end=2),
+        epoch=epoch,
+        version=version,
+        trainer=trainer,
+        trainers=trainers,
+        members=[
+            pb.Holding(
+                peer_id=peer,
+                held=[pb.TrainerIndices(trainer=trainer, indices=ix, samples=2 * len(ix))] if ix else [],
+            )
+            for peer, ix in members.items()
+        ],
+    )
+
+
+def test_one_trainer_one_round():
+    commits = Commits(3)
+    commits.add(commit("A", ["A"], {"p1": [0, 2], "p2": [1], "p3": []}))
+    plan = commits.plan("p2")
+    assert plan.members == ("p1", "p2", "p3") and plan.mine == {"A": [1]} and plan.samples == 6
+    assert commits.plan("p3").mine == {"A": []} and commits.plan("p3").round_id == plan.round_id
+    assert commits.plan("stranger") is None and commits.fenced("stranger") and not commits.fenced("p1")
+
+
+def test_the_round_waits_for_every_trainer_named_and_a_new_version_changes_its_id():
+    commits = Commits(3)
+    commits.add(commit("A", ["A", "B"], {"p1": [0], "p2": []}))
+    assert commits.plan("p1") is None and not commits.fenced("p9")
+    commits.add(commit("B", ["A", "B"], {"p1": [], "p2": [0, 1]}))
+    first = commits.plan("p1")
+    assert first.mine == {"A": [0], "B": []} and first.samples == 6
+    commits.add(commit("B", ["A", "B"], {"p1": [0, 1]}, version=2))
+    second = commits.plan("p1")
+    assert second.round_id != first.round_id and second.mine == {"A": [0], "B": [0, 1]}
+    commits.add(commit("B", ["A", "B"], {"p2": [0]}, version=1))  # an older version does not come back
+    assert commits.plan("p1").round_id == second.round_id
+
+
+def test_a_trainer_late_to_its_rendezvous_is_left_out_and_the_others_update():
+    commits = Commits(3)
+    commits.add(commit("C", ["A", "B", "C"], {"p1": [0]}))  # C saw A and B; they had gone on without it
+    assert commits.plan("p1") is None  # A's and B's commits are not here yet
+    commits.add(commit("A", ["A", "B"], {"p1": [0]}))
+    commits.add(commit("B", ["A", "B"], {"p1": [1]}))
+    plan = commits.plan("p1")
+    assert plan.trainers == ("A", "B") and plan.mine == {"A": [0], "B": [1]}
+    alone = Commits(3)
+    alone.add(commit("A", ["A"], {"p1": [0]}))
+    alone.add(commit("B", ["A", "B"], {"p1": [0]}))
+    assert alone.plan("p1").trainers == ("A",)
+
+
+@pytest.mark.parametrize(
+    "request_, said",
+    [
+        (commit("A", ["B"], {"p1": [0]}), "among the trainers"),
+        (
+            pb.CommitRequest(trainer="A", trainers=["A"], members=[pb.Holding(peer_id="p"), pb.Holding(peer_id="p")]),
+            "each member once",
+        ),
+    ],
+)
+def test_malformed_commits_are_refused(request_, said):
+    with pytest.raises(BadRequestError, match=said):
+        Commits(0).add(request_)

@@ -1,0 +1,125 @@
+"""swarm.training.state: which state a member that fell behind accepts (plain data), and a poisoned donor refused while
+the honest one is used (real DHT nodes and averager processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from protocol.errors import StateDownloadError
+from protocol.records import TrainingProgress
+from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
+from swarm.training.members import GroupProgress, progress_key
+from swarm.training.rounds import RoundAverager, RoundSettings
+from swarm.training.state import donor_order, load_verified_state, majority_claim, state_digest
+
+D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
+
+
+def progress(epoch: int, digest: str = "") -> TrainingProgress:
+    return TrainingProgress(epoch=epoch, samples=0, param_digest=digest)
+
+
+@pytest.mark.parametrize(
+    ("members", "claim"),
+    [
+        ({}, None),
+        ({"a": progress(3, D1)}, (3, D1)),
+        ({"a": progress(3, D1), "b": progress(3, D1), "s": progress(99, D2)}, (3, D1)),
+        ({"a": progress(3, D1), "s": progress(99, D2)}, None),  # a tie is no majority
+        ({"a": progress(3, D1), "b": progress(4, D1), "c": progress(3, D2)}, None),  # epoch and digest both count
+        ({"a": progress(3, D1), "j": progress(0), "k": progress(0)}, (3, D1)),  # joiners vouch for nothing
+        ({"a": progress(3, D1), "b": progress(3, D1), "c": progress(3, D2), "d": progress(3, D3)}, None),
+        ({"a": progress(3, D1), "b": progress(3, D1), "c": progress(3, D1), "d": progress(3, D3)}, (3, D1)),
+    ],
+)
+def test_majority_claim(members, claim):
+    assert majority_claim(members) == claim
+
+
+def test_donors_are_those_that_announced_the_claim_starting_after_the_caller():
+    members = {"a": progress(3, D1), "c": progress(3, D1), "e": progress(3, D1), "b": progress(3, D2)}
+    assert donor_order(members, (3, D1), "b") == ["c", "e", "a"]
+    assert donor_order(members, (3, D1), "f") == ["a", "c", "e"]
+    assert donor_order(members, (4, D1), "b") == []
+
+
+def test_state_digest_covers_values_dtypes_and_shapes():
+    t = torch.arange(6, dtype=torch.float32)
+    assert state_digest([t]) == state_digest([t.clone()])
+    for other in ([t + 1], [t.reshape(2, 3)], [t.view(torch.int32)], [t[:3], t[3:]], [t, t]):
+        assert state_digest(other) != state_digest([t])
+
+
+SETTINGS = RoundSettings(sender_timeout_s=4.0)
+GROUP = "test-model.train.run.0-2"
+PREFIX = "test_state"
+HONEST = [torch.full((4, 3), 1.5), torch.arange(5, dtype=torch.float32)]
+POISONED = [torch.full((4, 3), 1e6), torch.arange(5, dtype=torch.float32)]
+
+
+@pytest.fixture
+def group():
+    """Three members (their DHT node, averager and progress) started on demand; all stopped at the end."""
+    dhts, averagers = [], []
+
+    def start(state) -> tuple[RoundAverager, GroupProgress]:
+        dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
+        averager = RoundAverager(
+            [torch.zeros(3)], dhts[-1], prefix=PREFIX, settings=SETTINGS, state=state, progress_key=progress_key(GROUP)
+        )
+        averagers.append(averager)
+        return averager, GroupProgress(dhts[-1], GROUP, ttl_s=60)
+
+    yield start
+    for averager in averagers:
+        averager.shutdown()
+    for dht in dhts:
+        stop_dht(dht)
+
+
+class Served:
+    """A member's state callable: epoch 7 and whichever tensors the test gives it."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+
+    def __call__(self) -> tuple[int, list[torch.Tensor]]:
+        return 7, self.tensors
+
+
+def test_a_poisoned_donor_is_refused_and_the_honest_one_used(group, caplog):
+    joiner, joiner_progress = group(None)
+    donors = [(*group(served), served) for served in (Served(), Served())]
+    # the joiner tries donors in peer id order after its own: the first it tries serves the poison
+    order = donor_order({a.member_id: progress(7, D1) for a, _, _ in donors}, (7, D1), joiner.member_id)
+    donors.sort(key=lambda donor: order.index(donor[0].member_id))
+    (poisoner, poisoner_progress, poison), (honest, honest_progress, honesty) = donors
+    poison.tensors, honesty.tensors = POISONED, HONEST
+    claim = progress(7, state_digest(HONEST))
+    for averager, member_progress in ((poisoner, poisoner_progress), (honest, honest_progress)):
+        averager.serve_state()
+        dht_result(averager.dht, member_progress.publish(claim), "publishing")  # the poisoner lies about its digest
+    dht_result(joiner.dht, joiner_progress.publish(progress(0)), "publishing")
+    deadline = time.monotonic() + 20
+    while len(joiner_progress.members()) < 3:
+        assert time.monotonic() < deadline, "the members' progress never showed up"
+        time.sleep(0.2)
+
+    like = [torch.zeros(4, 3), torch.zeros(5)]
+    with caplog.at_level(logging.WARNING, logger="swarm.training.state"):
+        state = load_verified_state(joiner, joiner_progress.members, like=like, timeout_s=20)
+    assert state.donor == honest.member_id and state.epoch == 7
+    assert all(torch.equal(a, b) for a, b in zip(state.tensors, HONEST))
+    assert f"refused the state of {poisoner.member_id}" in caplog.text
+
+    # without an honest donor, nothing is accepted, and the error says whom it tried
+    honest.serve_state(False)
+    began = time.monotonic()
+    with pytest.raises(StateDownloadError, match="donors tried") as error:
+        load_verified_state(joiner, joiner_progress.members, like=like, timeout_s=4)
+    assert time.monotonic() - began < 4 + 5
+    assert poisoner.member_id in str(error.value) and honest.member_id in str(error.value)

@@ -61,6 +61,7 @@ MARKER_ENV = "SWARMLM_MUTATION_RUN"  # every process of a run inherits it; lefto
 GEN = "tests/integration/test_generation.py"
 FAIL = "tests/integration/test_failover.py"
 TRAIN = "tests/integration/test_training.py"
+EXACT = "tests/integration/test_training_exact.py"
 API = "tests/integration/test_api.py"
 # the client's logic on in-memory peers (tests/helpers/fake_swarm.py): milliseconds, so they run first
 FAST_FAIL = "tests/client/test_failover.py"
@@ -262,33 +263,93 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a backward uses activations kept under its id even for other inputs",
         ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",),
     ),
+    # training you can trust (issue 22): each must be caught
     Mutation(
         "peer-gradients-unweighted",
-        "peer/training.py",
-        "self.group.accumulate(param_grads, samples=inputs.shape[0])",
-        "self.group.accumulate(param_grads, samples=1)  # MUTATION",
-        "a training peer adds each request's gradients without weighting them by its samples",
-        (f"{TRAIN}::test_swarm_training_equals_local_training",),
+        "peer/training/accumulators.py",
+        "                acc.add_(grad.to(torch.float32), alpha=samples)\n",
+        "                acc.add_(grad.to(torch.float32), alpha=1)  # MUTATION\n",
+        "a training peer adds each micro-batch's gradients without weighting them by its samples",
+        ("tests/peer/training/test_accumulators.py", f"{TRAIN}::test_swarm_training_equals_local_training"),
+    ),
+    Mutation(
+        "redo-without-dedup",
+        "peer/training/accumulators.py",
+        "            if index in held.indices:\n                return False\n",
+        "            if False:  # MUTATION\n                return False\n",
+        "a micro-batch sent again (its answer was lost) is added twice",
+        ("tests/peer/training/test_accumulators.py", EXACT),
+    ),
+    Mutation(
+        "lost-peer-not-fenced",
+        "client/training/ledger.py",
+        "        return sorted(stage.held.pop(peer_id, {}).items(), key=lambda item: item[0])\n",
+        "        return []  # MUTATION\n",
+        "the micro-batches a lost member held are not sent to another member: the update misses them",
+        ("tests/client/training/test_ledger.py", EXACT),
+    ),
+    Mutation(
+        "stale-micro-batches-swallowed",
+        "client/training/update.py",
+        "        if status.trainers and self.trainer not in status.trainers:\n",
+        "        if False:  # MUTATION\n",
+        "a trainer that came late to an update takes the others' round for its own: its batch is lost",
+        ("tests/client/training/test_update.py",),
+    ),
+    Mutation(
+        "late-trainer-mixed-in",
+        "peer/training/commits.py",
+        "        return list(max(agreeing, key=lambda t: (len(t), t))) if agreeing else None\n",
+        "        return sorted(self.by_trainer)  # MUTATION\n",
+        "a stage waits for (or mixes in) a trainer that came late to the update",
+        ("tests/peer/training/test_commits.py",),
+    ),
+    Mutation(
+        "no-master-weights",
+        "peer/training/span.py",
+        "            for param, master in zip(self.params, self.masters):\n                if param is not master:\n"
+        "                    param.copy_(master)\n        self._finish_update(self.epoch + 1)\n",
+        "            for param, master in zip(self.params, self.masters):\n                if param is not master:\n"
+        "                    param.copy_(master)\n                    master.copy_(param)  # MUTATION\n"
+        "        self._finish_update(self.epoch + 1)\n",
+        "updates live in the compute dtype: in bfloat16 a small update rounds away",
+        (f"{EXACT}::test_peers_computing_in_bfloat16_keep_float32_masters_and_track_float32_training",),
+    ),
+    Mutation(
+        "unsigned-progress-accepted",
+        "swarm/training/members.py",
+        "        peer_id = owners.owner(subkey)\n",
+        "        peer_id = owners.owner(subkey) or str(subkey)  # MUTATION\n",
+        "a progress record under a plain subkey counts: anyone can announce in a member's name",
+        ("tests/swarm/training/test_members.py",),
     ),
     Mutation(
         "group-skips-averaging",
-        "swarm/training/averaging.py",
-        "        if members <= 1:\n",
-        "        if True:  # MUTATION\n",
-        "members of a group update with their own gradients, never averaging",
+        "peer/training/span.py",
+        "            if len(plan.members) == 1:\n",
+        "            if True:  # MUTATION\n",
+        "members of a stage apply their own gradients, never averaging",
         (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",),
     ),
     Mutation(
-        "trainer-skips-update-wait",
-        "client/training/trainer.py",
-        "        updated = await self._wait_for_update(tag, done)\n",
-        "        updated = True  # MUTATION\n",
-        "the trainer starts the next batch before the stages have applied the update",
-        (f"{TRAIN}::test_swarm_training_equals_local_training",),
+        "clipping-ignored",
+        "peer/training/span.py",
+        "                master.grad = (g * scale).to(device=master.device, dtype=torch.float32)\n",
+        "                master.grad = g.to(device=master.device, dtype=torch.float32)  # MUTATION\n",
+        "a stage ignores the clipping factor of the global norm",
+        (EXACT,),
+    ),
+    Mutation(
+        "schedule-ignored",
+        "peer/training/span.py",
+        "        lr = lr_at(self.recipe, self.epoch)\n",
+        "        lr = self.recipe.lr  # MUTATION\n",
+        "a stage ignores the learning-rate schedule (warmup, cosine)",
+        (EXACT,),
     ),
     Mutation(
         "export-skips-lora-merge",
-        "peer/training.py",
+        "peer/training/span.py",
         "            return lora.merged_layer_state(self.span)",
         "            return {k.replace('.base_layer', ''): v for k, v in self.span.layers.state_dict().items() "
         "if 'lora_' not in k}  # MUTATION",

@@ -16,6 +16,8 @@ proxy passes every call through, and corrupts the answers that MODE_FILE (JSON, 
     empty        an answer without its tensor (inference: an error-less empty message);
     perturb      noise of `scale` (default 1e-2) times the tensor's std added: still finite, of the shape and
                  dtype asked for, so only a spot check on another peer (client/verify.py) can tell;
+    lose         pass the call on, then drop the answer as a lost connection would (UNAVAILABLE): the peer did
+                 the work, the client cannot know; with "times": N, only the first N calls
   and for inference only:
     kind         `opened` where a step result is due;
     position     a cache position one past the truth;
@@ -48,7 +50,7 @@ from protocol.codec import decode_tensor
 from protocol.packing import Packer, unpack
 from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME
 
-LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id")
+LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id", "lose")
 TENSOR_FIELD = {"Forward": "hidden_states", "Backward": "grad_inputs"}
 _MAX_BYTES = 128 * 1024 * 1024
 _REFUSAL = "hidden_states contains NaN or inf"  # what an honest peer says of really bad input
@@ -75,6 +77,7 @@ class Liar:
         self.mode_file = mode_file
         options = [("grpc.max_receive_message_length", _MAX_BYTES), ("grpc.max_send_message_length", _MAX_BYTES)]
         self.channel = grpc.insecure_channel(upstream, options=options)
+        self.lost = 0  # answers dropped so far
 
     def mode(self, method: str) -> dict:
         """The lie to tell on `method` now ({"lie": "honest"} when the file says nothing of it)."""
@@ -95,6 +98,9 @@ class Liar:
             "Info": grpc.unary_unary_rpc_method_handler(self._unary("Info")),
             "State": grpc.unary_stream_rpc_method_handler(self._state),
             "Inference": grpc.stream_stream_rpc_method_handler(self._inference),
+            "Push": grpc.unary_unary_rpc_method_handler(self._unary("Push")),
+            "Commit": grpc.unary_unary_rpc_method_handler(self._unary("Commit")),
+            "Apply": grpc.unary_unary_rpc_method_handler(self._unary("Apply")),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -113,7 +119,11 @@ class Liar:
             except grpc.RpcError as exc:  # the peer's own refusal, passed on as it is
                 context.set_trailing_metadata(tuple(exc.trailing_metadata() or ()))
                 context.abort(exc.code(), exc.details())
-            if lie == "honest" or name not in TENSOR_FIELD:
+            if lie == "lose" and self.lost < mode.get("times", 1 << 30):
+                self.lost += 1
+                told(lie, name)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost (a test's proxy dropped the answer)")
+            if lie in ("honest", "lose") or name not in TENSOR_FIELD:
                 return answer
             told(lie, name)
             return self._corrupt_unary(name, answer, lie, mode.get("scale", 1e-2))

@@ -54,9 +54,10 @@ _TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-_ROUND = re.compile(r"averaged with (\d+) members of (\S+) in ([0-9.]+)s")
+# a stage peer's round (peer/training/span.py): "update N of run 'R': averaged S samples (H here) among M members in Ts"
+_ROUND = re.compile(r"averaged \d+ samples \(\d+ here\) among (\d+) members in ([0-9.]+)s")
 _ONLINE = "ONLINE: serving blocks"
-_UPDATE = re.compile(r"update (\d+) of run '([^']*)' applied")
+_UPDATE = re.compile(r"update (\d+) of run '([^']*)': averaged")
 
 
 def build_train_model(models_dir: Path, cache_dir: Path, seed: int = 0) -> Path:
@@ -280,7 +281,7 @@ def bare_allreduce_s(
 
     `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
     both call step() at the same
-    moment from two threads, with the settings a training group uses (swarm/training/averaging.py TrainingGroup).
+    moment from two threads, with hivemind's own matchmaking (what a stage's round replaces by a known group, swarm/training/rounds.py).
     Rounds until the first success are a warm-up (the averagers find each other in the DHT), not counted.
     """
     from hivemind.averaging import DecentralizedAverager
@@ -363,13 +364,14 @@ def read_steps(path: Path) -> list[dict]:
 
 
 def allreduce_rounds_s(log_text: str, *, min_members: int = 2) -> list[float]:
-    """Seconds of each successful group round ("averaged with N members of KEY in Xs") with N >= min_members."""
-    return [float(m.group(3)) for m in _ROUND.finditer(log_text) if int(m.group(1)) >= min_members]
+    """Seconds of each successful stage round ("... among N members in Xs") with N >= min_members."""
+    return [float(m.group(2)) for m in _ROUND.finditer(log_text) if int(m.group(1)) >= min_members]
 
 
 def updates_applied(log_text: str, run_id: str) -> int:
     """The last update a peer's log says it applied in run `run_id` (0 if none)."""
-    return max((int(m.group(1)) for m in _UPDATE.finditer(log_text) if m.group(2) == run_id), default=0)
+    # the update a round averaged is applied right after it: its count is the last one's number plus one
+    return max((int(m.group(1)) + 1 for m in _UPDATE.finditer(log_text) if m.group(2) == run_id), default=0)
 
 
 def final_loss(losses: list[float], last: int = 5) -> float:

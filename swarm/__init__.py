@@ -21,7 +21,7 @@ _EXPORTS = {
     "AveragingSettings": "swarm.training.settings",
     "SwarmKey": "swarm.trust.swarmkey",
     "SwarmSnapshot": "swarm.dht.snapshot",
-    "TrainingGroup": "swarm.training.averaging",
+    "GroupMember": "swarm.training.group",
     "announce": "swarm.dht.directory",
     "choose_span": "swarm.placement",
     "fetch_models": "swarm.dht.directory",

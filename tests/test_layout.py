@@ -204,9 +204,9 @@ EXPORTS = {
     ],
     "swarm": [
         "AveragingSettings",
+        "GroupMember",
         "SwarmKey",
         "SwarmSnapshot",
-        "TrainingGroup",
         "announce",
         "choose_span",
         "fetch_models",

@@ -56,12 +56,11 @@ NOTES = {
     "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
     "stage": "samples/s of a stage: the updates its peer logged x its target batch / the trainer's summed step "
     "times (the peer's log stamps whole seconds); reference: the local run's samples / its summed step times",
-    "rounds": "all-reduce: each peer's 'averaged with 2 members ... in X s', from its step() call to the result "
-    "(its >= 1 s of matchmaking included, as in the bare one); both stages' groups and the trainers' group "
-    "average at about the same time. Bare: two DecentralizedAveragers in the bench process, each on a DHT "
-    "node joined to the same bootstrap, the tensors a stage's round carries (its gradients in float64, weights "
-    "and two Adam statistics in float32), "
-    "min_matchmaking_time 1 s, request_timeout 0.5, both released at once from two threads",
+    "rounds": "all-reduce: each peer's '... among 2 members in X s', from entering its round (on the trainer's "
+    "commit: no matchmaking, so no step waits on it) to the result; both stages average at about the same time. "
+    "Bare: two DecentralizedAveragers in the bench process, each on a DHT node joined to the same bootstrap, "
+    "the tensors a stage's round carries (its gradients in float64), min_matchmaking_time 1 s, request_timeout "
+    "0.5, both released at once from two threads; timed by step(), whose matchmaking is counted",
 }
 
 
@@ -231,9 +230,8 @@ class TrainSwarm:
             )
         shapes = tr.stage_tensor_shapes(self.model, SPANS[0])
         s = self.small
-        # what a group's round carries (swarm/training/averaging.py): gradients in float64, weights and Adam's two
-        # statistics in float32
-        tensors = [(shape, torch.float64) for shape in shapes] + [(shape, torch.float32) for shape in shapes] * 3
+        # what a stage's round carries (swarm/training/group.py): its gradients, in float64, and nothing else
+        tensors = [(shape, torch.float64) for shape in shapes]
         bare, failed = tr.bare_allreduce_s(
             self.swarm.initial_peers,
             tensors,
@@ -241,7 +239,7 @@ class TrainSwarm:
             matchmaking_time_s=s.matchmaking_time_s,
             averaging_timeout_s=s.averaging_timeout_s,
         )
-        numel = 4 * sum(math.prod(shape) for shape in shapes)
+        numel = sum(math.prod(shape) for shape in shapes)
         return [
             Row(
                 "train_swarm",

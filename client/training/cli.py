@@ -29,7 +29,6 @@ from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.json"
-OPTIMIZER_FILE = "optimizer.pt"  # the trainer's update count and optimizer statistics: a resumed run continues exactly
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -153,6 +152,8 @@ def _make_trainer(
 ):
     import torch
 
+    from client.training.export import OPTIMIZER_FILE
+
     if args.local:
         from client.training.local import LocalTrainer
 
@@ -226,7 +227,7 @@ def _save(save: Path, trainer, batches, args) -> None:
     """The trainer's part of the model and where the data stands; the peers save their own (--save-dir)."""
     from safetensors.torch import save_file
 
-    from client.training.export import TRAINER_FILE
+    from client.training.export import OPTIMIZER_FILE, TRAINER_FILE
 
     save.mkdir(parents=True, exist_ok=True)
     if args.local:

@@ -21,7 +21,7 @@ from client.sequence import RemoteSequence
 from client.transport import ChannelPool
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import NoPeersError, SwarmError
+from protocol.errors import NoPeersError, SwarmError, TrainingFaultError
 from protocol.records import check_prefix, prefix_for_model
 from protocol.service import error_from_rpc
 from swarm.dht.node import start_dht, stop_dht
@@ -32,6 +32,7 @@ from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 logger = logging.getLogger(__name__)
 
 TRAINER_FILE = "trainer.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"  # a trainer's update count and optimizer statistics (swarmlm train --save)
 _COPIED = (
     "config.json",
     "generation_config.json",
@@ -57,6 +58,38 @@ async def fetch_peer_weights(
     except grpc.RpcError as exc:
         raise error_from_rpc(exc, endpoint) from exc
     return {name: torch.cat(parts) if len(parts) > 1 else parts[0] for name, parts in pieces.items()}
+
+
+async def check_stages_agree(sequence: RemoteSequence, run_id: str) -> int:
+    """The update every member of every stage of `run_id` is at, once they all agree on it and on their state.
+
+    Raises:
+        TrainingFaultError: members of a stage are at different updates, or hold different states (a round under
+            way, or a member that diverged): exporting then would mix weights of different updates.
+    """
+    from client.training.stages import INFO_TIMEOUT_S, Stages
+
+    stages = await Stages(sequence, run_id).members()
+    if not stages:
+        raise NoPeersError(f"no peer trains run {run_id!r}; start peers with --train --run-id {run_id}")
+    seen: dict[tuple[int, str], list[str]] = {}
+    for span, members in sorted(stages.items()):
+        for pid, member in members.items():
+            info = await sequence.pool.unary(member.address, "info", pb.InfoRequest(param_digest=True), INFO_TIMEOUT_S)
+            seen.setdefault((int(info.epoch), info.param_digest), []).append(f"{span[0]}:{span[1]} {pid[-8:]}")
+        by_stage = {key for key, who in seen.items() if any(w.startswith(f"{span[0]}:{span[1]} ") for w in who)}
+        if len(by_stage) > 1:
+            detail = "; ".join(f"update {e} digest {d[:12]}: {', '.join(who)}" for (e, d), who in seen.items())
+            raise TrainingFaultError(
+                f"the members of stage {span[0]}:{span[1]} of run {run_id!r} disagree ({detail}); export once the "
+                f"run has settled (between steps), or leave out the peer that diverged"
+            )
+    epochs = {epoch for epoch, _ in seen}
+    if len(epochs) > 1:
+        raise TrainingFaultError(
+            f"the stages of run {run_id!r} are at different updates {sorted(epochs)}; export between steps"
+        )
+    return epochs.pop()
 
 
 async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> dict[str, torch.Tensor]:
@@ -89,7 +122,12 @@ def export_model(
     Args:
         model: the checkpoint folder the peers were started with (its config and tokenizer are copied).
         trainer_dir: a trainer's `--save` folder with the trained embeddings, norm and head.
-        run_id: take the blocks from peers training this run (None: any peer serving them).
+        run_id: take the blocks from peers training this run, whose stages must agree on their update and
+            state (None: from peers that do not train, so that no run's half-updated weights are mixed in).
+
+    Raises:
+        TrainingFaultError: the run's stages disagree, or the trainer's saved update is not theirs.
+        NoPeersError: no peer (of the run) serves some blocks.
     """
     path = resolve_model_path(model)
     config = load_config(path)
@@ -101,9 +139,10 @@ def export_model(
             prefix,
             config.num_hidden_layers,
             ClientConfig(initial_peers=tuple(initial_peers), swarm_key=swarm_key),
-            run_id=run_id,
+            run_id=run_id if run_id is not None else "",  # "": only peers that train no run
         )
         try:
+            epoch = loop.run(check_stages_agree(sequence, run_id)) if run_id is not None else None
             tensors = loop.run(fetch_span_weights(sequence, 0, config.num_hidden_layers))
         finally:
             loop.run(sequence.close())
@@ -112,6 +151,14 @@ def export_model(
         loop.close()
     if trainer_dir is not None:
         local = load_file(str(Path(trainer_dir) / TRAINER_FILE))
+        saved = Path(trainer_dir) / OPTIMIZER_FILE
+        if epoch is not None and saved.exists():
+            trainer_epoch = int(torch.load(saved, weights_only=True)["epoch"])
+            if trainer_epoch != epoch:
+                raise TrainingFaultError(
+                    f"the trainer's save in {trainer_dir} is at update {trainer_epoch}, the run's stages at {epoch}: "
+                    f"they would not make one model; export with the trainer's save of that update"
+                )
     else:
         local = load_tensors(path, lambda name: not name.startswith("model.layers."), dtype=None)
     tensors.update(local)

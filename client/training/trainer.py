@@ -39,8 +39,7 @@ from client.training.update import Update
 from protocol.errors import BadRequestError, StaleEpochError, TrainingFaultError, UnauthorizedError
 from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
-from swarm.training.averaging import group_key
-from swarm.training.group import GroupMember
+from swarm.training.group import GroupMember, group_key
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 from swarm.training.state import state_digest

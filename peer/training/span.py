@@ -34,8 +34,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
-from swarm.training.averaging import digest, group_key, has_nonfinite
-from swarm.training.group import GroupMember
+from swarm.training.group import GroupMember, digest, group_key, has_nonfinite
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
 from swarm.training.state import state_digest

@@ -6,6 +6,7 @@ members a commit names (rounds.py), and copying the state that a majority vouche
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -86,9 +87,7 @@ class GroupMember:
         Raises:
             StateDownloadError: none within the timeout.
         """
-        return load_verified_state(
-            self.averager, self.members, like=like, timeout_s=self.settings.load_state_timeout_s
-        )
+        return load_verified_state(self.averager, self.members, like=like, timeout_s=self.settings.load_state_timeout_s)
 
     def serve_state(self, serve: bool = True) -> None:
         self.averager.serve_state(serve)
@@ -96,3 +95,20 @@ class GroupMember:
     def shutdown(self) -> None:
         self._stop.set()
         self.averager.shutdown()
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, to compare parameters across processes."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def group_key(prefix: str, run_id: str, part: str) -> str:
+    """DHT key of a training group: the model, the run, and the blocks ("0-4") or "trainers"."""
+    return f"{prefix}.train.{run_id}.{part}"
+
+
+def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:
+    return any(not bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())

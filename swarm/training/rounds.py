@@ -90,7 +90,7 @@ class RoundAverager(DecentralizedAverager):
     `tensors` fixes the schema (shapes, dtypes) of what every round averages. `state` returns this member's state for
     joiners, (epoch, tensors): a consistent copy (it is called from a background thread while training goes on) whose
     state_digest is the param_digest this member announces; it is served once `serve_state()` is called. `private`:
-    in a private swarm, the state goes only to peers with signed progress under `progress_key` (groupgate.py).
+    in a private swarm, the state goes only to peers with signed progress under `progress_key`.
 
     Every member must run this very class: hivemind names a call's handler after the servicer's class, so a subclass
     would speak another protocol.

@@ -4,7 +4,6 @@
 - swarmkey: key files of private swarms, and the keys derived from them
 - dhtauth: the HMAC on every DHT message of a private swarm
 - rpcauth: TLS and a per-call tag on the data plane of a private swarm
-- groupgate: who may average with a training group of a private swarm
 
 May import protocol and swarm's own helpers (runtime, paths, progress, extras); nothing else of swarm.
 """

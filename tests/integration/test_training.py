@@ -32,7 +32,7 @@ SEQ_LEN = 32
 LR = 3e-3
 # rounds gather for a second here; volunteers on the internet keep the defaults (15 s, 60 s)
 AVERAGING = AveragingSettings(matchmaking_time_s=1.0, averaging_timeout_s=15.0, load_state_timeout_s=20.0)
-# members of a group are bit-identical in practice (gradients cross the all-reduce in float64, swarm/training/averaging.py);
+# members of a group are bit-identical in practice (gradients cross the all-reduce in float64, swarm/training/group.py);
 # GROUP_ATOL leaves a few float32 ulps. The local reference sums the batch in another order, and Adam divides by
 # |g| + eps, so near-zero gradients move it by up to a few 1e-5 from the swarm after some steps.
 GROUP_ATOL, LOCAL_ATOL = 1e-7, 1e-4

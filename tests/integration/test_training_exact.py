@@ -38,8 +38,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import SwarmError
 from protocol.records import TrainingProgress, prefix_for_model
 from swarm.dht.node import start_dht, stop_dht
-from swarm.training.averaging import group_key
-from swarm.training.group import GroupMember
+from swarm.training.group import GroupMember, group_key
 from swarm.training.members import GroupProgress
 from swarm.training.settings import AveragingSettings
 from swarm.training.state import state_digest

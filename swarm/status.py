@@ -16,7 +16,7 @@ from protocol.errors import SwarmError
 from protocol.records import ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.dht.state import block_ranges, build_state, describe_reach, training_runs
-from swarm.training.recipe import RunRecipe, read_recipes
+from swarm.training.recipe import RunRecipe, recipes_of_runs, recipes_on_wire
 from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 
 
@@ -58,21 +58,6 @@ def format_snapshot(
         others = f" ({len(published) - 1} other recipes published; the first published counts)"
         lines.append(f"  run {run_id!r}: {recipe}" + (others if len(published) > 1 else ""))
     return "\n".join(lines)
-
-
-def recipes_of_runs(dht, snapshots: Mapping[str, SwarmSnapshot]) -> dict[str, dict[str, list[RunRecipe]]]:
-    """prefix -> run id -> the different recipes published for each run its ONLINE peers train, the one that
-    counts first (swarm/training/recipe.py).
-
-    Raises:
-        DHTUnavailableError: the DHT did not answer in time.
-    """
-    found: dict[str, dict[str, list[RunRecipe]]] = {}
-    for prefix, snapshot in snapshots.items():
-        for run_id in training_runs(snapshot.online()):
-            distinct = {r.recipe.digest(): r.recipe for r in read_recipes(dht, prefix, run_id)}  # in order
-            found.setdefault(prefix, {})[run_id] = list(distinct.values())
-    return found
 
 
 def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
@@ -133,11 +118,7 @@ def _show(dht, args: argparse.Namespace) -> int:
         models, snapshots = read_state(dht, args.model)
         recipes = recipes_of_runs(dht, snapshots)
         if args.json:
-            wire = {
-                prefix: {run: [r.to_wire() for r in found] for run, found in runs.items()}
-                for prefix, runs in recipes.items()
-            }
-            print(json.dumps(build_state(models, snapshots, recipes=wire), indent=2))
+            print(json.dumps(build_state(models, snapshots, recipes=recipes_on_wire(recipes)), indent=2))
         if not models:
             if not args.json:
                 print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))

@@ -25,6 +25,7 @@ from protocol.records import ServerInfo
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.dht.state import ANSWERED, NO_ANSWER, WRONG_KEY, Ping, build_state, read_state
 from swarm.net.tunnel import TunnelPool
+from swarm.training.recipe import recipes_of_runs, recipes_on_wire
 from swarm.trust.identity import identity_challenge
 from swarm.trust.swarmkey import SwarmKey
 
@@ -60,8 +61,9 @@ class Watcher:
         """Read the swarm and ping its peers once; on failure keep the last document and say why in "error"."""
         try:
             models, snapshots = await asyncio.to_thread(read_state, self.dht)
+            recipes = await asyncio.to_thread(recipes_of_runs, self.dht, snapshots)
             pings = await self.ping_all(snapshots)
-            state = build_state(models, snapshots, pings=pings)
+            state = build_state(models, snapshots, pings=pings, recipes=recipes_on_wire(recipes))
         except Exception as exc:  # whatever went wrong, the page must say so and the next refresh try again
             logger.warning("reading the swarm failed: %s", exc, exc_info=not isinstance(exc, SwarmError))
             state = dict(self.state or build_state({}, {}, pings={}))

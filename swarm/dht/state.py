@@ -2,8 +2,8 @@
 
 `build_state` is a pure function of the model index and the snapshots read from the DHT (already validated by
 swarm/dht/directory.py, so every value in it fits protocol/records.py's bounds), plus, where the caller pinged the
-peers (the monitor does, through client/), what each ping found, and where it read them (`swarmlm status` does,
-through swarm/training/recipe.py), the recipes of the training runs. `read_state` does the DHT reads of the rest.
+peers (the monitor does, through client/), what each ping found, and where it read them (`swarmlm status` and
+the monitor do, through swarm/training/recipe.py), the recipes of the training runs. `read_state` does the DHT reads of the rest.
 
 The document (SCHEMA_VERSION 2; a field is only ever added within a version; 2 dropped the peers' "adapters",
 which no peer ever wrote):

@@ -3,7 +3,8 @@
 - RunRecipe: optimizer, learning rate and its schedule, clipping, weight decay, batch, train mode, dtype policy;
   strict on the wire, with a digest and the list of differences a refusal names
 - lr_at, clip_scale, global_norm: the schedule and clipping as pure functions, equal to transformers' and torch's
-- publish_recipe, read_recipe(s), adopt_recipe: the run's recipe in the DHT, signed by each publisher
+- publish_recipe, read_recipe(s), adopt_recipe: the run's recipe in the DHT, signed by each publisher;
+  recipes_of_runs: those of every run a swarm's peers train (for `swarmlm status` and the monitor)
 
 Pure Python up to the DHT functions, which import hivemind when called: the commands check their flags against
 this module before anything heavy is imported.
@@ -339,6 +340,30 @@ def published_recipes(raw: Any, prefix: str, run_id: str) -> list[PublishedRecip
             logger.debug("skipping a recipe record of run %r under %.80r: %s", run_id, subkey, exc)
     records.sort(key=lambda r: (r.published_at, r.recipe.digest(), r.publisher))
     return records
+
+
+def recipes_of_runs(dht, snapshots: Mapping[str, Any]) -> dict[str, dict[str, list[RunRecipe]]]:
+    """prefix -> run id -> the different recipes published for each run that the ONLINE peers of `snapshots`
+    (prefix -> SwarmSnapshot) train, the one that counts first.
+
+    Raises:
+        DHTUnavailableError: the DHT did not answer in time.
+    """
+    from swarm.dht.state import training_runs
+
+    found: dict[str, dict[str, list[RunRecipe]]] = {}
+    for prefix, snapshot in snapshots.items():
+        for run_id in training_runs(snapshot.online()):
+            distinct = {r.recipe.digest(): r.recipe for r in read_recipes(dht, prefix, run_id)}  # in order
+            found.setdefault(prefix, {})[run_id] = list(distinct.values())
+    return found
+
+
+def recipes_on_wire(recipes: Mapping[str, Mapping[str, list[RunRecipe]]]) -> dict[str, dict[str, list[dict]]]:
+    """`recipes_of_runs`'s answer in the form swarm/dht/state.py's document takes."""
+    return {
+        prefix: {run: [r.to_wire() for r in found] for run, found in runs.items()} for prefix, runs in recipes.items()
+    }
 
 
 def read_recipe(dht, prefix: str, run_id: str) -> RunRecipe | None:

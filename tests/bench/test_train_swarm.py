@@ -13,21 +13,19 @@ from bench.stats import Row, Summary
 
 PEER_LOG = """\
 07:01:02 INFO peer.server: ONLINE: serving blocks 0:2 of bench-train-two at 127.0.0.1:4242
-07:01:05 INFO swarm.training.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.49s
-07:01:05 INFO peer.training: update 1 of run 'two' applied (8 samples here, 2 group members)
-07:01:07 WARNING swarm.training.averaging: averaging with the group bench-train-two.train.two.0-2 failed (TimeoutError())
-07:01:07 INFO peer.training: update 2 of run 'two' applied (8 samples here, 2 group members)
-07:01:09 INFO swarm.training.averaging: averaged with 1 members of bench-train-two.train.two.0-2 in 0.02s
-07:01:11 INFO swarm.training.averaging: averaged with 2 members of bench-train-two.train.two.0-2 in 1.31s
-07:01:11 INFO peer.training: update 3 of run 'two' applied (8 samples here, 2 group members)
-07:01:12 INFO peer.training: update 9 of run 'other' applied (8 samples here, 1 group members)
+07:01:05 INFO peer.training.span: update 0 of run 'two': averaged 16 samples (8 here) among 2 members in 1.49s
+07:01:07 WARNING peer.training.span: update 1 of run 'two': the round failed: TimeoutError()
+07:01:09 INFO peer.training.span: update 1 of run 'two': averaged 8 samples (8 here) among 1 members in 0.02s
+07:01:11 INFO peer.training.span: update 2 of run 'two': averaged 16 samples (8 here) among 2 members in 1.31s
+07:01:12 INFO peer.training.span: update 8 of run 'other': averaged 8 samples (8 here) among 1 members in 0.01s
 """
 
 
 def test_rounds_and_updates_are_read_from_a_peer_log():
     assert tr.allreduce_rounds_s(PEER_LOG) == [1.49, 1.31]  # rounds with fewer than 2 members are not all-reduces
-    assert tr.allreduce_rounds_s(PEER_LOG, min_members=1) == [1.49, 0.02, 1.31]
+    assert tr.allreduce_rounds_s(PEER_LOG, min_members=1) == [1.49, 0.02, 1.31, 0.01]
     assert tr.updates_applied(PEER_LOG, "two") == 3
+    assert tr.updates_applied(PEER_LOG, "other") == 9
     assert tr.updates_applied(PEER_LOG, "missing") == 0
 
 

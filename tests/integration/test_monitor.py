@@ -17,6 +17,7 @@ import socket
 import time
 import urllib.request
 from types import SimpleNamespace
+from unittest.mock import ANY
 
 import pytest
 
@@ -153,7 +154,10 @@ def test_api_state_shows_every_model_of_a_private_swarm(monitored):
     assert [(p["start_block"], p["end_block"]) for p in llama["peers"]] == LLAMA_SPANS  # the bad record is skipped
     assert {p["peer_id"] for p in llama["peers"]} == set(monitored.llama_peers)
     assert qwen["coverage"] == [1] * 4 and qwen["complete"] and qwen["peers"][0]["dtype"] == "float32"
-    assert qwen["training"] == [{"run_id": RUN_ID, "peers": 1, "epoch_min": 0, "epoch_max": 0}]
+    assert qwen["training"] == [
+        {"run_id": RUN_ID, "peers": 1, "epoch_min": 0, "epoch_max": 0, "recipe": ANY, "other_recipes": 0}
+    ]
+    assert qwen["training"][0]["recipe"]["batch_size"] > 0  # the recipe the peer published
     assert qwen["peers"][0]["run_id"] == RUN_ID and llama["training"] == []
     for peer in llama["peers"] + qwen["peers"]:
         assert peer["state"] == "ONLINE" and peer["throughput"] == 1000.0 and peer["endpoint"].startswith("127.0.0.1:")
@@ -179,7 +183,7 @@ def test_status_json_prints_the_same_document(monitored):
     assert result.returncode == 0, result
     status = json.loads(result.stdout)
     served = get_json(monitored.url + "api/state")
-    assert status["schema_version"] == served["schema_version"] == 1
+    assert status["schema_version"] == served["schema_version"] == 2
     assert status["rtt_measured"] is False and served["rtt_measured"] is True
     assert set(status) == set(served)
 

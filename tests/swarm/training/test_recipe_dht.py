@@ -14,7 +14,7 @@ from swarm.dht.directory import announce
 from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
 from swarm.dht.state import read_state
 from swarm.dht.validators import recipe_envelope, recipe_key
-from swarm.status import format_snapshot, recipes_of_runs
+from swarm.status import format_snapshot
 from swarm.training.recipe import (
     RunRecipe,
     adopt_recipe,
@@ -22,6 +22,7 @@ from swarm.training.recipe import (
     published_recipes,
     read_recipe,
     read_recipes,
+    recipes_of_runs,
 )
 from swarm.trust.identity import fresh_identity
 

@@ -6,6 +6,7 @@ import fcntl
 import io
 import os
 import pty
+import select
 import struct
 import termios
 
@@ -25,6 +26,17 @@ def test_a_plain_stream_gets_no_bar():
     assert stream.getvalue() == ""
 
 
+def read_available(fd: int, quiet_s: float = 0.5, max_reads: int = 100) -> str:
+    """What a pty's leader has to read, until it stays quiet `quiet_s` (one read may return only the first draw)."""
+    chunks = []
+    for _ in range(max_reads):
+        ready, _, _ = select.select([fd], [], [], quiet_s)
+        if not ready:
+            break
+        chunks.append(os.read(fd, 65536))
+    return b"".join(chunks).decode()
+
+
 def test_a_terminal_gets_a_bar():
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
@@ -34,7 +46,7 @@ def test_a_terminal_gets_a_bar():
             with progress(total=3, desc="loading blocks", unit="block", stream=terminal) as bar:
                 bar.update(3)
             terminal.flush()
-        drawn = os.read(leader, 65536).decode()
+        drawn = read_available(leader)
     finally:
         os.close(leader)
         os.close(follower)

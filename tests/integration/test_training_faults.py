@@ -1,9 +1,10 @@
-"""Faults during training, injected into real processes: training goes on, finite, and groups heal.
+"""Faults of `swarmlm train` processes: two trainers share a run, one is killed, and every role stops cleanly.
 
-One swarm for the module: stage 0:2 served by two training peers, stage 2:4 by three, and two `swarmlm train`
-processes whose batches of 8 together make each update's 16 samples. The tests run in order, each on what the
-previous one left: a stage peer killed mid-step, a peer killed during its group's all-reduce, a peer joining
-mid-run, a trainer killed, then every remaining role stopped by SIGTERM or Ctrl+C with nothing left behind.
+One swarm for the module: each stage served by two training peers, and two `swarmlm train` processes whose
+batches of 8 together make each update's 16 samples. The tests run in order, each on what the previous one left:
+a stage peer killed mid-step, a trainer killed, then every remaining role stopped by SIGTERM or Ctrl+C with
+nothing left behind. Exactness under faults (a member stopped, killed mid-step or in its round, a lost answer, a
+joiner, a resumed trainer) is test_training_exact.py's, against a local reference.
 """
 
 from __future__ import annotations
@@ -16,16 +17,13 @@ import pytest
 
 from client import AutoDistributedModelForCausalLM
 from client.training.data import default_corpus
-from client.training.export import fetch_peer_weights
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import SwarmError
 from protocol.records import prefix_for_model
 from tests.helpers.models import make_tiny
-from tests.helpers.peers import process_serving
 from tests.helpers.processes import Swarm
 from tests.helpers.tokenizer import save_char_tokenizer
 
-GROUP_ATOL = 1e-6  # a group is bit-identical again one round after a fault (see test_training.py)
 STEP_TIMEOUT_S = 15  # a trainer waits this long for the other to finish its micro-batches, then updates alone
 TRAIN_PEER = [
     "--train",
@@ -53,10 +51,10 @@ def training(tmp_path_factory):
     with Swarm(work / "swarm") as swarm:
         swarm.start_bootstrap()
         peers = {(0, 2): [], (2, 4): []}
-        for span in [(0, 2), (0, 2), (2, 4), (2, 4), (2, 4)]:
+        for span in [(0, 2), (0, 2), (2, 4), (2, 4)]:
             peers[span].append(swarm.start_peer(path, "--blocks", f"{span[0]}:{span[1]}", *TRAIN_PEER))
         swarm.wait_online(prefix_for_model(str(path)), [(0, 2), (2, 4)], timeout_s=120)
-        swarm.wait_for(lambda: len(swarm.snapshot(prefix_for_model(str(path))).online()) == 5, 120, "5 peers ONLINE")
+        swarm.wait_for(lambda: len(swarm.snapshot(prefix_for_model(str(path))).online()) == 4, 120, "4 peers ONLINE")
         play = default_corpus()[0]  # one play is data enough, and quick to tokenize
         trainers = {}
         for name, seed in [("trainer-a", 0), ("trainer-b", 1)]:
@@ -136,29 +134,6 @@ def infos(client) -> dict[str, tuple[tuple[int, int], pb.InfoResponse, str]]:
     return client._run(ask())
 
 
-def settled_weights(swarm: Swarm, client, span: tuple[int, int], timeout_s: float = 60) -> list[dict]:
-    """Weights of every live peer of `span`, read while none of them updates (same epoch before and after)."""
-    sequence = client.sequence
-
-    def probe():
-        before = {pid: r.epoch for pid, (s, r, _) in infos(client).items() if s == span and not r.updating}
-        endpoints = {pid: e for pid, (s, _, e) in infos(client).items() if s == span}
-        if len(set(before.values())) != 1 or set(before) != set(endpoints):
-            return None
-        weights = [
-            client._run(fetch_peer_weights(sequence.pool, endpoints[pid], sequence.prefix, *span)) for pid in before
-        ]
-        after = {pid: r.epoch for pid, (s, r, _) in infos(client).items() if s == span}
-        return weights if after == before else None
-
-    return swarm.wait_for(probe, timeout_s, f"the peers of {span} to settle", poll_s=0.05)
-
-
-def max_difference(weights: list[dict]) -> float:
-    first = weights[0]
-    return max(float((first[name] - other[name]).abs().max()) for other in weights[1:] for name in first)
-
-
 def test_sigkill_of_a_stage_peer_mid_step(training):
     swarm, client, trainers, peers = training
     _, log = trainers["trainer-a"]
@@ -174,44 +149,6 @@ def test_sigkill_of_a_stage_peer_mid_step(training):
     swarm.kill(victim, signal.SIGKILL)
     records = wait_steps(swarm, log, done + 2)
     assert records[-1]["samples"] == 8
-
-
-def test_sigkill_during_an_all_reduce(training):
-    swarm, client, trainers, peers = training
-    _, log = trainers["trainer-a"]
-    endpoints = {}
-
-    def updating():
-        found = infos(client)
-        endpoints.update({e: pid for pid, (_, _, e) in found.items()})
-        return [e for s, r, e in found.values() if s == (2, 4) and r.updating]
-
-    in_round = swarm.wait_for(updating, 60, "stage 2:4 to start averaging", poll_s=0.01)
-    victim = process_serving(peers[(2, 4)], in_round[0])
-    peers[(2, 4)].remove(victim)
-    swarm.kill(victim, signal.SIGKILL)
-    done = len(steps(log))
-    wait_steps(swarm, log, done + 2)
-    weights = settled_weights(swarm, client, (2, 4))
-    assert len(weights) == 2
-    assert max_difference(weights) < GROUP_ATOL
-
-
-def test_a_joining_peer_copies_its_group(training):
-    swarm, client, trainers, peers = training
-    _, log = trainers["trainer-a"]
-    newcomer = swarm.start_peer(peers[(2, 4)][0].model_path, "--blocks", "0:2", *TRAIN_PEER)
-    peers[(0, 2)].append(newcomer)
-    swarm.wait_for(
-        lambda: sum(s == (0, 2) for s, _, _ in infos(client).values()) == 2, 120, "the newcomer to serve 0:2"
-    )
-    assert "copying its state" in newcomer.stderr() or "copied the state" in newcomer.stderr(), newcomer.logs()
-    weights = settled_weights(swarm, client, (0, 2))
-    assert len(weights) == 2 and max_difference(weights) < GROUP_ATOL
-    done = len(steps(log))
-    wait_steps(swarm, log, done + 1)
-    weights = settled_weights(swarm, client, (0, 2))
-    assert max_difference(weights) < GROUP_ATOL
 
 
 def test_sigkill_of_one_of_two_trainers(training):

@@ -22,9 +22,9 @@ from tests.helpers.models import make_tiny_llama
 from tests.helpers.peers import process_serving
 
 SPANS = [(0, 2), (0, 2), (2, 4), (2, 4), (2, 4)]
-CHURN_S = 20.0
+CHURN_S = 14.0
 NUM_PROMPTS = 10  # references computed up front, then reused in turn
-KILL_EVERY_S = 3.0  # with CHURN_S, at least 3 kills are asserted (CHURN_S // KILL_EVERY_S // 2)
+KILL_EVERY_S = 3.0  # with CHURN_S, at least 2 kills are asserted (CHURN_S // KILL_EVERY_S // 2)
 
 
 def _online(proc) -> bool:

@@ -407,7 +407,7 @@ class SwarmTrainer:
         deadline = time.monotonic() + self.config.step_timeout_s
         while True:
             members = await asyncio.to_thread(self.trainers.members)
-            at = {pid: p for pid, p in members.items() if p.epoch == epoch}
+            at = {pid: p for pid, p in members.items() if p.epoch == epoch and not p.left}
             ready = {pid: p.samples for pid, p in at.items() if p.samples > 0}
             ready[self.trainer_id] = samples
             if len(ready) == len(at | {self.trainer_id: None}) or time.monotonic() > deadline:

@@ -93,7 +93,9 @@ class GroupMember:
         self.averager.serve_state(serve)
 
     def shutdown(self) -> None:
+        """Leave the group (the others stop counting this member at once), then stop the averager."""
         self._stop.set()
+        self.progress.leave()
         self.averager.shutdown()
 
 

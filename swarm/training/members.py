@@ -86,15 +86,35 @@ class GroupProgress:
         self.peer_id = dht.peer_id.to_base58()
         self._subkey = identity.record_subkey()
         self._owners = OwnerCache()
+        self._last = TrainingProgress(epoch=0, samples=0)
 
     def publish(self, progress: TrainingProgress):
         """Store our record; returns the store's future at once (it completes in the background)."""
+        self._last = progress
         return self.dht.store(
             self.key, progress.to_wire(), get_dht_time() + self.ttl_s, subkey=self._subkey, return_future=True
         )
 
+    def leave(self, timeout_s: float = 5.0) -> bool:
+        """Replace our record by our last one marked `left` (blocking up to `timeout_s`); whether the DHT took it.
+
+        It still says where this member stood (a round it agreed to stays agreed), but it vouches for no state and
+        joins no update. Its expiration is later than any record published before, so the DHT keeps it over them
+        (hivemind keeps the value that expires last).
+        """
+        left = self._last.model_copy(update={"left": True}).to_wire()
+        future = self.dht.store(
+            self.key, left, get_dht_time() + self.ttl_s + 1, subkey=self._subkey, return_future=True
+        )
+        try:
+            return bool(future.result(timeout=timeout_s))
+        except Exception as exc:  # a stopping process: its record then expires on its own
+            logger.debug("could not withdraw the progress of %s: %r", self.key, exc)
+            return False
+
     def members(self) -> dict[str, TrainingProgress]:
-        """Peer id -> progress of every fresh, verified record (ours too once the DHT holds it).
+        """Peer id -> progress of every fresh, verified record, those that left included (ours too once the DHT holds
+        it).
 
         Raises DHTUnavailableError when this process's DHT node does not answer.
         """

@@ -47,9 +47,9 @@ def majority_claim(members: Mapping[str, TrainingProgress]) -> tuple[int, str] |
     """The (epoch, digest) that a strict majority of `members` announce, or None.
 
     `members`: the group's other members (leave out the caller: its own state is the one in question). Members
-    with an empty digest vouch for nothing and do not vote.
+    with an empty digest, and those that left (they serve no state), vouch for nothing and do not vote.
     """
-    claims = Counter((p.epoch, p.param_digest) for p in members.values() if p.param_digest)
+    claims = Counter((p.epoch, p.param_digest) for p in members.values() if p.param_digest and not p.left)
     if not claims:
         return None
     claim, votes = claims.most_common(1)[0]
@@ -59,7 +59,9 @@ def majority_claim(members: Mapping[str, TrainingProgress]) -> tuple[int, str] |
 def donor_order(members: Mapping[str, TrainingProgress], claim: tuple[int, str], me: str) -> list[str]:
     """The members that announced `claim`, in the order a member tries them: by peer id, starting after `me`, so
     that joiners arriving together spread over the donors."""
-    donors = sorted(peer for peer, p in members.items() if (p.epoch, p.param_digest) == claim and peer != me)
+    donors = sorted(
+        peer for peer, p in members.items() if (p.epoch, p.param_digest) == claim and peer != me and not p.left
+    )
     later = [peer for peer in donors if peer > me]
     return later + [peer for peer in donors if peer < me]
 

@@ -125,6 +125,12 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
             timeout_s=120,
         )
         assert exported.returncode == 0, exported.stderr[-3000:]
+        # the run's trainer left cleanly: the next one starts at once from the checkpoint, waiting for no state
+        again = swarm.run(
+            "train", str(model_path), "--initial-peers", *swarm.initial_peers, *train_flags("exact", 1), timeout_s=120
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "start from the checkpoint" in again.stderr, again.stderr[-3000:]
 
     local_log, swarm_log = read_log(tmp_path / "local.jsonl"), read_log(tmp_path / "swarm.jsonl")
     assert [r["step"] for r in swarm_log] == [r["step"] for r in local_log] == list(range(1, steps + 1))

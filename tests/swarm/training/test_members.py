@@ -82,3 +82,20 @@ def test_a_progress_record_outlives_no_ttl_and_the_ttl_is_bounded(nodes):
     assert reader.members() == {}
     with pytest.raises(ValueError, match="ttl_s"):
         GroupProgress(nodes["first"], GROUP, ttl_s=MAX_RECORD_TTL_S)
+
+
+def test_a_member_that_leaves_counts_for_nothing_at_once(nodes):
+    """A clean stop withdraws the member's record: the next trainer of a run does not wait for a state it cannot get."""
+    reader = GroupProgress(nodes["reader"], GROUP + "-leave", ttl_s=60)
+    leaving = GroupProgress(nodes["first"], GROUP + "-leave", ttl_s=60)
+    dht_result(leaving.dht, leaving.publish(TrainingProgress(epoch=4, samples=0, param_digest=DIGEST)), "publishing")
+    assert majority_claim(members_once(reader, 1)) == (4, DIGEST)
+
+    assert leaving.leave(timeout_s=10)
+    # still there, saying where it stood, but it vouches for no state a joiner could copy
+    assert reader.members() == {leaving.peer_id: TrainingProgress(epoch=4, samples=0, param_digest=DIGEST, left=True)}
+    assert majority_claim(reader.members()) is None
+    assert (
+        not TrainingProgress(epoch=4, samples=0).left
+        and TrainingProgress.from_wire({"epoch": 4, "samples": 0, "left": True}).left
+    )

@@ -280,8 +280,8 @@ def bare_allreduce_s(
     """Seconds of each averager's step() over `rounds` successful rounds of two bare averagers, and the failed ones.
 
     `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
-    both call step() at the same
-    moment from two threads, with hivemind's own matchmaking (what a stage's round replaces by a known group, swarm/training/rounds.py).
+    both call step() at the same moment from two threads, with hivemind's own matchmaking at its quickest (a
+    target group size of 2), which a stage's round replaces by a known group (swarm/training/rounds.py).
     Rounds until the first success are a warm-up (the averagers find each other in the DHT), not counted.
     """
     from hivemind.averaging import DecentralizedAverager
@@ -302,6 +302,7 @@ def bare_allreduce_s(
                     prefix=prefix,
                     start=True,
                     min_group_size=2,
+                    target_group_size=2,  # the group starts once both joined: hivemind at its fastest, as our rounds
                     min_matchmaking_time=matchmaking_time_s,
                     request_timeout=0.5,
                     allreduce_timeout=averaging_timeout_s,

@@ -59,8 +59,9 @@ NOTES = {
     "rounds": "all-reduce: each peer's '... among 2 members in X s', from entering its round (on the trainer's "
     "commit: no matchmaking, so no step waits on it) to the result; both stages average at about the same time. "
     "Bare: two DecentralizedAveragers in the bench process, each on a DHT node joined to the same bootstrap, "
-    "the tensors a stage's round carries (its gradients in float64), min_matchmaking_time 1 s, request_timeout "
-    "0.5, both released at once from two threads; timed by step(), whose matchmaking is counted",
+    "the tensors a stage's round carries (its gradients in float64), target_group_size 2 (a group starts once "
+    "both joined), request_timeout 0.5, both released at once from two threads; timed by step(), whose "
+    "matchmaking is counted",
 }
 
 
@@ -360,7 +361,7 @@ def _two_note(trainer_rounds: list[float], stage_rounds: list[float]) -> str:
         return f"{statistics.median(xs):.2f} s" if xs else "none logged"
 
     return (
-        f"each step of two trainers averages the trainers' embeddings and head (their gradients, weights and "
-        f"Adam statistics; median round {median(trainer_rounds)}) after the stages' groups (median round "
-        f"{median(stage_rounds)}), one after the other"
+        f"each step of two trainers averages the gradients of the trainers' embeddings and head (median round "
+        f"{median(trainer_rounds)}) after the stages' groups (median round {median(stage_rounds)}), one after the "
+        f"other"
     )

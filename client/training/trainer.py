@@ -476,6 +476,7 @@ class SwarmTrainer:
         scale = len(trainers) / total  # uniform weights, pre-scaled (swarm/training/rounds.py)
         # the same id for every trainer of the try: what it averages, and the try number
         round_id = hashlib.sha256(f"{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
+        began = time.perf_counter()
         result = await asyncio.to_thread(
             self.trainers.average,
             [s.double() * scale for s in sums],
@@ -485,6 +486,15 @@ class SwarmTrainer:
         )
         if not result.complete:
             return None, "x"
+        logger.info(  # worded as a stage peer's round (peer/training/span.py): the bench reads both
+            "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
+            epoch,
+            self.config.run_id,
+            total,
+            trainers[self.trainer_id],
+            len(trainers),
+            time.perf_counter() - began,
+        )
         return [t.to(torch.float32) for t in result.tensors], state_digest(result.tensors)
 
     # --- the trainer's own parts ---

@@ -335,6 +335,66 @@ def bare_allreduce_s(
             stop_dht(dht)
 
 
+def known_round_s(
+    initial_peers: list[str], tensors: list[tuple[tuple[int, ...], torch.dtype]], *, rounds: int, timeout_s: float
+) -> tuple[list[float], int]:
+    """Seconds of each member's average() over `rounds` rounds of two RoundAveragers (what a stage's group runs), and
+    the failed ones: under the conditions of bare_allreduce_s (a DHT node each, both released at once from two
+    threads of this process), so that the two compare the mechanisms alone. The first round is a warm-up."""
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.training.rounds import RoundAverager, RoundSettings
+
+    dhts, averagers = [], []
+    prefix = f"bench_known_round_{time.time():.0f}"
+    try:
+        for _ in range(2):
+            dhts.append(start_dht(initial_peers))
+            averagers.append(
+                RoundAverager(
+                    [torch.zeros(shape, dtype=dtype) for shape, dtype in tensors],
+                    dhts[-1],
+                    prefix=prefix,
+                    settings=RoundSettings(sender_timeout_s=5.0),
+                )
+            )
+        members = [a.member_id for a in averagers]
+        values = [[torch.randn(shape, dtype=dtype) for shape, dtype in tensors] for _ in averagers]
+        times: list[float] = []
+        failed = 0
+        for attempt in range(rounds + 1):
+            barrier, took = threading.Barrier(2), [None, None]
+
+            def enter(i: int, attempt=attempt, barrier=barrier, took=took) -> None:
+                barrier.wait()
+                began = time.perf_counter()
+                result = averagers[i].average(
+                    values[i], round_id=f"bench-{attempt}".encode(), members=members, timeout_s=timeout_s
+                )
+                if result.complete:
+                    took[i] = time.perf_counter() - began
+
+            threads = [threading.Thread(target=enter, args=(i,)) for i in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout_s + 20)
+            if attempt == 0:
+                continue
+            if None in took:
+                failed += 1
+            else:
+                times += took
+        if not times:
+            raise RuntimeError(f"known-group rounds completed none of {rounds}; see the log for why")
+        return times, failed
+    finally:
+        for averager in averagers:
+            with contextlib.suppress(Exception):
+                averager.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+
+
 def _both_step(averagers, find_s: float, averaging_timeout_s: float) -> list[float | None]:
     """One round: both averagers' step() released at once; each one's seconds, None where it failed."""
     barrier, took = threading.Barrier(len(averagers)), [None] * len(averagers)

@@ -56,6 +56,9 @@ NOTES = {
     "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
     "stage": "samples/s of a stage: the updates its peer logged x its target batch / the trainer's summed step "
     "times (the peer's log stamps whole seconds); reference: the local run's samples / its summed step times",
+    "known": "known-group round: two RoundAveragers (swarm/training/rounds.py, what a stage's group runs) in the bench "
+    "process, each on a DHT node joined to the same bootstrap, released at once from two threads like the bare "
+    "averagers, timed by average(): the mechanisms compared alone, without the peers' other work",
     "rounds": "all-reduce: each peer's '... among 2 members in X s', from entering its round (on the trainer's "
     "commit: no matchmaking, so no step waits on it) to the result; both stages average at about the same time. "
     "Bare: two DecentralizedAveragers in the bench process, each on a DHT node joined to the same bootstrap, "
@@ -240,6 +243,9 @@ class TrainSwarm:
             matchmaking_time_s=s.matchmaking_time_s,
             averaging_timeout_s=s.averaging_timeout_s,
         )
+        known, known_failed = tr.known_round_s(
+            self.swarm.initial_peers, tensors, rounds=self.plan.repeats, timeout_s=s.averaging_timeout_s
+        )
         numel = sum(math.prod(shape) for shape in shapes)
         return [
             Row(
@@ -258,7 +264,19 @@ class TrainSwarm:
                     "bare_failed_rounds": failed,
                     "notes": [NOTES["rounds"]],
                 },
-            )
+            ),
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                f"2 averagers in one process, {numel / 1e6:.1f}M floats a round",
+                "known-group round",
+                "s",
+                Summary.of(known),
+                Summary.of(bare),
+                "bare hivemind DecentralizedAverager",
+                AVERAGING_TARGET,
+                extra={"known_s": known, "known_failed_rounds": known_failed, "notes": [NOTES["known"]]},
+            ),
         ]
 
     def pipelining(self) -> list[Row]:

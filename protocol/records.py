@@ -140,7 +140,7 @@ class TrainingProgress(_Record):
     # digest of what it averaged, "x" when it failed here, "" before it ends; they apply only once all agree
     round: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)
     round_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
-    # it stopped cleanly and left the group: readers count it for nothing at once, rather than until it expires
+    # it stopped cleanly: from now on it vouches for no state and joins no update (swarm/training/members.py)
     left: bool = False
 
 

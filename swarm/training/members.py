@@ -109,7 +109,7 @@ class GroupProgress:
         try:
             return bool(future.result(timeout=timeout_s))
         except Exception as exc:  # a stopping process: its record then expires on its own
-            logger.debug("could not withdraw the progress of %s: %r", self.key, exc)
+            logger.debug("could not mark the progress of %s as left: %r", self.key, exc)
             return False
 
     def members(self) -> dict[str, TrainingProgress]:

@@ -85,7 +85,7 @@ def test_a_progress_record_outlives_no_ttl_and_the_ttl_is_bounded(nodes):
 
 
 def test_a_member_that_leaves_counts_for_nothing_at_once(nodes):
-    """A clean stop withdraws the member's record: the next trainer of a run does not wait for a state it cannot get."""
+    """A clean stop marks the member's record as left: the next trainer of a run waits for no state it cannot get."""
     reader = GroupProgress(nodes["reader"], GROUP + "-leave", ttl_s=60)
     leaving = GroupProgress(nodes["first"], GROUP + "-leave", ttl_s=60)
     dht_result(leaving.dht, leaving.publish(TrainingProgress(epoch=4, samples=0, param_digest=DIGEST)), "publishing")

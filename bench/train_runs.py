@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,22 +363,14 @@ def known_round_s(
         times: list[float] = []
         failed = 0
         for attempt in range(rounds + 1):
-            barrier, took = threading.Barrier(2), [None, None]
-
-            def enter(i: int, attempt=attempt, barrier=barrier, took=took) -> None:
-                barrier.wait()
-                began = time.perf_counter()
-                result = averagers[i].average(
-                    values[i], round_id=f"bench-{attempt}".encode(), members=members, timeout_s=timeout_s
-                )
-                if result.complete:
-                    took[i] = time.perf_counter() - began
-
-            threads = [threading.Thread(target=enter, args=(i,)) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout_s + 20)
+            round_id = f"bench-{attempt}".encode()
+            took = _released_together(
+                [
+                    lambda a=a, v=v: a.average(v, round_id=round_id, members=members, timeout_s=timeout_s).complete
+                    for a, v in zip(averagers, values)
+                ],
+                join_s=timeout_s + 20,
+            )
             if attempt == 0:
                 continue
             if None in took:
@@ -397,22 +390,29 @@ def known_round_s(
 
 def _both_step(averagers, find_s: float, averaging_timeout_s: float) -> list[float | None]:
     """One round: both averagers' step() released at once; each one's seconds, None where it failed."""
-    barrier, took = threading.Barrier(len(averagers)), [None] * len(averagers)
+    return _released_together(
+        [lambda a=a: a.step(timeout=find_s, wait=True) is not None for a in averagers], join_s=averaging_timeout_s + 10
+    )
 
-    def step(i: int) -> None:
+
+def _released_together(calls: list[Callable[[], bool]], *, join_s: float) -> list[float | None]:
+    """Run `calls` from a thread each, released at once: each one's seconds, None where it returned False or raised."""
+    barrier, took = threading.Barrier(len(calls)), [None] * len(calls)
+
+    def run(i: int) -> None:
         barrier.wait()
         began = time.perf_counter()
         try:
-            if averagers[i].step(timeout=find_s, wait=True) is not None:
+            if calls[i]():
                 took[i] = time.perf_counter() - began
         except Exception as exc:  # no group found, or the round failed: a failed round
-            logger.warning("a bare all-reduce round failed: %r", exc)
+            logger.warning("an all-reduce round failed: %r", exc)
 
-    threads = [threading.Thread(target=step, args=(i,)) for i in range(len(averagers))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(averaging_timeout_s + 10)
+        thread.join(join_s)
     return took
 
 

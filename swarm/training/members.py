@@ -107,7 +107,7 @@ class GroupProgress:
             self.key, left, get_dht_time() + self.ttl_s + 1, subkey=self._subkey, return_future=True
         )
         try:
-            return bool(future.result(timeout=timeout_s))
+            return bool(dht_result(self.dht, future, f"marking the progress of {self.key} as left", timeout_s))
         except Exception as exc:  # a stopping process: its record then expires on its own
             logger.debug("could not mark the progress of %s as left: %r", self.key, exc)
             return False

@@ -271,7 +271,6 @@ def stage_tensor_shapes(model: Path, span: tuple[int, int]) -> list[tuple[int, .
 
 
 def bare_allreduce_s(
-    initial_peers: list[str],
     tensors: list[tuple[tuple[int, ...], torch.dtype]],
     *,
     rounds: int,
@@ -280,22 +279,22 @@ def bare_allreduce_s(
 ) -> tuple[list[float], int]:
     """Seconds of each averager's step() over `rounds` successful rounds of two bare averagers, and the failed ones.
 
-    `tensors` are (shape, dtype) pairs. Each averager has a DHT node of its own joined through `initial_peers`;
-    both call step() at the same moment from two threads, with hivemind's own matchmaking at its quickest (a
+    `tensors` are (shape, dtype) pairs. Each averager has a plain hivemind DHT node of its own, the second joined
+    to the first (ours refuse hivemind's matchmaking records); both call step() at the same moment from two threads, with hivemind's own matchmaking at its quickest (a
     target group size of 2), which a stage's round replaces by a known group (swarm/training/rounds.py).
     Rounds until the first success are a warm-up (the averagers find each other in the DHT), not counted.
     """
     from hivemind.averaging import DecentralizedAverager
     from hivemind.utils import get_dht_time
 
-    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.node import start_plain_dht, stop_dht, visible_maddrs
 
     dhts, averagers = [], []
     handler = signal.getsignal(signal.SIGINT)  # hivemind's averager ignores SIGINT here before it forks
     try:
         prefix = f"bench_bare_allreduce_{get_dht_time():.0f}"
         for _ in range(2):
-            dhts.append(start_dht(initial_peers))
+            dhts.append(start_plain_dht(visible_maddrs(dhts[0]) if dhts else ()))
             averagers.append(
                 DecentralizedAverager(
                     [torch.randn(shape, dtype=dtype) for shape, dtype in tensors],
@@ -342,14 +341,14 @@ def known_round_s(
     """Seconds of each member's average() over `rounds` rounds of two RoundAveragers (what a stage's group runs), and
     the failed ones: under the conditions of bare_allreduce_s (a DHT node each, both released at once from two
     threads of this process), so that the two compare the mechanisms alone. The first round is a warm-up."""
-    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.node import start_plain_dht, stop_dht, visible_maddrs
     from swarm.training.rounds import RoundAverager, RoundSettings
 
     dhts, averagers = [], []
     prefix = f"bench_known_round_{time.time():.0f}"
     try:
         for _ in range(2):
-            dhts.append(start_dht(initial_peers))
+            dhts.append(start_plain_dht(visible_maddrs(dhts[0]) if dhts else ()))
             averagers.append(
                 RoundAverager(
                     [torch.zeros(shape, dtype=dtype) for shape, dtype in tensors],

@@ -126,6 +126,15 @@ class ModelRecord(_Record):
     repository: str = pydantic.Field(pattern=r"^[^\x00-\x1f\x7f]{1,512}$")  # shown to operators only
 
 
+class ModelIndexEntry(_Record):
+    """What a peer stores in the model index (MODEL_INDEX_KEY) under its signed subkey: the model it serves, by DHT
+    prefix. Readers count entries per prefix (swarm/dht/directory.py: fetch_models)."""
+
+    prefix: str = pydantic.Field(pattern=rf"^{_PREFIX_PATTERN.pattern}$")
+    num_blocks: int = pydantic.Field(gt=0, le=MAX_NUM_BLOCKS)
+    repository: str = pydantic.Field(pattern=r"^[^\x00-\x1f\x7f]{1,512}$")
+
+
 class TrainingProgress(_Record):
     """What a member of a training group publishes, often, under its signed subkey (swarm/training/members.py): where
     it stands, so that the group knows when to update and a member that fell behind knows which state a majority

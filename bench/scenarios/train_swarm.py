@@ -61,7 +61,8 @@ NOTES = {
     "averagers, timed by average(): the mechanisms compared alone, without the peers' other work",
     "rounds": "all-reduce: each peer's '... among 2 members in X s', from entering its round (on the trainer's "
     "commit: no matchmaking, so no step waits on it) to the result; both stages average at about the same time. "
-    "Bare: two DecentralizedAveragers in the bench process, each on a DHT node joined to the same bootstrap, "
+    "Bare: two DecentralizedAveragers in the bench process, each on a plain hivemind DHT node of its own "
+    "(ours refuse hivemind's matchmaking records), "
     "the tensors a stage's round carries (its gradients in float64), target_group_size 2 (a group starts once "
     "both joined), request_timeout 0.5, both released at once from two threads; timed by step(), whose "
     "matchmaking is counted",
@@ -237,7 +238,6 @@ class TrainSwarm:
         # what a stage's round carries (swarm/training/group.py): its gradients, in float64, and nothing else
         tensors = [(shape, torch.float64) for shape in shapes]
         bare, failed = tr.bare_allreduce_s(
-            self.swarm.initial_peers,
             tensors,
             rounds=self.plan.repeats,
             matchmaking_time_s=s.matchmaking_time_s,

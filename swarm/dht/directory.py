@@ -16,7 +16,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from protocol.errors import InvalidRecordError
-from protocol.records import MODEL_INDEX_KEY, ModelRecord, ServerInfo, block_key, check_prefix
+from protocol.records import MODEL_INDEX_KEY, ModelIndexEntry, ModelRecord, ServerInfo, block_key
 from swarm.dht.node import dht_result
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.trust.identity import parse_record_subkey
@@ -96,20 +96,31 @@ def fetch_snapshot(dht: hivemind.DHT, prefix: str, num_blocks: int) -> SwarmSnap
 
 
 def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:
-    """The model index: DHT prefix -> ModelRecord."""
+    """The model index: DHT prefix -> ModelRecord, as most of the model's peers describe it (ties: the latest)."""
     found = dht_result(
         dht,
         dht.run_coroutine(partial(_get_many, keys=[MODEL_INDEX_KEY]), return_future=True),
         "reading the model index",
     )
-    models = {}
-    for prefix, (_, value) in _subkey_values(found.get(MODEL_INDEX_KEY)).items():
+    return index_models(found.get(MODEL_INDEX_KEY))
+
+
+def index_models(raw: Any) -> dict[str, ModelRecord]:
+    """What the model index read as `raw` (a DHT dictionary) says: prefix -> the record most entries give."""
+    said: dict[str, dict[ModelRecord, tuple[int, float]]] = {}  # prefix -> record -> (peers, latest expiration)
+    for subkey, (expiration, value) in _subkey_values(raw).items():
+        if parse_record_subkey(subkey) is None:
+            logger.debug("skipping a model index entry: its subkey %.80r names no owner key", subkey)
+            continue
         try:
-            check_prefix(prefix)
-            models[prefix] = ModelRecord.from_wire(value)
-        except (InvalidRecordError, ValueError, TypeError) as exc:
-            logger.debug("skipping model index entry %.80r: %s", prefix, exc)
-    return models
+            entry = ModelIndexEntry.from_wire(value)
+        except InvalidRecordError as exc:
+            logger.debug("skipping a model index entry: %s", exc)
+            continue
+        record = ModelRecord(num_blocks=entry.num_blocks, repository=entry.repository)
+        peers, latest = said.setdefault(entry.prefix, {}).get(record, (0, 0.0))
+        said[entry.prefix][record] = (peers + 1, max(latest, expiration))
+    return {prefix: max(records, key=records.__getitem__) for prefix, records in said.items()}
 
 
 def announce(
@@ -133,8 +144,8 @@ def announce(
     store = partial(
         _store_many,
         keys=[*keys, MODEL_INDEX_KEY],
-        values=[info.to_wire()] * len(keys) + [model.to_wire()],
-        subkeys=[dht.identity.record_subkey()] * len(keys) + [prefix],
+        values=[info.to_wire()] * len(keys) + [ModelIndexEntry(prefix=prefix, **model.to_wire()).to_wire()],
+        subkeys=[dht.identity.record_subkey()] * (len(keys) + 1),
         expiration_time=get_dht_time() + expiration_s,
     )
     future = dht.run_coroutine(store, return_future=True)

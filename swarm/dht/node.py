@@ -82,15 +82,7 @@ def start_dht(
         **kwargs,
     )
     dht.identity = identity
-    # hivemind forks the node's process. Objects the child inherits from other threads (gRPC channels
-    # closed in this process, say) must not be finalized there: that crashes it. So collect here and
-    # freeze what is left, which keeps the child's garbage collector away from it.
-    gc.collect()
-    gc.freeze()
-    try:
-        dht.run_in_background(await_ready=False)
-    finally:
-        gc.unfreeze()
+    _fork(dht)
     try:
         dht.wait_until_ready(timeout=startup_timeout_s + 5)
     except BaseException as exc:
@@ -104,6 +96,36 @@ def start_dht(
         stop_dht(dht)
         raise RuntimeError(f"the DHT node runs as {dht.peer_id} but its key gives {identity.peer_id}")
     return dht
+
+
+def start_plain_dht(initial_peers: Sequence[str] = (), record_validators=()) -> hivemind.DHT:
+    """A hivemind DHT node as hivemind starts one (none of our validators), on 127.0.0.1: for bare hivemind averagers,
+    whose matchmaking records our nodes refuse, and for tests that play a stranger."""
+    dht = hivemind.DHT(
+        initial_peers=list(initial_peers),
+        start=False,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=list(record_validators),
+    )
+    _fork(dht)
+    try:
+        dht.wait_until_ready(timeout=65)
+    except BaseException:
+        stop_dht(dht)
+        raise
+    return dht
+
+
+def _fork(dht: hivemind.DHT) -> None:
+    # hivemind forks the node's process. Objects the child inherits from other threads (gRPC channels
+    # closed in this process, say) must not be finalized there: that crashes it. So collect here and
+    # freeze what is left, which keeps the child's garbage collector away from it.
+    gc.collect()
+    gc.freeze()
+    try:
+        dht.run_in_background(await_ready=False)
+    finally:
+        gc.unfreeze()
 
 
 class _OwnGroupDHT(hivemind.DHT):

@@ -1,18 +1,20 @@
-"""The DHT-level check of our records, run by every node we start next to hivemind's RSASignatureValidator.
+"""The DHT-level check of records, run by every node we start next to hivemind's RSASignatureValidator.
 
-A record is ours when it is under the model index key, or when its subkey has the form of a signed one
-(`"<peer id>[owner:<key>]"`: keys are hashed before they reach a validator, so a block key itself cannot be
-recognised). Ours must expire within MAX_RECORD_TTL_S and parse as our schema: under a signed subkey, one of
-OWNED_RECORDS (a block record, or a training group's progress), told apart by their fields; what fails is neither
-stored by an honest node nor accepted from another node when reading (hivemind then drops that node's whole answer
-for the key). Records under other subkeys cannot be told from other applications' records here: readers ignore them
-(swarm/dht/directory.py, swarm/training/members.py).
+A swarmlm DHT holds our records only, each under a signed subkey (`"<peer id>[owner:<key>]"`, swarm/trust/identity.py)
+whose peer id is its key's: a block record or a training group's progress (OWNED_RECORDS, told apart by their fields),
+a run's recipe, or, under the model index key, a ModelIndexEntry. Anything else is refused: a plain value (in
+hivemind's storage, a plain value with a later expiry replaces a key's whole dictionary, and the key then refuses every
+honest announcement until it expires), and any other subkey (anyone may write those, and nobody reads them). Keys are
+hashed before they reach a validator, so this holds under every key.
 
-A run's recipe (swarm/training/recipe.py) is an envelope that names its prefix and run id: it is accepted only under a
-signed subkey and under the key those give (`recipe_key`, whose hash is recomputed here), never as a plain value.
-Another plain value under that key cannot be recognised (the key is hashed): readers skip what does not parse, and a
-publisher whose store it blocks is told so. The settings are checked here for form and size; readers check them
-against RunRecipe.
+Every record must also expire within MAX_RECORD_TTL_S (writers stay CLOCK_SKEW_S under it, so a reader whose clock
+is behind theirs still takes what they write) and be at most MAX_VALUE_BYTES; and the node keeps a bounded number of
+entries per key and bytes in all (swarm/dht/ledger.py). What fails is neither stored by an honest node nor accepted
+from another node when reading (hivemind then drops that node's whole answer for the key).
+
+A run's recipe (swarm/training/recipe.py) is an envelope that names its prefix and run id: it is accepted only under
+the key those give (`recipe_key`, whose hash is recomputed here). The settings are checked here for form and size;
+readers check them against RunRecipe.
 
 The check depends on the clock only through the TTL, which a stored record keeps satisfying as time passes, so a
 record accepted once stays valid wherever it is replicated. (Rules that expire with time, like the bound on
@@ -35,62 +37,67 @@ from protocol.errors import InvalidRecordError
 from protocol.records import (
     MAX_RECORD_TTL_S,
     MODEL_INDEX_KEY,
-    ModelRecord,
+    ModelIndexEntry,
     ServerInfo,
     TrainingProgress,
     check_prefix,
     check_run_id,
 )
+from swarm.dht.ledger import StorageLedger
 from swarm.trust.identity import looks_like_record_subkey, parse_record_subkey
 
 logger = logging.getLogger(__name__)
 
 # what a signed subkey may hold; their required fields differ, so a value parses as one of them at most
 OWNED_RECORDS = (ServerInfo, TrainingProgress)
+MAX_VALUE_BYTES = 8192
+"""A record's value as stored (msgpack): a block record is ~400 bytes, a recipe at most ~5 KB."""
+MAX_SUBKEY_BYTES = 1024
+"""A signed subkey: a peer id and a 2048-bit RSA key in base64, ~450 bytes."""
 
 
 class SwarmRecordValidator(RecordValidatorBase):
-    """Caps the lifetime of our records and checks them against protocol/records.py."""
+    """Refuses what is not one of our records, caps their lifetime and size, and bounds what the node keeps."""
 
-    def __init__(self, max_ttl_s: float = MAX_RECORD_TTL_S):
+    def __init__(self, max_ttl_s: float = MAX_RECORD_TTL_S, ledger: StorageLedger | None = None):
         self.max_ttl_s = max_ttl_s
         self.index_key = DHTID.generate(source=MODEL_INDEX_KEY).to_bytes()
+        self.ledger = ledger if ledger is not None else StorageLedger()
 
     def validate(self, record: DHTRecord) -> bool:
-        is_index = record.key == self.index_key
         try:
-            subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
-        except Exception:
-            subkey = None
-        recipe = not is_index and RECIPE_KIND.encode() in record.value and _is_recipe(record.value)  # cheap first
-        if not is_index and not recipe and not looks_like_record_subkey(subkey):
-            return True  # not ours
-        if record.expiration_time > get_dht_time() + self.max_ttl_s:
-            logger.debug(
-                "refusing a record expiring %.0fs ahead (at most %.0fs)",
-                record.expiration_time - get_dht_time(),
-                self.max_ttl_s,
-            )
-            return False
-        try:
-            value = MSGPackSerializer.loads(record.value)
-            if is_index:
-                # one entry per model, written by all its peers alike, so it cannot have one owner; it only
-                # names a block count and a repository, which `swarmlm status` shows (clients and peers take the
-                # block count from the model's own config)
-                check_prefix(subkey)
-                ModelRecord.from_wire(value)
-            else:
-                if recipe:
-                    _check_recipe_record(value, record.key, parse_record_subkey(subkey))
-                    return True
-                if parse_record_subkey(subkey) is None:
-                    raise InvalidRecordError("its peer id is not its key's")
-                _parse_owned(value)
+            self._check(record)
         except Exception as exc:  # whatever a stranger sent must not break the node's handling of the rest
-            logger.debug("refusing a record under %r: %s", subkey, exc)
+            logger.debug("refusing a record: %s", exc)
+            return False
+        size = len(record.key) + len(record.subkey) + len(record.value)
+        if not self.ledger.admit(record.key, record.subkey, record.expiration_time, size, get_dht_time()):
+            logger.debug("refusing a record: this node holds as much as it keeps under its key or in all")
             return False
         return True
+
+    def _check(self, record: DHTRecord) -> None:
+        if len(record.subkey) > MAX_SUBKEY_BYTES or len(record.value) > MAX_VALUE_BYTES:
+            raise InvalidRecordError(f"{len(record.subkey)}-byte subkey, {len(record.value)}-byte value: too big")
+        subkey = MSGPackSerializer.loads(record.subkey)
+        if subkey is None:  # hivemind's mark of a plain value
+            raise InvalidRecordError("a plain value (ours are all under signed subkeys)")
+        if not looks_like_record_subkey(subkey):  # cheap: no key is parsed
+            raise InvalidRecordError(f"subkey {subkey!r:.80} is not a signed one")
+        if record.expiration_time > get_dht_time() + self.max_ttl_s:
+            raise InvalidRecordError(
+                f"it expires {record.expiration_time - get_dht_time():.0f}s ahead (at most {self.max_ttl_s:.0f}s)"
+            )
+        owner = parse_record_subkey(subkey)
+        if owner is None:
+            raise InvalidRecordError("its peer id is not its key's")
+        value = MSGPackSerializer.loads(record.value)
+        if record.key == self.index_key:
+            ModelIndexEntry.from_wire(value)
+        elif isinstance(value, dict) and value.get("kind") == RECIPE_KIND:
+            _check_recipe_record(value, record.key)
+        else:
+            _parse_owned(value)
 
     @property
     def priority(self) -> int:
@@ -155,17 +162,7 @@ def check_recipe_envelope(value: Any) -> tuple[str, str, float, dict[str, Any]]:
     return prefix, run_id, published_at, settings
 
 
-def _is_recipe(raw: bytes) -> bool:
-    try:
-        value = MSGPackSerializer.loads(raw)
-    except Exception:
-        return False
-    return isinstance(value, dict) and value.get("kind") == RECIPE_KIND
-
-
-def _check_recipe_record(value: Any, key: bytes, owner: tuple[str, bytes] | None) -> None:
+def _check_recipe_record(value: Any, key: bytes) -> None:
     prefix, run_id, _, _ = check_recipe_envelope(value)
-    if owner is None:
-        raise InvalidRecordError("a recipe must be stored under its publisher's signed subkey")
     if DHTID.generate(source=recipe_key(prefix, run_id)).to_bytes() != key:
         raise InvalidRecordError(f"a recipe of {prefix} run {run_id} stored under another key")

@@ -413,8 +413,8 @@ def adopt_recipe(dht, prefix: str, run_id: str, given: Mapping[str, Any], defaul
         if not records:
             raise DHTUnavailableError(
                 f"the recipe of run {run_id!r} of {prefix} cannot be read back after publishing it: no DHT node "
-                f"stored it, or none answered. If this repeats, something else holds its key (a plain value there "
-                f"blocks every record): start the run with another --run-id"
+                f"stored it, or none answered. If this repeats, the nodes that hold its key may be full (they keep "
+                f"a bounded number of entries per key): start the run with another --run-id"
             )
     run, published_at = records[0].recipe, records[0].published_at
     differences = dataclasses.replace(run, **given).differences(run)

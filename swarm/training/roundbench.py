@@ -2,7 +2,7 @@
 
 `python -m swarm.training.roundbench [--members 3] [--mib 16] [--repeats 3]` prints a JSON line; `bench` can call
 `compare_with_hivemind`. Issue 22's target: a round takes at most 1.2x a bare all-reduce. Both sides run here, on
-127.0.0.1, with the same group and tensors: the bare averagers form their group by hivemind's matchmaking first (with
+127.0.0.1, with the same group and tensors: the bare averagers (on DHT nodes of their own) form their group by hivemind's matchmaking first (with
 target_group_size = the members, so a full group starts at once), and are timed from the moment every member holds
 its group (require_trigger) to the end of the all-reduce; the step as a whole, matchmaking included, is reported too.
 """
@@ -19,7 +19,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
-from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.dht.node import start_dht, start_plain_dht, stop_dht, visible_maddrs
 from swarm.training.rounds import RoundAverager, RoundSettings
 
 
@@ -72,9 +72,14 @@ def compare_with_hivemind(
     try:
         for _ in range(members):
             dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
+        plain = []
+        for _ in range(members):
+            plain.append(start_plain_dht(visible_maddrs(plain[0]) if plain else ()))
+            dhts.append(plain[-1])
         tensors = [[torch.randn(numel, dtype=torch.float64)] for _ in range(members)]
         rounds = [
-            RoundAverager(t, dht, prefix="bench_rounds", settings=RoundSettings()) for t, dht in zip(tensors, dhts)
+            RoundAverager(t, dht, prefix="bench_rounds", settings=RoundSettings())
+            for t, dht in zip(tensors, dhts[:members])
         ]
         averagers += rounds
         bare = [
@@ -88,7 +93,7 @@ def compare_with_hivemind(
                 min_matchmaking_time=2.0,
                 request_timeout=1.0,
             )
-            for t, dht in zip(tensors, dhts)
+            for t, dht in zip(tensors, plain)
         ]
         averagers += bare
         ids = [a.member_id for a in rounds]

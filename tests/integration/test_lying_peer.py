@@ -156,3 +156,34 @@ def test_a_record_pointing_at_another_peers_server_is_an_impostor(lying, local):
             remote.shutdown()
     finally:
         stop_dht(stranger)
+
+
+def test_a_strangers_plain_values_under_every_block_key_erase_nothing(lying, local):
+    """A stranger with a plain hivemind DHT and hivemind's own signature check stores a plain value, pinned 1e7 s
+    ahead, under every block key, and a megabyte under a subkey of its own: no honest node keeps either, and a fresh
+    client still finds both peers and generates exactly."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from protocol.records import block_key
+    from swarm.dht.node import start_plain_dht, stop_dht
+    from tests.helpers.dht_store import Padding, store_in_node
+
+    prefix = prefix_for_model(str(lying.model_path))
+    stranger = start_plain_dht(lying.swarm.initial_peers, record_validators=[RSASignatureValidator()])
+    try:
+        for block in range(NUM_LAYERS):
+            # (the plain value last: a subkey stored after it, with a later expiry, would replace it by a dictionary)
+            store_in_node(stranger, block_key(prefix, block), "junk", Padding(1 << 20), expiration_s=1e7)
+            store_in_node(stranger, block_key(prefix, block), None, "erased", expiration_s=1e7)
+        assert {lying.honest_id, lying.liar_id} <= set(lying.swarm.snapshot(prefix, NUM_LAYERS).online())
+        remote = lying.connect()
+        try:
+            ids = _ids(1, PROMPT, seed=24)
+            expected = generate_with_logits(local, ids, max_new_tokens=6, do_sample=False)
+            assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
+            bans = remote.sequence.bans  # (the impostor of the test above may still have a record: not these)
+            assert bans.strikes(lying.honest_id) == 0 and bans.strikes(lying.liar_id) == 0
+        finally:
+            remote.shutdown()
+    finally:
+        stop_dht(stranger)

@@ -21,7 +21,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from protocol.records import MODEL_INDEX_KEY, ModelRecord, block_key, prefix_for_model
+from protocol.records import MODEL_INDEX_KEY, ModelIndexEntry, block_key, prefix_for_model
 from swarm.dht.node import dht_result
 from swarm.trust.swarmkey import SwarmKey
 from tests.helpers.browser import headless_chromium
@@ -70,9 +70,9 @@ def monitored(tmp_path_factory, tiny_llama_path, tiny_qwen3_path):
             dht,
             dht.store(
                 MODEL_INDEX_KEY,
-                ModelRecord(num_blocks=2, repository=EVIL).to_wire(),
+                ModelIndexEntry(prefix=EVIL_PREFIX, num_blocks=2, repository=EVIL).to_wire(),
                 expires,
-                subkey=EVIL_PREFIX,
+                subkey=dht.identity.record_subkey(),
                 return_future=True,
             ),
             "storing",

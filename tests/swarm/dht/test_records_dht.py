@@ -2,8 +2,9 @@
 
 An honest peer announces; a stranger started like every swarmlm node (our validators, its own key) and an
 attacker started as a bare hivemind DHT (no validators: it stores and offers whatever it likes) try to write in
-its name, to pin records far into the future and to store values that do not parse. A reader started like a
-client must see the honest peer's latest record, and nothing forged.
+its name, to pin records far into the future, to erase a block's records with a plain value and to store values
+that do not parse or are huge. A reader started like a client must see the honest peer's latest record, and nothing
+forged.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 
-import hivemind
 import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
@@ -26,8 +26,9 @@ from protocol.records import (
     block_key,
 )
 from swarm.dht.directory import announce, fetch_models, fetch_snapshot
-from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
+from swarm.dht.node import dht_result, start_dht, start_plain_dht, stop_dht, visible_maddrs
 from swarm.placement import choose_span
+from tests.helpers.dht_store import Padding, store_in_node
 
 NUM_BLOCKS = 4
 HONEST_STORES = ("boot", "honest", "stranger")  # nodes with our validators that store records (not the reader)
@@ -43,7 +44,7 @@ def nodes():
         for _name, start in [
             ("honest", lambda: start_dht(maddrs)),
             ("stranger", lambda: start_dht(maddrs)),
-            ("attacker", lambda: hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])),
+            ("attacker", lambda: start_plain_dht(maddrs)),
             ("reader", lambda: start_dht(maddrs, client_mode=True)),
         ]:
             started.append(start())
@@ -74,16 +75,6 @@ def announce_honestly(nodes, prefix: str, record: ServerInfo, expiration_s: floa
     )
 
 
-class _Store:
-    """Store one value from inside a node's process, as any program on it could (picklable for run_coroutine)."""
-
-    def __init__(self, key, subkey, value, expiration_s: float):
-        self.key, self.subkey, self.value, self.expiration_s = key, subkey, value, expiration_s
-
-    async def __call__(self, dht, node) -> bool:
-        return bool(await node.store(self.key, self.value, get_dht_time() + self.expiration_s, subkey=self.subkey))
-
-
 class _LocalEntries:
     """subkey -> (stored bytes, expiration) that a node keeps under `key` in its own storage."""
 
@@ -97,7 +88,7 @@ class _LocalEntries:
 
 def store(node, key, subkey, value, expiration_s: float = 60.0) -> bool:
     """Whether some node took it (the attacker takes anything: see `refused` for the honest nodes)."""
-    return dht_result(node, node.run_coroutine(_Store(key, subkey, value, expiration_s), return_future=True), "store")
+    return store_in_node(node, key, subkey, value, expiration_s)
 
 
 def local_entries(node, key) -> dict:
@@ -167,22 +158,26 @@ def test_far_future_and_malformed_records_are_refused(nodes):
     ]:
         assert refused(nodes, stranger, key, mine, value)
     assert fetch_snapshot(nodes["reader"], "limits", NUM_BLOCKS).servers == {}
-    # the model index: anyone may write an entry, but only a well-formed one
-    assert refused(nodes, stranger, MODEL_INDEX_KEY, "limits", {"num_blocks": -1, "repository": "r"})
-    assert refused(nodes, stranger, MODEL_INDEX_KEY, "no/such prefix", {"num_blocks": 4, "repository": "r"})
-    assert refused(
-        nodes,
-        stranger,
-        MODEL_INDEX_KEY,
-        "limits",
-        {"num_blocks": 4, "repository": "r"},
-        expiration_s=10 * MAX_RECORD_TTL_S,
-    )
-    # control: the same node can write its own well-formed record with an honest lifetime
+    # the model index: an entry under its writer's signed subkey, well-formed
+    entry = {"prefix": "limits", "num_blocks": NUM_BLOCKS, "repository": "r"}
+    assert refused(nodes, stranger, MODEL_INDEX_KEY, mine, entry | {"num_blocks": -1})
+    assert refused(nodes, stranger, MODEL_INDEX_KEY, mine, entry | {"prefix": "no/such prefix"})
+    assert refused(nodes, stranger, MODEL_INDEX_KEY, mine, entry, expiration_s=10 * MAX_RECORD_TTL_S)
+    assert refused(nodes, stranger, MODEL_INDEX_KEY, "limits", entry)  # unsigned, as the index once was
+    # control: the same node can write its own well-formed records with an honest lifetime
     assert not refused(nodes, stranger, key, mine, info(1, 2).to_wire())
-    assert not refused(nodes, stranger, MODEL_INDEX_KEY, "limits", {"num_blocks": NUM_BLOCKS, "repository": "r"})
+    assert not refused(nodes, stranger, MODEL_INDEX_KEY, mine, entry)
     assert list(fetch_snapshot(nodes["reader"], "limits", NUM_BLOCKS).servers) == [stranger.identity.peer_id]
     assert fetch_models(nodes["reader"])["limits"].num_blocks == NUM_BLOCKS
+
+
+def test_the_model_index_says_what_most_of_its_writers_say(nodes):
+    entry = {"prefix": "index", "num_blocks": NUM_BLOCKS, "repository": "honest/repo"}
+    for name in ("boot", "honest"):
+        assert store(nodes[name], MODEL_INDEX_KEY, nodes[name].identity.record_subkey(), entry)
+    lie = entry | {"num_blocks": 2, "repository": "liar/repo"}
+    assert store(nodes["stranger"], MODEL_INDEX_KEY, nodes["stranger"].identity.record_subkey(), lie, 120)
+    assert fetch_models(nodes["reader"])["index"] == ModelRecord(num_blocks=NUM_BLOCKS, repository="honest/repo")
 
 
 def test_a_span_outside_the_model_or_a_record_under_a_block_it_does_not_claim_is_skipped(nodes):
@@ -201,14 +196,14 @@ def test_a_bare_hivemind_attacker_can_neither_forge_nor_pin(nodes):
     announce_honestly(nodes, "pin", info(throughput=100.0))
     key = block_key("pin", 0)
     pinned = info(state=ServerState.OFFLINE, throughput=9e6).to_wire()
-    # it writes into its own storage whatever it likes and offers it to readers; honest nodes refuse it under
-    # the owned subkey (entries under other subkeys cannot be told from other records there: readers skip them)
+    # it writes into its own storage whatever it likes and offers it to readers; honest nodes refuse all of it
     store(attacker, key, honest.identity.record_subkey(), pinned, expiration_s=1e6)
     store(attacker, key, honest.identity.peer_id, pinned, expiration_s=1e6)
     store(attacker, key, "junk", b"junk", expiration_s=1e6)
     held = local_entries(attacker, key)
     assert held[honest.identity.record_subkey()][1] > get_dht_time() + 1e5 and "junk" in held
     for entries in honest_storage(nodes, key):
+        assert list(entries) == [honest.identity.record_subkey()]
         assert entries[honest.identity.record_subkey()][1] < get_dht_time() + 60
     snapshot, seen = honest_view(nodes, "pin")
     assert list(snapshot.servers) == [honest.identity.peer_id]
@@ -218,6 +213,31 @@ def test_a_bare_hivemind_attacker_can_neither_forge_nor_pin(nodes):
     # hivemind's result is the last replica's answer)
     announce_honestly(nodes, "pin", info(throughput=200.0))
     assert honest_view(nodes, "pin")[1].throughput == 200.0
+
+
+def test_a_plain_value_under_every_block_key_erases_nothing(nodes):
+    honest, attacker = nodes["honest"], nodes["attacker"]
+    announce_honestly(nodes, "erase", info(throughput=100.0))
+    # in hivemind's storage a plain value with a later expiry replaces a key's whole dictionary, and then refuses
+    # every subkey stored under it: one store per block would hide the peer until 1e7 s from now
+    for block in range(NUM_BLOCKS):
+        store(attacker, block_key("erase", block), None, b"erased", expiration_s=1e7)
+        assert honest.identity.record_subkey() in local_entries(nodes["boot"], block_key("erase", block))
+    assert list(honest_view(nodes, "erase")[0].servers) == [honest.identity.peer_id]
+    announce_honestly(nodes, "erase", info(throughput=200.0))  # and the next announcement is kept
+    assert honest_view(nodes, "erase")[1].throughput == 200.0
+
+
+def test_junk_and_megabyte_entries_are_refused_everywhere(nodes):
+    stranger = nodes["stranger"]
+    key, mine = block_key("junk", 0), stranger.identity.record_subkey()
+    for subkey, value in [
+        ("junk", b"junk"),  # a subkey that names no owner: anyone could write it, and nobody reads it
+        (mine, Padding(1 << 20)),  # its own subkey, a megabyte of value
+        ((mine, Padding(1 << 20, text=True)), info().to_wire()),  # a megabyte of subkey
+    ]:
+        assert refused(nodes, stranger, key, subkey, value)
+    assert all(entries == {} for entries in honest_storage(nodes, key))
 
 
 def test_a_joining_record_older_than_the_bound_does_not_hold_blocks(nodes):

@@ -8,10 +8,10 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
-from protocol.errors import DHTUnavailableError, RecipeMismatchError
+from protocol.errors import RecipeMismatchError
 from protocol.records import ModelRecord, ServerInfo, ServerState
 from swarm.dht.directory import announce
-from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
+from swarm.dht.node import dht_result, start_dht, start_plain_dht, stop_dht, visible_maddrs
 from swarm.dht.state import read_state
 from swarm.dht.validators import recipe_envelope, recipe_key
 from swarm.status import format_snapshot
@@ -40,7 +40,7 @@ def nodes():
         for start in [
             lambda: start_dht(maddrs),
             lambda: start_dht(maddrs),
-            lambda: hivemind.DHT(initial_peers=maddrs, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+            lambda: start_plain_dht(maddrs),
             lambda: start_dht(maddrs, client_mode=True),
         ]:
             started.append(start())
@@ -159,14 +159,12 @@ def test_a_recipe_only_counts_signed_under_its_own_key(nodes):
     assert [r.publisher for r in read_recipes(nodes["reader"], PREFIX, "forged")] == [first.identity.peer_id]
 
 
-def test_a_plain_value_holding_the_key_is_reported_not_ignored(nodes):
-    # the key is hashed, so validators cannot refuse another plain value there, and hivemind keeps a plain value
-    # over any dictionary that expires before it
+def test_a_plain_value_under_the_key_is_refused_and_the_run_starts(nodes):
+    # in hivemind's storage a plain value would hold the key over any dictionary that expires before it
     key = recipe_key(PREFIX, "blocked")
     store(nodes["attacker"], key, None, b"mine", expiration_s=3600)
-    assert all(held_by_honest_nodes(nodes, key, None))
-    with pytest.raises(DHTUnavailableError, match="start the run with another --run-id"):
-        adopt_recipe(nodes["first"], PREFIX, "blocked", {}, RunRecipe())
+    assert not any(held_by_honest_nodes(nodes, key, None))
+    assert adopt_recipe(nodes["first"], PREFIX, "blocked", {}, RunRecipe()) == RunRecipe()
 
 
 def test_records_keep_the_recipe_exactly():

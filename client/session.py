@@ -154,7 +154,8 @@ class InferenceSession:
 
     def _chain(self, index: int) -> list[SpanSession]:
         """Span `index` and the spans after it that its step can be pushed on to, peer to peer: all reached by
-        direct gRPC, speaking protocol 2 or later, in one dtype (a pushed tensor is not cast on its way)."""
+        direct gRPC, speaking protocol 2 or later, in one dtype (a pushed tensor is not cast on its way), each
+        endpoint once."""
         first, config = self.spans[index], self.sequence.config
         chain = [first]
         if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):
@@ -163,6 +164,8 @@ class InferenceSession:
         for span in self.spans[index + 1 :]:
             if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
                 break
+            if any(s.hop.endpoint == span.hop.endpoint for s in chain):
+                break  # a peer takes a route that passes it once (peer/forwarding.py check_next)
             if (
                 config.forward_steps == ForwardSteps.AUTO
                 and self.sequence.dialer.rtts.get(span.hop.peer_id, 0.0) < config.forward_min_rtt_s

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError
+from protocol.errors import BadRequestError, PeerUnavailableError, SwarmError
 from protocol.packing import Packer
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
 from swarm.runtime import in_background
@@ -35,10 +35,19 @@ PUSH_TIMEOUT_S = 10.0
 _ENDPOINT = re.compile(r"[^\s:/]{1,253}:\d{1,5}")
 
 
-def check_next(hops) -> None:
-    """Raise BadRequestError for next hops that cannot be pushed to."""
-    if len(hops) > MAX_HOPS:
-        raise BadRequestError(f"a step names at most {MAX_HOPS} next hops, got {len(hops)}")
+def check_next(hops, blocks_left: int) -> None:
+    """Raise BadRequestError for next hops that cannot be pushed to.
+
+    A route names each later span once, and each span holds a block at least: more hops than the blocks after this
+    span, or one hop twice, would make one step cost more prefills than the model has spans.
+    """
+    most = min(MAX_HOPS, blocks_left)
+    if len(hops) > most:
+        raise BadRequestError(
+            f"a step names at most {most} next hops here (the blocks after this span), got {len(hops)}"
+        )
+    if len({hop.endpoint for hop in hops}) < len(hops):
+        raise BadRequestError("a step names a next hop's endpoint twice; a route passes each peer once")
     for hop in hops:
         if not _ENDPOINT.fullmatch(hop.endpoint):
             raise BadRequestError(f"a next hop's endpoint must be a gRPC host:port, got {hop.endpoint[:80]!r}")
@@ -106,6 +115,17 @@ class Forwarder:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, hop.endpoint) from exc
         self.pushed += 1
+
+
+def failure_report(exc: Exception) -> str:
+    """What the client hears of a failed push: the next peer's typed refusal, or only that it was not reached.
+
+    Not the transport's own words: those tell a refused port from a filtered one, which would make a peer a port
+    scanner for whoever names hops.
+    """
+    if isinstance(exc, SwarmError) and not isinstance(exc, PeerUnavailableError):
+        return f"the next peer refused the step ({exc.code})"
+    return "the next peer could not be reached"
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():

@@ -26,7 +26,7 @@ from peer.blocks import BlockSpan, rewind_cache
 from peer.cache import CacheBudget
 from peer.compute import INFERENCE
 from peer.config import ServingLimits
-from peer.forwarding import Forwarder, check_next
+from peer.forwarding import Forwarder, check_next, failure_report
 from peer.served import ServedSpan, as_swarm_error
 from peer.timings import StepClock, StepTimings
 from protocol import swarmlm_pb2 as pb
@@ -275,7 +275,7 @@ class InferenceStreams:
                 step.next[0].endpoint,
                 exc,
             )
-            report = pb.ForwardFailed(step_id=step.step_id, endpoint=step.next[0].endpoint, message=str(exc)[:500])
+            report = pb.ForwardFailed(step_id=step.step_id, endpoint=step.next[0].endpoint, message=failure_report(exc))
             session.inbox.put_nowait(PushFailed(report))
 
     def _check_open(self, request: pb.OpenSession) -> tuple[int, int]:
@@ -394,7 +394,7 @@ class InferenceStreams:
         if step.next:
             if self.forwarder is None:
                 raise BadRequestError("this peer does not push steps on to other peers; send each step yourself")
-            check_next(step.next)
+            check_next(step.next, blocks_left=self.served.num_blocks - session.blocks[1])
         return hidden, mask, positions
 
     async def _decode_in_batch(

@@ -28,6 +28,7 @@ class ServedSpan:
         self.prefix = prefix
         self.span: BlockSpan | None = None  # None while the peer loads or moves its blocks
         self.hidden_size = model_config.hidden_size
+        self.num_blocks = model_config.num_hidden_layers
         self.max_positions = model_config.max_position_embeddings
         self.admission = Admission(work, self.max_positions)
         self.compute = ComputeQueue()

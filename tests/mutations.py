@@ -433,8 +433,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "index-unsigned",
         "swarm/dht/directory.py",
-        "        if parse_record_subkey(subkey) is None:\n            logger.debug(\"skipping a model index entry",
-        "        if False:  # MUTATION\n            logger.debug(\"skipping a model index entry",
+        '        if parse_record_subkey(subkey) is None:\n            logger.debug("skipping a model index entry',
+        '        if False:  # MUTATION\n            logger.debug("skipping a model index entry',
         "readers count model index entries whose subkey names no owner key",
         ("tests/swarm/dht/test_directory_read.py",),
     ),
@@ -615,6 +615,22 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/peer/test_inference.py::test_a_session_answers_its_clients_steps_and_the_steps_pushed_into_it",
             "tests/integration/test_forwarding.py::test_a_pushed_step_needs_the_sessions_token_and_is_checked_like_a_clients",
         ),
+    ),
+    Mutation(
+        "push-hops-unbounded",
+        "peer/forwarding.py",
+        "    most = min(MAX_HOPS, blocks_left)\n",
+        "    most = MAX_HOPS  # MUTATION\n",
+        "one step names more next hops than the model has spans left, each a prefill",
+        ("tests/peer/test_inference.py::test_more_hops_than_blocks_left_or_a_hop_twice_is_refused_before_any_compute",),
+    ),
+    Mutation(
+        "push-errors-unscrubbed",
+        "peer/forwarding.py",
+        '    return "the next peer could not be reached"\n',
+        "    return str(exc)  # MUTATION\n",
+        "a failed push tells its client the transport's words: a refused port from a filtered one",
+        ("tests/peer/test_inference.py::test_a_push_of_ours_that_fails_is_reported_on_the_stream",),
     ),
     Mutation(
         "steps-never-forwarded",

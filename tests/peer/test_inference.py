@@ -16,10 +16,11 @@ from peer.inference import InferenceStreams
 from peer.served import ServedSpan
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import OverloadedError, UnknownSessionError
+from protocol.errors import BadRequestError, OverloadedError, UnknownSessionError
 from protocol.packing import Packer, unpack
 
 HIDDEN = 8
+NUM_BLOCKS = 4  # of the model; sessions open blocks 0:2
 PREFIX = "test-model"
 
 
@@ -34,11 +35,13 @@ class DoublingSpan:
 
     def __init__(self):
         self.fail = False
+        self.calls = 0
 
     def new_cache(self) -> _Cache:
         return _Cache()
 
     def __call__(self, hidden, mask, positions, cache, prefix_length, blocks, between_layers):
+        self.calls += 1
         if self.fail:
             self.fail = False
             raise RuntimeError("a bug")
@@ -134,7 +137,8 @@ def _run(test, span: DoublingSpan | None = None, forwarder=None, **limits):
     """`await test(streams)` with streams over `span` (by default a DoublingSpan)."""
 
     async def go():
-        served = ServedSpan(SimpleNamespace(hidden_size=HIDDEN, max_position_embeddings=64), PREFIX, WorkLimits())
+        config = SimpleNamespace(hidden_size=HIDDEN, max_position_embeddings=64, num_hidden_layers=NUM_BLOCKS)
+        served = ServedSpan(config, PREFIX, WorkLimits())
         served.span = span or DoublingSpan()
         streams = InferenceStreams(served, CacheBudget(1024), ServingLimits(**limits), forwarder)
         try:
@@ -213,11 +217,40 @@ def test_a_push_of_ours_that_fails_is_reported_on_the_stream():
         client.step("s", 1.0, prefix_length=0, step_id=1, next=[hop])
         assert await client.output() == (2.0, 1, 1)  # the client's answer first, the push meanwhile
         failed = (await client.answer()).forward_failed
-        assert (failed.step_id, failed.endpoint) == (1, "127.0.0.1:1") and "down" in failed.message
+        assert (failed.step_id, failed.endpoint) == (1, "127.0.0.1:1")
+        # not the transport's words, which would tell a closed port from a filtered one
+        assert failed.message == "the next peer could not be reached"
         client.end()
         await client.ended()
 
     _run(test, forwarder=FailingForwarder())
+
+
+def test_more_hops_than_blocks_left_or_a_hop_twice_is_refused_before_any_compute():
+    span = DoublingSpan()
+
+    async def test(streams: InferenceStreams):
+        client = Client(streams)
+        client.open("s")  # blocks 0:2 of 4: two blocks left, so two hops at most
+        await client.answer()
+
+        def hop(port: int) -> pb.NextHop:
+            return pb.NextHop(endpoint=f"127.0.0.1:{port}", session_id="next", push_token=b"t", step_id=7)
+
+        for hops, said in [
+            ([hop(1), hop(2), hop(3)], "at most 2 next hops"),
+            ([hop(1), hop(1)], "endpoint twice"),
+        ]:
+            client.step("s", 1.0, prefix_length=0, step_id=1, next=hops)
+            error = (await client.answer()).error
+            assert error.code == BadRequestError.code and said in error.message, error.message
+        assert span.calls == 0
+        client.step("s", 1.0, prefix_length=0, step_id=2, next=[hop(1), hop(2)])  # control: a whole route
+        assert await client.output() == (2.0, 2, 1)
+        client.end()
+        await client.ended()
+
+    _run(test, span, forwarder=FailingForwarder())
 
 
 def test_an_idle_session_ends_with_a_typed_error():

@@ -72,6 +72,11 @@ class _HopFailed(Exception):
         self.index, self.error, self.outputs = index, error, outputs
 
 
+class _PushNotTaken(PeerUnavailableError):
+    """The previous span of a chain says it could not push a step on to the next: on its word alone, neither is
+    at fault (a liar would get its honest successor banned), so the session sends its steps itself from then on."""
+
+
 class InferenceSession:
     """Steps of new tokens through all blocks, each peer keeping its KV cache. Coroutines run on the client's loop."""
 
@@ -92,6 +97,7 @@ class InferenceSession:
         self.mask: torch.Tensor | None = None  # [batch, position], kept only once padding appears
         self.closed = False
         self.recoveries = 0
+        self.pushes_stopped = False  # a push of this session failed: each step goes from the client to each span
         self.recovery_s = 0.0  # time spent re-routing and replaying after failures
         self.hop_timings: dict[str, HopTimings] = {}  # peer id -> its answered steps' client-side time
 
@@ -158,7 +164,7 @@ class InferenceSession:
         endpoint once."""
         first, config = self.spans[index], self.sequence.config
         chain = [first]
-        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):
+        if config.forward_steps == ForwardSteps.NEVER or self.pushes_stopped or not self.sequence.forwards(first.hop):
             return chain
         dtype = self.sequence.hop_dtype(first.hop)
         for span in self.spans[index + 1 :]:
@@ -241,7 +247,7 @@ class InferenceSession:
 
     async def _answer(self, span: SpanSession, step_id: int, previous: SpanSession | None, previous_id: int):
         """The answer of `span` to step `step_id`, skipping late answers to steps given up on. While it waits,
-        the previous span of a chain may report that it could not push the step on to `span`: then `span` failed."""
+        the previous span of a chain may report that it could not push the step on to `span` (_PushNotTaken)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.sequence.config.request_timeout_s
         while True:
@@ -267,7 +273,7 @@ class InferenceSession:
                     previous = None
                     continue
                 if said.WhichOneof("kind") == "forward_failed" and said.forward_failed.step_id == previous_id:
-                    raise PeerUnavailableError(
+                    raise _PushNotTaken(
                         f"peer {describe(previous.hop)} could not push the step on to "
                         f"{describe(span.hop)}: {said.forward_failed.message}"
                     )
@@ -372,6 +378,13 @@ class InferenceSession:
             if failed is None:
                 continue
             span = self.spans[index]
+            if isinstance(failed.error, _PushNotTaken):  # the step goes to `span` from here, the client's own
+                logger.info("%s; this session sends its steps itself from now on", failed.error)
+                self.pushes_stopped = True
+                error = await attempts.failed(failed.error, span.hop, report=False)
+                if error is not None:
+                    raise error
+                continue
             # blame leaves a SessionExpiredError as it is: judged before it, the lifetime is judged the same
             expired = self._reached_lifetime(span, failed.error)
             error = await attempts.failed(failed.error, span.hop, report=not expired)

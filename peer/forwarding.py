@@ -1,7 +1,7 @@
 """Peer-to-peer forwarding of inference steps: a peer pushes its output of a step on to the next peer of the
 client's route, so that the step travels client -> peer 1 -> peer 2 -> ... and the next peer need not wait for
 the client. Each peer still answers the client on its own stream (the client keeps the history it replays after
-a failure); a push that fails is reported there too (ForwardFailed), and the client repairs the route.
+a failure); a push that fails is reported there too (ForwardFailed), and the client sends that session's steps itself.
 
 The client names each next hop in the step (`InferenceStep.next`): its endpoint, the session the client opened
 there, that session's push token, and the hop's step id. The next peer accepts the push only for a session that
@@ -116,6 +116,11 @@ class Forwarder:
             raise error_from_rpc(exc, hop.endpoint) from exc
         self.pushed += 1
 
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
 
 def failure_report(exc: Exception) -> str:
     """What the client hears of a failed push: the next peer's typed refusal, or only that it was not reached.
@@ -126,8 +131,3 @@ def failure_report(exc: Exception) -> str:
     if isinstance(exc, SwarmError) and not isinstance(exc, PeerUnavailableError):
         return f"the next peer refused the step ({exc.code})"
     return "the next peer could not be reached"
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()

@@ -68,7 +68,7 @@ class PushedStep:
 
 @dataclass(frozen=True)
 class PushFailed:
-    """A step of ours that the next peer did not take: the client hears of it and repairs the route."""
+    """A step of ours that the next peer did not take: the client hears of it and sends its steps itself."""
 
     report: pb.ForwardFailed
 
@@ -267,7 +267,7 @@ class InferenceStreams:
     async def _push_on(self, session: Session, step: pb.InferenceStep, out, mask, positions) -> None:
         try:
             await self.forwarder.push(step.next, out, mask, positions, step)
-        except Exception as exc:  # the client repairs the route: it hears of it on this session's stream
+        except Exception as exc:  # the client sends its steps itself then: it hears of it on this stream
             logger.info(
                 "pushing step %d of session %s to %s failed: %s",
                 step.step_id,

@@ -633,6 +633,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_inference.py::test_a_push_of_ours_that_fails_is_reported_on_the_stream",),
     ),
     Mutation(
+        "push-report-bans-next",
+        "client/session.py",
+        "            if isinstance(failed.error, _PushNotTaken):  # the step goes to `span` from here, the client's own\n",
+        "            if False:  # MUTATION\n",
+        "a peer's report that it could not push a step on gets the next peer banned",
+        ("tests/client/test_pushes.py",),
+    ),
+    Mutation(
         "steps-never-forwarded",
         "client/session.py",
         "        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):\n",

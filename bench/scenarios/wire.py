@@ -51,6 +51,7 @@ _PREFIX = "bench-echo"
 class _Config:
     def __init__(self, hidden_size: int):
         self.hidden_size, self.max_position_embeddings = hidden_size, 1 << 20
+        self.num_hidden_layers = 1 << 10  # pushes it takes may name any number of hops
 
 
 class _NoCache:

@@ -72,9 +72,14 @@ class _HopFailed(Exception):
         self.index, self.error, self.outputs = index, error, outputs
 
 
-class _PushNotTaken(PeerUnavailableError):
-    """The previous span of a chain says it could not push a step on to the next: on its word alone, neither is
-    at fault (a liar would get its honest successor banned), so the session sends its steps itself from then on."""
+class _PushNotTaken(Exception):
+    """The previous span of a chain says it could not push a step on to the next (`error` says so): on its word
+    alone, neither is at fault (a liar would get its honest successor banned), so the session sends its steps itself
+    from then on."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.error = PeerUnavailableError(message)
 
 
 class InferenceSession:
@@ -381,7 +386,7 @@ class InferenceSession:
             if isinstance(failed.error, _PushNotTaken):  # the step goes to `span` from here, the client's own
                 logger.info("%s; this session sends its steps itself from now on", failed.error)
                 self.pushes_stopped = True
-                error = await attempts.failed(failed.error, span.hop, report=False)
+                error = await attempts.failed(failed.error.error, span.hop, report=False)
                 if error is not None:
                     raise error
                 continue

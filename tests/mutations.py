@@ -643,7 +643,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "steps-never-forwarded",
         "client/session.py",
-        "        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):\n",
+        "        if config.forward_steps == ForwardSteps.NEVER or self.pushes_stopped or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
         (

@@ -13,8 +13,9 @@ import heapq
 
 MAX_SUBKEYS_PER_KEY = 1024
 """Entries under one key: a block's peers, a training group's members, the model index's peers (one each)."""
-MAX_LEDGER_BYTES = 64 << 20
-"""Bytes of keys, subkeys and values a node keeps in all: a swarm of 1,000 peers with 100-block spans is ~10 MB."""
+MAX_LEDGER_BYTES = 256 << 20
+"""Bytes of keys, subkeys and values a node keeps in all. A record is ~650 bytes with its subkey; a reader keeps what
+it read, so a client of a 100-block model whose every block has 1,000 peers holds ~65 MB of them."""
 
 
 class StorageLedger:

@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 # what a signed subkey may hold; their required fields differ, so a value parses as one of them at most
 OWNED_RECORDS = (ServerInfo, TrainingProgress)
 MAX_VALUE_BYTES = 8192
-"""A record's value as stored (msgpack): a block record is ~400 bytes, a recipe at most ~5 KB."""
+"""A record's value as stored (msgpack): a block record is ~200 bytes (more with relays), a recipe at most ~5 KB."""
 MAX_SUBKEY_BYTES = 1024
-"""A signed subkey: a peer id and a 2048-bit RSA key in base64, ~450 bytes."""
+"""A signed subkey: a peer id and a 2048-bit RSA key in base64, ~440 bytes."""
 
 
 class SwarmRecordValidator(RecordValidatorBase):

@@ -7,6 +7,7 @@ go on. Compute runs on one worker thread so the event loop stays free for the ne
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -19,11 +20,12 @@ from peer.blocks import BlockSpan
 from peer.cache import CacheBudget
 from peer.config import ServingLimits
 from peer.forwarding import Forwarder
-from peer.inference import InferenceStreams
+from peer.inference import InferenceStreams, source_of
+from peer.proofs import ProofMeter
 from peer.served import ServedSpan, as_swarm_error
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import BadRequestError, SwarmError, WrongSpanError
+from protocol.errors import BadRequestError, OverloadedError, SwarmError, WrongSpanError
 from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
 from swarm.trust.identity import MAX_NONCE_BYTES
@@ -59,6 +61,7 @@ class PeerServicer:
             forwarder: pushes inference steps on to the next peer of a route (None: steps that name one are refused).
         """
         self._info, self._prove = info, prove
+        self.proofs = ProofMeter()
         self.served = ServedSpan(model_config, prefix, limits.work)
         self.activations = ActivationStore(limits.activation_cache_bytes, limits.activation_ttl_s)
         self.training: SpanTraining | None = None
@@ -178,7 +181,11 @@ class PeerServicer:
                     raise WrongSpanError("this peer is starting; try again shortly")
                 if len(request.nonce) > MAX_NONCE_BYTES:
                     raise BadRequestError(f"a nonce has at most {MAX_NONCE_BYTES} bytes, got {len(request.nonce)}")
-                response.identity_proof = self._prove(request.nonce)
+                if not self.proofs.take(source_of(context)):
+                    raise OverloadedError(
+                        "this peer signs at most 20 identity proofs per second per address; ask again in a second"
+                    )
+                response.identity_proof = await asyncio.to_thread(self._prove, request.nonce)
             training = self.training
             if training is not None:
                 response.run_id, response.epoch, response.samples = training.run_id, training.epoch, training.samples

@@ -147,7 +147,7 @@ class InferenceStreams:
         Responses are written with a timeout: a client that stops reading would otherwise hold its session
         (and its cache) for as long as it keeps the connection open.
         """
-        responses = self._session(requests, _source_of(context))
+        responses = self._session(requests, source_of(context))
         try:
             async for response in responses:
                 try:
@@ -487,7 +487,7 @@ def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:
         session.cache, session.position = span.new_cache(), 0
 
 
-def _source_of(context) -> str:
+def source_of(context) -> str:
     """The client's address without its port ("ipv4:1.2.3.4:5678" -> "ipv4:1.2.3.4"): whose cache quota it uses."""
     peer = context.peer() or ""
     return peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer

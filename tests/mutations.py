@@ -641,6 +641,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_pushes.py",),
     ),
     Mutation(
+        "proofs-unmetered",
+        "peer/handler.py",
+        "                if not self.proofs.take(source_of(context)):\n",
+        "                if False:  # MUTATION\n",
+        "a peer signs every nonce it is sent: a flood takes its CPU",
+        ("tests/client/test_dialing.py::test_a_nonce_flood_from_one_address_is_refused_while_others_get_their_proof",),
+    ),
+    Mutation(
         "steps-never-forwarded",
         "client/session.py",
         "        if config.forward_steps == ForwardSteps.NEVER or self.pushes_stopped or not self.sequence.forwards(first.hop):\n",

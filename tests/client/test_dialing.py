@@ -167,3 +167,33 @@ def test_a_peer_back_at_another_endpoint_is_dialed_there(fake_swarm, tiny_llama_
         assert remote.sequence.paths[back.peer_id] == back.endpoint
     finally:
         remote.shutdown()
+
+
+def test_a_nonce_flood_from_one_address_is_refused_while_others_get_their_proof(fake_swarm):
+    """Identity proofs are metered per client address (peer/proofs.py) and signed off the event loop."""
+    import asyncio
+
+    import pytest
+
+    from peer.proofs import ProofMeter
+    from protocol import swarmlm_pb2 as pb
+    from protocol.errors import OverloadedError
+    from protocol.service import ERROR_CODE_KEY
+    from tests.helpers.memory_channel import _Aborted, _Context
+
+    peer = fake_swarm.add_peer(0, 4)
+    peer.servicer.proofs = ProofMeter(clock=lambda: 0.0)  # no refill while the flood runs, however slow it is
+
+    async def ask(address: str) -> bytes:
+        response = await peer.servicer.info(pb.InfoRequest(nonce=b"n" * 16), _Context(f"ipv4:{address}:5000"))
+        return response.identity_proof
+
+    async def flood():
+        proofs = [await ask("10.0.0.1") for _ in range(40)]  # the burst
+        assert all(proofs)
+        with pytest.raises(_Aborted) as refused:
+            await ask("10.0.0.1")
+        assert (ERROR_CODE_KEY, OverloadedError.code) in tuple(refused.value.error.trailing_metadata())
+        assert await ask("10.0.0.2")  # another address is served
+
+    asyncio.run(flood())

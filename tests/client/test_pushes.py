@@ -31,9 +31,10 @@ def _chain(swarm, faults: list[Fault] = ()):
 
 @pytest.mark.parametrize(
     "forward_steps, options",
-    # auto pushes towards peers at least forward_min_rtt_s away: in memory none is
-    [(True, {}), (False, {}), ("auto", {})],
-    ids=["always", "never", "auto"],
+    # auto pushes towards peers at least forward_min_rtt_s away: with a minute none is, however busy the machine,
+    # and with 0 all are
+    [(True, {}), (False, {}), ("auto", {"forward_min_rtt_s": 60.0}), ("auto", {"forward_min_rtt_s": 0.0})],
+    ids=["always", "never", "auto-all-near", "auto-all-far"],
 )
 def test_steps_travel_peer_to_peer_and_stay_exact(fake_swarm, tiny_llama_local, forward_steps, options):
     first, middle, spare, last = _chain(fake_swarm)
@@ -50,7 +51,7 @@ def test_steps_travel_peer_to_peer_and_stay_exact(fake_swarm, tiny_llama_local, 
     assert_same_generation(got, expected)
     assert route == [first.peer_id, middle.peer_id, last.peer_id]
     pushed = [peer.forwarder.pushed for peer in (first, middle, last)]
-    if forward_steps is True:  # every step, the prompt's too, went 0:2 -> 2:3 -> 3:4
+    if forward_steps is True or options.get("forward_min_rtt_s") == 0.0:  # every step went 0:2 -> 2:3 -> 3:4
         assert pushed == [20, 20, 0]
     else:
         assert pushed == [0, 0, 0]

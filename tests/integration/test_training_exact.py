@@ -192,17 +192,26 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
             run.step()
 
             # a member stopped mid-step, longer than the Info timeout, then continued: waited for, not fenced
+            # (a step can end before a poll of the members' Info sees it under way, on a busy machine: each fault
+            # is tried on up to four steps, every one of them checked against the reference)
+            stopped = []
+
             def stop_and_continue(done):
                 found = run.when((2, 4), lambda info: info.samples > 0, done)
-                assert found is not None, "no member of 2:4 took a micro-batch"
-                proc = run.process_of((2, 4), found[1])
-                swarm.kill(proc, signal.SIGSTOP)
-                time.sleep(STOPPED_S)
-                swarm.kill(proc, signal.SIGCONT)
-                proc.expected_alive = True
+                if found is not None:
+                    proc = run.process_of((2, 4), found[1])
+                    swarm.kill(proc, signal.SIGSTOP)
+                    time.sleep(STOPPED_S)
+                    swarm.kill(proc, signal.SIGCONT)
+                    proc.expected_alive = True
+                    stopped.append(found[0])
 
-            stalled = run.step(stop_and_continue)
-            assert not any("gone" in f for f in stalled.faults), stalled.faults
+            for _ in range(4):
+                stalled = run.step(stop_and_continue)
+                assert not any("gone" in f for f in stalled.faults), stalled.faults
+                if stopped:
+                    break
+            assert stopped, "no member of 2:4 was seen holding a micro-batch mid-step"
 
             # a backward's answer lost after the member added it: asked again of the same member
             mode_file.write_text(json.dumps({"lie": "lose", "on": "backward", "times": 1}))
@@ -214,14 +223,21 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
             mode_file.write_text(json.dumps({"lie": "honest"}))
 
             # a member killed after it took part of the step: fenced, its micro-batches sent to the other one
+            killed_ids = []
+
             def kill_a_holder(done):
                 found = run.when((0, 2), lambda info: info.samples > 0, done)
-                assert found is not None, "no member of 0:2 took a micro-batch"
-                proc = run.process_of((0, 2), found[1])
-                run.peers[(0, 2)].remove(proc)
-                swarm.kill(proc, signal.SIGKILL)
+                if found is not None:
+                    proc = run.process_of((0, 2), found[1])
+                    run.peers[(0, 2)].remove(proc)
+                    swarm.kill(proc, signal.SIGKILL)
+                    killed_ids.append(found[0])
 
-            killed = run.step(kill_a_holder)
+            for _ in range(4):
+                killed = run.step(kill_a_holder)
+                if killed_ids:
+                    break
+            assert killed_ids, "no member of 0:2 was seen holding a micro-batch mid-step"
             assert any("gone" in f or "commit failed" in f for f in killed.faults) or len(run.infos((0, 2))) == 1
 
             # a member killed during its stage's round: the round fails, the update is committed again without it

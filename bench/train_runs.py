@@ -341,14 +341,14 @@ def known_round_s(
     """Seconds of each member's average() over `rounds` rounds of two RoundAveragers (what a stage's group runs), and
     the failed ones: under the conditions of bare_allreduce_s (a DHT node each, both released at once from two
     threads of this process), so that the two compare the mechanisms alone. The first round is a warm-up."""
-    from swarm.dht.node import start_plain_dht, stop_dht, visible_maddrs
+    from swarm.dht.node import start_dht, stop_dht
     from swarm.training.rounds import RoundAverager, RoundSettings
 
     dhts, averagers = [], []
     prefix = f"bench_known_round_{time.time():.0f}"
     try:
         for _ in range(2):
-            dhts.append(start_plain_dht(visible_maddrs(dhts[0]) if dhts else ()))
+            dhts.append(start_dht(initial_peers))
             averagers.append(
                 RoundAverager(
                     [torch.zeros(shape, dtype=dtype) for shape, dtype in tensors],

@@ -74,8 +74,8 @@ class _HopFailed(Exception):
 
 class _PushNotTaken(Exception):
     """The previous span of a chain says it could not push a step on to the next (`error` says so): on its word
-    alone, neither is at fault (a liar would get its honest successor banned), so the session sends its steps itself
-    from then on."""
+    alone, neither is at fault (a liar would get its honest successor banned), so the session sends the next span its
+    steps itself from then on (pushes resume into a span that replaces it)."""
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -102,7 +102,9 @@ class InferenceSession:
         self.mask: torch.Tensor | None = None  # [batch, position], kept only once padding appears
         self.closed = False
         self.recoveries = 0
-        self.pushes_stopped = False  # a push of this session failed: each step goes from the client to each span
+        # session ids of spans that a push into failed: the client sends their steps itself (not pushed into them)
+        # until they are replaced
+        self.unpushed: set[str] = set()
         self.recovery_s = 0.0  # time spent re-routing and replaying after failures
         self.hop_timings: dict[str, HopTimings] = {}  # peer id -> its answered steps' client-side time
 
@@ -169,12 +171,14 @@ class InferenceSession:
         endpoint once."""
         first, config = self.spans[index], self.sequence.config
         chain = [first]
-        if config.forward_steps == ForwardSteps.NEVER or self.pushes_stopped or not self.sequence.forwards(first.hop):
+        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):
             return chain
         dtype = self.sequence.hop_dtype(first.hop)
         for span in self.spans[index + 1 :]:
             if not self.sequence.forwards(span.hop) or self.sequence.hop_dtype(span.hop) != dtype:
                 break
+            if span.session_id in self.unpushed:
+                break  # the client sends it its steps itself
             if any(s.hop.endpoint == span.hop.endpoint for s in chain):
                 break  # a peer takes a route that passes it once (peer/forwarding.py check_next)
             if (
@@ -384,8 +388,8 @@ class InferenceSession:
                 continue
             span = self.spans[index]
             if isinstance(failed.error, _PushNotTaken):  # the step goes to `span` from here, the client's own
-                logger.info("%s; this session sends its steps itself from now on", failed.error)
-                self.pushes_stopped = True
+                logger.info("%s; this session sends that peer its steps itself from now on", failed.error)
+                self.unpushed.add(span.session_id)
                 error = await attempts.failed(failed.error.error, span.hop, report=False)
                 if error is not None:
                     raise error

@@ -1,7 +1,7 @@
 """Peer-to-peer forwarding of inference steps: a peer pushes its output of a step on to the next peer of the
 client's route, so that the step travels client -> peer 1 -> peer 2 -> ... and the next peer need not wait for
 the client. Each peer still answers the client on its own stream (the client keeps the history it replays after
-a failure); a push that fails is reported there too (ForwardFailed), and the client sends that session's steps itself.
+a failure); a push that fails is reported there too (ForwardFailed), and the client sends the next peer its steps itself.
 
 The client names each next hop in the step (`InferenceStep.next`): its endpoint, the session the client opened
 there, that session's push token, and the hop's step id. The next peer accepts the push only for a session that

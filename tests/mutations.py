@@ -641,6 +641,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_pushes.py",),
     ),
     Mutation(
+        "push-refusal-stops-all-pushes",
+        "client/session.py",
+        "            if span.session_id in self.unpushed:\n",
+        "            if self.unpushed:  # MUTATION\n",
+        "one refused push turns pushing off for the whole session, into the replacement of a crashed peer too",
+        ("tests/client/test_pushes.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",
@@ -651,7 +659,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "steps-never-forwarded",
         "client/session.py",
-        "        if config.forward_steps == ForwardSteps.NEVER or self.pushes_stopped or not self.sequence.forwards(first.hop):\n",
+        "        if config.forward_steps == ForwardSteps.NEVER or not self.sequence.forwards(first.hop):\n",
         "        if True:  # MUTATION\n",
         "every inference step goes back through the client after each hop",
         (

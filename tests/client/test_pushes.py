@@ -1,6 +1,6 @@
 """Inference steps pushed from peer to peer (peer/forwarding.py), on an in-memory swarm: the generation is the local
 model's, the peers pushed exactly when the client asked them to, a push that fails turns the session to steps the
-client sends itself, and a peer of the chain that crashes is repaired, with identical outputs. tests/integration/test_forwarding.py does it with live processes.
+client sends that peer itself, and a peer of the chain that crashes is repaired, with identical outputs. tests/integration/test_forwarding.py does it with live processes.
 
 Peers serve the tiny Llama as 0:2, 2:3 (twice: one is the spare) and 3:4: routes have three hops.
 """
@@ -70,11 +70,35 @@ def test_a_push_the_next_peer_refuses_is_reported_and_the_session_sends_its_step
         with remote.inference_session(max_length=40) as session:
             got = generate_with_logits(remote, ids, max_new_tokens=30, do_sample=False)
             assert [s.hop.peer_id for s in session.remote.spans] == [first.peer_id, middle.peer_id, last.peer_id]
-            assert session.recoveries == 0 and session.remote.pushes_stopped
+            assert session.recoveries == 0 and session.remote.unpushed == {session.remote.spans[1].session_id}
         assert_same_generation(got, expected)
         assert middle.answered["push"] == 11, "refused only once"
         assert remote.sequence.bans.banned() == set() and remote.sequence.failovers == 0
         assert first.forwarder.pushed == 10 and spare.answered.get("inference", 0) == 0, "pushing stopped, no repair"
+        assert middle.forwarder.pushed == 30, "the middle peer still pushes on to the last"
+    finally:
+        remote.shutdown()
+
+
+def test_a_peer_a_push_was_refused_by_crashes_later_and_pushes_go_on_into_its_replacement(fake_swarm, tiny_llama_local):
+    """The middle peer refuses one push, then crashes: the client sent it its steps itself in between, and the spare
+    that replaces it is pushed into again (a crash seen first as a failed push, the usual order with real processes,
+    does not turn pushing off for the rest of the session)."""
+    faults = [Fault("error", method="push", after=10, times=1, code="overloaded"), Fault("crash", after=15)]
+    first, middle, spare, last = _chain(fake_swarm, faults)
+    ids = _ids(5, seed=2)
+    expected = generate_with_logits(tiny_llama_local, ids, max_new_tokens=30, do_sample=False)
+    remote = fake_swarm.client(forward_steps=True)
+    try:
+        with remote.inference_session(max_length=40) as session:
+            got = generate_with_logits(remote, ids, max_new_tokens=30, do_sample=False)
+            assert middle.server.down and session.recoveries >= 1
+            assert [s.hop.peer_id for s in session.remote.spans] == [first.peer_id, spare.peer_id, last.peer_id]
+        assert_same_generation(got, expected)
+        assert first.forwarder.pushed > 10 and spare.forwarder.pushed > 0, (
+            first.forwarder.pushed,
+            spare.forwarder.pushed,
+        )
     finally:
         remote.shutdown()
 

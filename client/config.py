@@ -52,7 +52,11 @@ class ClientConfig:
     """Key of a private swarm (`SwarmKey.load(FILE)`): gates the DHT and every call to peers; None: public."""
     verify_fraction: float = 0.05
     """Share of forward and backward hops recomputed on another peer to catch wrong results (client/verify.py);
-    0 turns spot checks off. Inference steps and training runs are not checked."""
+    0 turns spot checks off. Training runs are not checked."""
+    verify_inference: float = 0.05
+    """Probability, after each inference step, that one span's answers so far are checked by other peers in the
+    background (client/inference_checks.py): a liar caught is banned and generation redone without it. 0 turns
+    the checks off, 1 checks as often as they can run (one at a time)."""
     verify_seed: int | None = None
     """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
     forward_steps: ForwardSteps = ForwardSteps.AUTO
@@ -89,8 +93,9 @@ class ClientConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "forward_steps", _forward_steps(self.forward_steps))
-        if not 0.0 <= self.verify_fraction <= 1.0:
-            raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
+        for name in ("verify_fraction", "verify_inference"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
 
 
 def _forward_steps(value: object) -> ForwardSteps:

@@ -3,7 +3,10 @@
 Peers are reached only at the addresses of their records, which `fetch_snapshot` validated. Each peer is reached
 by the first of its addresses that answers a ping (`routing.dial_candidates`): its gRPC endpoint, or libp2p
 streams, straight or through its relays; the ping's time is the RTT that inference routing counts. The answer
-must prove the key of the record's owner (swarm/trust/identity.py), or the peer is banned as an impostor.
+must prove the key of the record's owner (swarm/trust/identity.py), or the peer is banned as an impostor. A peer
+that answers on none of its addresses is not routed to for `UNREACHABLE_S` (a stopped process whose record lives
+on, announcing any throughput, would otherwise make each request that goes to it wait out its timeout), then it is
+pinged again.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 from client.bans import BanList
@@ -26,6 +29,9 @@ from swarm.trust.identity import identity_challenge
 
 logger = logging.getLogger(__name__)
 
+UNREACHABLE_S = 30.0
+"""How long a peer whose ping no address answered is left out of routes before it is pinged again."""
+
 
 class Dialer:
     """Each peer's path (the address its ping answered on) and round trip, measured once per announced address set.
@@ -33,13 +39,19 @@ class Dialer:
     Coroutines run on the client's loop.
     """
 
-    def __init__(self, pool: ChannelPool, bans: BanList):
-        self.pool, self.bans = pool, bans
+    def __init__(self, pool: ChannelPool, bans: BanList, clock: Callable[[], float] = time.monotonic):
+        self.pool, self.bans, self.clock = pool, bans, clock
         self.rtts: dict[str, float] = {}  # peer id -> measured round-trip time in seconds
         self.paths: dict[str, str] = {}  # peer id -> the address its ping answered on
         # peer id -> the addresses its record announced when it was measured: a peer that comes back under the
         # same id (its key is kept) at another endpoint is measured afresh, not dialed at its old address
         self._measured_at: dict[str, tuple[str, ...]] = {}
+        self._unreachable: dict[str, float] = {}  # peer id -> when none of its addresses answered a ping
+
+    def unreachable(self) -> set[str]:
+        """Peers whose latest ping none of their addresses answered, within the last UNREACHABLE_S."""
+        now = self.clock()
+        return {pid for pid, at in self._unreachable.items() if now - at < UNREACHABLE_S}
 
     async def measure_rtts(
         self, snapshot: SwarmSnapshot, timeout_s: float = 1.0, only: Collection[str] | None = None
@@ -80,10 +92,12 @@ class Dialer:
                 await self.pool.drop(address)
                 continue
             self.rtts[peer_id], self.paths[peer_id] = rtt, address
+            self._unreachable.pop(peer_id, None)
             if address != candidates[0]:
                 logger.info("peer %s is reached at %s (not at %s)", peer_id, address, candidates[0])
             return address
         self.rtts[peer_id] = timeout_s
+        self._unreachable[peer_id] = self.clock()
         if impostors:
             length_s = self.bans.ban(peer_id)
             logger.warning(
@@ -95,7 +109,9 @@ class Dialer:
         return candidates[0]
 
     def _measured(self, peer_id: str, info: ServerInfo) -> bool:
-        """Whether `peer_id` was measured at the addresses `info` announces."""
+        """Whether `peer_id` was measured at the addresses `info` announces (and, if it answered none, lately)."""
+        if peer_id in self._unreachable and peer_id not in self.unreachable():
+            return False  # time to ping it again
         return peer_id in self.rtts and self._measured_at.get(peer_id) == tuple(dial_candidates(peer_id, info))
 
     async def address_of(
@@ -117,3 +133,4 @@ class Dialer:
         """Measure `peer_id` (and find its path) afresh if it comes back: it failed or lied."""
         self.rtts.pop(peer_id, None)
         self.paths.pop(peer_id, None)
+        self._unreachable.pop(peer_id, None)

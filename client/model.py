@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteBlocks, RemoteSequence
 from client.session import InferenceSession
-from protocol.errors import BadRequestError, ModelNotFoundError
+from protocol.errors import BadRequestError, ModelNotFoundError, OutputRewoundError
 from protocol.records import check_prefix, prefix_for_model
 from swarm.dht.node import start_dht, stop_dht
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
@@ -196,15 +197,38 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session.close()
 
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
-        if self._session is not None:
-            return super().generate(inputs, *args, **kwargs)
+        """transformers' generate(), on the swarm. When a check caught a peer computing wrong results
+        (client/inference_checks.py), generation starts again from the prompt, on the peers' caches as far as they
+        were verified: the output is as if the liar had not been there (a streamer hears the new tokens again)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if self._session is not None:
+            return self._generate_checked(prompt, inputs, args, kwargs)
         prompt_length = prompt.shape[1] if prompt is not None else 1
         config = kwargs.get("generation_config") or self.generation_config
         max_new = kwargs.get("max_new_tokens", config.max_new_tokens)
         max_length = prompt_length + max_new if max_new is not None else kwargs.get("max_length", config.max_length)
         with self.inference_session(max_length=max_length):
-            return super().generate(inputs, *args, **kwargs)
+            return self._generate_checked(prompt, inputs, args, kwargs)
+
+    def _generate_checked(self, prompt: torch.Tensor | None, inputs, args, kwargs):
+        session = self._session
+        before = session.position  # tokens of earlier calls in the session
+        # the prompt covers them (the whole conversation was passed), or follows them (only the new tokens were)
+        covers = prompt is not None and prompt.shape[1] > before
+        restart_at = prompt.shape[1] - 1 if covers else before  # its first forward must send a token at least
+        for rewinds in itertools.count():
+            try:
+                output = super().generate(inputs, *args, **kwargs)
+                if session.remote is not None:
+                    self._run(session.remote.settle())
+                return output
+            except OutputRewoundError as exc:
+                if (exc.position < before and not covers) or rewinds >= self.sequence.config.max_retries:
+                    raise  # into tokens this call cannot send again, or liar after liar: the caller decides
+                keep = min(exc.position, restart_at)
+                logger.warning("%s; generating again from the prompt on %d verified tokens", exc, keep)
+                session.remote.truncate(keep)
+                session.token_ids = session.token_ids[:, :keep] if session.token_ids is not None else None
 
     # --- forward ---
 
@@ -262,7 +286,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             position_ids = self._next_positions(attention_mask, done, new)
         if session.remote is None:
             session.remote = InferenceSession(self.sequence, session.max_length, hidden.shape[0])
-        output = self._run(session.remote.step(hidden.detach(), attention_mask, position_ids))
+        try:
+            output = self._run(session.remote.step(hidden.detach(), attention_mask, position_ids))
+        except OutputRewoundError as exc:  # the peers hold the first exc.position tokens now
+            session.token_ids = session.token_ids[:, : exc.position] if session.token_ids is not None else None
+            raise
         if input_ids is not None:
             previous = session.token_ids[:, :done] if session.token_ids is not None else input_ids[:, :0]
             session.token_ids = torch.cat([previous, input_ids], dim=1)

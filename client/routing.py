@@ -139,12 +139,14 @@ def plan_forward_route(
     banned: Collection[str] = (),
     rng: random.Random | None = None,
     model_name: str = "MODEL",
+    uniform: bool = False,
 ) -> list[RouteHop]:
     """A chain covering `[start, end)` that spreads forward/backward load by announced throughput.
 
     From `start`, pick among the ONLINE servers covering the current block with probability
-    proportional to throughput (uniformly if all announce 0), and take it as far as it goes, up to
-    `end`. Each call draws anew, so many micro-batches share the swarm's capacity.
+    proportional to throughput (uniformly if all announce 0, or with `uniform`: a check's route, which a liar
+    must not draw to itself by announcing a high figure), and take it as far as it goes, up to `end`. Each call
+    draws anew, so many micro-batches share the swarm's capacity.
 
     Raises:
         ValueError: a bad block range.
@@ -166,7 +168,7 @@ def plan_forward_route(
     while i < end:
         candidates = [(pid, info) for pid, info in usable.items() if info.start_block <= i < info.end_block]
         weights = [info.throughput for _, info in candidates]
-        if sum(weights) > 0:
+        if sum(weights) > 0 and not uniform:
             peer_id, info = rng.choices(candidates, weights=weights)[0]
         else:
             peer_id, info = rng.choice(candidates)

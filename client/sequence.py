@@ -172,34 +172,18 @@ class RemoteSequence:
         while True:
             snapshot = await self.snapshot(refresh=refresh)
             try:
-                if inference:
-                    await self.dialer.measure_rtts(snapshot)
-                    hops = plan_inference_route(
-                        snapshot,
-                        start,
-                        end,
-                        client_rtt_s=self.dialer.rtts,
-                        banned=self.bans.banned(snapshot.expirations) | self.avoid,
-                        min_cache_tokens=min_cache_tokens,
-                        model_name=self.prefix,
+                # every peer that may serve the range is pinged first (once; a peer that answers no ping, or
+                # proves another key, is then left out, unless the range has no other)
+                await self.dialer.measure_rtts(
+                    snapshot, only=None if inference else self._serving(snapshot, start, end)
+                )
+                banned = self.bans.banned(snapshot.expirations) | self.avoid
+                try:
+                    hops = self._route(
+                        snapshot, start, end, inference, banned | self.dialer.unreachable(), min_cache_tokens
                     )
-                else:
-                    hops = plan_forward_route(
-                        snapshot,
-                        start,
-                        end,
-                        banned=self.bans.banned(snapshot.expirations) | self.avoid,
-                        model_name=self.prefix,
-                    )
-                    await self.dialer.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
-                    if {hop.peer_id for hop in hops} & self.bans.banned():  # an impostor among them: plan again
-                        hops = plan_forward_route(
-                            snapshot,
-                            start,
-                            end,
-                            model_name=self.prefix,
-                            banned=self.bans.banned(snapshot.expirations) | self.avoid,
-                        )
+                except NoPeersError:
+                    hops = self._route(snapshot, start, end, inference, banned, min_cache_tokens)
                 return self.dialer.on_paths(hops)
             except NoPeersError as exc:
                 if time.monotonic() + delay > deadline:
@@ -210,6 +194,26 @@ class RemoteSequence:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
             refresh = True
+
+    def _route(
+        self, snapshot: SwarmSnapshot, start: int, end: int, inference: bool, banned: set[str], min_cache_tokens: int
+    ) -> list[RouteHop]:
+        if inference:
+            return plan_inference_route(
+                snapshot,
+                start,
+                end,
+                client_rtt_s=self.dialer.rtts,
+                banned=banned,
+                min_cache_tokens=min_cache_tokens,
+                model_name=self.prefix,
+            )
+        return plan_forward_route(snapshot, start, end, banned=banned, model_name=self.prefix)
+
+    @staticmethod
+    def _serving(snapshot: SwarmSnapshot, start: int, end: int) -> set[str]:
+        """The ONLINE peers that serve some of blocks [start, end)."""
+        return {pid for pid, info in snapshot.online().items() if info.start_block < end and info.end_block > start}
 
     def forwards(self, hop: RouteHop) -> bool:
         """Whether `hop`'s peer takes and pushes on steps peer to peer: direct gRPC, protocol 2 or later."""
@@ -398,18 +402,19 @@ class RemoteSequence:
         """A route over blocks [start, end) avoiding `excluded`, now (no waiting); None if there is none."""
         try:
             snapshot = await self.snapshot()
+            await self.dialer.measure_rtts(snapshot, only=self._serving(snapshot, start, end))
             hops = plan_forward_route(
                 snapshot,
                 start,
                 end,
-                banned=self.bans.banned(snapshot.expirations) | self.avoid | excluded,
+                banned=self.bans.banned(snapshot.expirations) | self.avoid | excluded | self.dialer.unreachable(),
                 rng=self.spot_checks.rng,
                 model_name=self.prefix,
+                uniform=True,
             )
         except SwarmError as exc:  # NoPeersError, or the directory could not be read: the caller's work goes on
             logger.debug("no route to check blocks %d:%d on: %s", start, end, exc)
             return None
-        await self.dialer.measure_rtts(snapshot, only={hop.peer_id for hop in hops})
         return self.dialer.on_paths(hops)
 
     async def _checker_call(self, hop: RouteHop, call: Awaitable[torch.Tensor]) -> torch.Tensor | None:
@@ -467,6 +472,24 @@ class RemoteSequence:
             "backward", (hop.start, hop.end), self._computed(grad_inputs, [hop]), recompute
         )
         return chosen.value
+
+    async def check_inference(
+        self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions
+    ) -> bool:
+        """Whether `hop`'s answers to an inference session stand: its `outputs` at every position of the session's
+        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). False: its peer
+        was outvoted two to one, and is banned."""
+
+        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
+            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
+
+        async def recompute(excluded: frozenset[str]) -> Computed | None:
+            route = await self._route_for_check(hop.start, hop.end, excluded)
+            done = None if route is None else await verify.forward_on(route, inputs, forward)
+            return None if done is None else self._computed(done[0], route)
+
+        first = self._computed(outputs, [hop])
+        return await self.spot_checks.check("inference", (hop.start, hop.end), first, recompute) is first
 
     async def close(self) -> None:
         await self.pool.close()

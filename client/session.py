@@ -6,7 +6,9 @@ Each span remembers every input it was sent. When its peer fails, the span is ro
 (possibly several), the history is replayed to rebuild their caches at exactly the client's position,
 and the step goes on; the outputs are the same as without the failure. A peer whose answer is wrong (kind,
 shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as one that died. How many
-failures a step survives, and the waits between its tries, are client/retry.py's rule.
+failures a step survives, and the waits between its tries, are client/retry.py's rule. Each span also keeps its
+answers, which a share of steps has other peers check (client/inference_checks.py): a peer caught lying is banned
+and the session rewinds to what was verified.
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ import torch
 
 from client import checks
 from client.config import ForwardSteps
+from client.inference_checks import InferenceChecks
 from client.retry import Attempts, blame, describe
 from client.routing import RouteHop
 from client.sequence import RemoteSequence
 from client.transport import InferenceStream
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, PeerUnavailableError, SequenceTooLongError, SessionExpiredError
+from protocol.errors import (
+    BadRequestError,
+    OutputRewoundError,
+    PeerUnavailableError,
+    SequenceTooLongError,
+    SessionExpiredError,
+)
 from protocol.packing import Packer
 from swarm.runtime import within
 
@@ -45,6 +54,8 @@ class SpanSession:
     position: int = 0
     inputs: list[torch.Tensor] = field(default_factory=list)
     positions: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # its answers, kept for the checks when they are on
+    verified: int = 0  # its answers at positions before this one were checked (client/inference_checks.py)
     opened_at: float = field(default_factory=time.monotonic)
     push_token: bytes = b""  # what the previous peer shows to push a step into this session (peer/forwarding.py)
     stale: set[int] = field(default_factory=set)  # ids of steps given up on: their late answers are skipped
@@ -107,6 +118,7 @@ class InferenceSession:
         self.unpushed: set[str] = set()
         self.recovery_s = 0.0  # time spent re-routing and replaying after failures
         self.hop_timings: dict[str, HopTimings] = {}  # peer id -> its answered steps' client-side time
+        self.checks = InferenceChecks(sequence.config.verify_inference, sequence.spot_checks.rng)
 
     @property
     def cache_tokens(self) -> int:
@@ -308,6 +320,7 @@ class InferenceSession:
                 span.inputs, span.positions = [history], [positions]
                 try:
                     history = await self._send(span, history, mask, positions, prefix_length=0)
+                    span.outputs = [history] if self.checks.rate > 0 else []
                 except Exception as exc:
                     error = await blame(exc, span.hop, self.sequence.report_failure)
                     for opened in replacements:
@@ -350,6 +363,9 @@ class InferenceSession:
         """
         if self.closed:
             raise BadRequestError("this inference session is closed; open a new one")
+        liar = self.checks.liar()
+        if liar is not None:
+            await self.rewind(liar)
         if hidden.ndim != 3:
             raise BadRequestError(f"hidden_states must be [batch, new tokens, hidden], got shape {list(hidden.shape)}")
         batch, new = hidden.shape[:2]
@@ -382,6 +398,8 @@ class InferenceSession:
             for span, output in zip(chain, outputs):  # the spans that answered keep this step's input
                 span.inputs.append(hidden)
                 span.positions.append(positions)
+                if self.checks.rate > 0:
+                    span.outputs.append(output)
                 hidden = output
             index += len(outputs)
             if failed is None:
@@ -405,7 +423,43 @@ class InferenceSession:
         self.position += new
         if mask is not None:
             self.mask = mask.to(torch.int64)
+        self.checks.after_step(self)
         return hidden
+
+    def truncate(self, position: int) -> None:
+        """Cut the session back to its first `position` tokens: each peer drops the rest of its cache at the next
+        step, which builds on `position`."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot cut a session at {self.position} tokens back to {position}")
+        for span in self.spans:
+            for name in ("inputs", "positions", "outputs"):
+                kept = getattr(span, name)
+                if kept and position < self.position:
+                    whole = torch.cat(kept, dim=1)[:, :position]
+                    setattr(span, name, [whole] if position else [])
+            span.position, span.verified = position, min(span.verified, position)
+        self.position = position
+        if self.mask is not None:
+            self.mask = self.mask[:, :position]
+
+    async def rewind(self, liar: SpanSession) -> None:
+        """`liar`'s peer was caught computing wrong results (and banned): cut the session back to the positions its
+        answers were verified up to, route its span to other peers, and raise OutputRewoundError."""
+        position = liar.verified
+        self.truncate(position)
+        if liar in self.spans:
+            await self._recover(self.spans.index(liar), self.sequence.attempts(count=1))
+        raise OutputRewoundError(
+            f"peer {describe(liar.hop)} was caught computing wrong results and is banned; the inference session is "
+            f"rewound to position {position}: send the tokens from there on again",
+            position=position,
+        )
+
+    async def settle(self) -> None:
+        """Wait for the check that runs; raise OutputRewoundError (after the rewind) if it caught a liar."""
+        liar = await self.checks.settle()
+        if liar is not None:
+            await self.rewind(liar)
 
     def _reached_lifetime(self, span: SpanSession, error: BaseException) -> bool:
         age = time.monotonic() - span.opened_at
@@ -415,5 +469,6 @@ class InferenceSession:
         if self.closed:
             return
         self.closed = True
+        await self.checks.close()
         for span in self.spans:
             await span.stream.close()

@@ -12,6 +12,7 @@
     ├── OverloadedError            overloaded         the peer's queue is full: route elsewhere or retry later
     ├── PeerUnavailableError       peer_unavailable   a peer could not be reached or vanished mid-request
     ├── PeerFaultError             peer_fault         a peer answered wrongly, or refused input the client checked
+    ├── OutputRewoundError         output_rewound     a check caught a liar: resend the tokens from `position`
     ├── NoPeersError               no_peers           nobody serves some blocks of a model
     ├── ModelNotFoundError         model_not_found    a model could not be found or loaded
     ├── InvalidRecordError         invalid_record     a DHT record does not match its schema
@@ -82,6 +83,19 @@ class PeerFaultError(SwarmError):
     are routed to others, so a caller sees it only once every retry met a faulty peer."""
 
     code = "peer_fault"
+
+
+class OutputRewoundError(SwarmError):
+    """A check of an inference session found that a peer of its route computed wrong results (client/
+    inference_checks.py): that peer is banned and the session's caches are rewound to `position`, the tokens before
+    it verified. Raised on the client only, to a caller that must send the tokens from `position` on again
+    (`generate()` does so itself)."""
+
+    code = "output_rewound"
+
+    def __init__(self, message: str, position: int = 0):
+        super().__init__(message)
+        self.position = position
 
 
 class NoPeersError(SwarmError):

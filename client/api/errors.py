@@ -11,6 +11,7 @@ from protocol.errors import (
     BadRequestError,
     CacheFullError,
     NoPeersError,
+    OutputRewoundError,
     OverloadedError,
     SequenceTooLongError,
     SwarmError,
@@ -48,6 +49,14 @@ def from_swarm_error(error: SwarmError) -> ApiError:
         return ApiError(400, str(error), code="context_length_exceeded")
     if isinstance(error, BadRequestError):
         return ApiError(400, str(error), code="invalid_value")
+    if isinstance(error, OutputRewoundError):  # tokens already generated may be wrong: only a new request is sure
+        return ApiError(
+            503,
+            "a peer of the route was caught computing wrong results after this request's first tokens; it is banned "
+            "now: send the request again",
+            type="service_unavailable",
+            code=error.code,
+        )
     if isinstance(error, (CacheFullError, OverloadedError)):
         return ApiError(
             503, f"the swarm is overloaded: {error}; retry later", type="service_unavailable", code="overloaded"

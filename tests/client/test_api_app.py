@@ -18,7 +18,7 @@ from client.api.app import create_app
 from client.api.config import ApiConfig
 from client.api.errors import bad_request
 from client.api.server import serving_in_background as serving
-from protocol.errors import NoPeersError, PeerUnavailableError
+from protocol.errors import NoPeersError, OutputRewoundError, PeerUnavailableError
 
 KEY = "sekret"
 REPLY = "Hello, wörld! "  # the scripted backend repeats it, one character per token
@@ -347,6 +347,11 @@ def test_errors_before_the_first_token_are_http_errors_and_after_it_an_event(bac
     with pytest.raises(openai.APIError, match="vanished"):
         for _ in api.completions.create(model="scripted", prompt="a", max_tokens=9, stream=True):
             pass
+
+    # a liar caught after tokens went out: they may be wrong, and the client is told to send the request again
+    backend.fail_after = (2, OutputRewoundError("peer X was caught computing wrong results", position=3))
+    response = _post(url, "/v1/completions", {"model": "scripted", "prompt": "a", "max_tokens": 9})
+    _assert_error(response, 503, "output_rewound", words=["wrong results", "send the request again"])
 
 
 # --- admission, disconnects, health, metrics ---

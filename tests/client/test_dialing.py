@@ -14,7 +14,7 @@ import time
 import torch
 
 from client.bans import BanList
-from client.dialing import Dialer
+from client.dialing import UNREACHABLE_S, Dialer
 from client.routing import RouteHop
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import PeerUnavailableError
@@ -79,8 +79,9 @@ def _snapshot(**servers: ServerInfo) -> KeyedSnapshot:
 
 
 def _dialer(servers: dict[str, str]) -> tuple[Dialer, Pool, BanList]:
-    pool, bans = Pool(servers), BanList(base_s=1.0, clock=Clock())
-    return Dialer(pool, bans), pool, bans
+    clock = Clock()
+    pool, bans = Pool(servers), BanList(base_s=1.0, clock=clock)
+    return Dialer(pool, bans, clock=clock), pool, bans
 
 
 def test_a_peer_is_reached_at_its_endpoint_and_measured_once():
@@ -114,6 +115,21 @@ def test_a_peer_that_answers_nowhere_counts_the_timeout_and_keeps_its_endpoint()
     assert address == "127.0.0.1:1" and dialer.rtts == {"a": 0.25} and dialer.paths == {}
     assert pool.pinged == pool.dropped == ["127.0.0.1:1", tunnel_address("a")]
     assert bans.banned() == set(), "silence is not a lie"
+
+
+def test_a_peer_that_answers_nowhere_is_unreachable_until_a_later_ping_answers():
+    """A stopped process (SIGSTOP) keeps its record alive: it is left out of routes, and pinged again later."""
+    dialer, pool, bans = _dialer({})
+    snapshot = _snapshot(a=_info(1))
+    asyncio.run(dialer.measure_rtts(snapshot, timeout_s=0.25))
+    assert dialer.unreachable() == {"a"} and bans.banned() == set()
+    asyncio.run(dialer.measure_rtts(snapshot, timeout_s=0.25))
+    assert len(pool.pinged) == 2, "pinged again within UNREACHABLE_S"
+    pool.servers["127.0.0.1:1"] = "a"  # it was resumed
+    bans.clock.now += UNREACHABLE_S
+    assert dialer.unreachable() == set()
+    asyncio.run(dialer.measure_rtts(snapshot, timeout_s=0.25))
+    assert pool.pinged[-1] == "127.0.0.1:1" and dialer.paths == {"a": "127.0.0.1:1"} and dialer.unreachable() == set()
 
 
 def test_a_server_without_the_record_owners_key_is_an_impostor_and_banned():
@@ -165,6 +181,33 @@ def test_a_peer_back_at_another_endpoint_is_dialed_there(fake_swarm, tiny_llama_
         assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
         assert remote.sequence.failovers == 0, "the client dialed the peer's old endpoint"
         assert remote.sequence.paths[back.peer_id] == back.endpoint
+    finally:
+        remote.shutdown()
+
+
+def test_five_stopped_fast_peers_get_no_request_and_cost_no_timeout(fake_swarm, tiny_llama_local):
+    """Five peers announce 1e7 tokens/s and then stop (SIGSTOP: records alive, calls held forever). Their pings time
+    out, so no forward, backward or inference request goes to them: nothing waits out a request timeout, nobody is
+    banned, and the results are the local model's."""
+    from tests.helpers.fake_swarm import Fault
+
+    honest = fake_swarm.add_peer(0, 4)
+    stopped = [fake_swarm.add_peer(0, 4, throughput=1e7, faults=[Fault("stall", method="info")]) for _ in range(5)]
+    ids = torch.randint(3, VOCAB_SIZE, (1, 6), generator=torch.Generator().manual_seed(35))
+    expected = generate_with_logits(tiny_llama_local, ids, max_new_tokens=6, do_sample=False)
+    embeds = tiny_llama_local.get_input_embeddings()(ids).detach()
+    remote = fake_swarm.client(request_timeout_s=5.0, verify_fraction=0.0, verify_inference=0.0)
+    try:
+        assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
+        got_in = embeds.clone().requires_grad_(True)
+        remote(inputs_embeds=got_in, labels=ids).loss.backward()
+        assert got_in.grad is not None and torch.isfinite(got_in.grad).all()
+        for peer in stopped:
+            assert peer.server.stalled, "the peer was never pinged: the test proves nothing"
+            assert set(peer.answered) == {"info"}, peer.answered
+        assert remote.sequence.failovers == 0 and remote.sequence.bans.banned() == set()
+        assert remote.sequence.dialer.unreachable() == {peer.peer_id for peer in stopped}
+        assert honest.answered.get("forward") and honest.answered.get("inference")
     finally:
         remote.shutdown()
 

@@ -201,6 +201,15 @@ def test_forward_load_is_proportional_to_throughput() -> None:
     assert counts["c"] == 0
 
 
+def test_a_checks_route_is_drawn_uniformly_whatever_throughput_is_announced() -> None:
+    """A liar announcing a huge figure would otherwise be drawn to check itself, or its accomplice (client/verify.py)."""
+    snap = swarm(4, liar=server(0, 4, 1e7), a=server(0, 4, 1.0), b=server(0, 4, 0.0))
+    rng = random.Random(99)
+    counts = Counter(plan_forward_route(snap, 0, 4, rng=rng, uniform=True)[0].peer_id for _ in range(3000))
+    # Expected 1000 each; the std of a count is ~26, so these bounds are > 7 sigma wide.
+    assert all(800 <= counts[peer] <= 1200 for peer in ("liar", "a", "b")), counts
+
+
 def test_forward_spreads_over_overlapping_chains() -> None:
     # Either the long server alone, or the two short ones; equal throughput -> about half each.
     snap = swarm(8, long=server(0, 8), s1=server(0, 4), s2=server(4, 8, 1000.0))

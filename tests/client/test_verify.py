@@ -46,6 +46,18 @@ def test_answers_agree_within_the_dtype_tolerance_of_their_largest_magnitude():
     assert agree(hidden, rounded, rtol_for(torch.bfloat16)) and not agree(hidden, rounded, rtol_for(torch.float32))
 
 
+def test_an_outlier_feature_hides_no_lie_on_the_other_elements():
+    """Hidden states carry a few features ~100x the rest: a tolerance relative to the tensor's largest magnitude
+    would let every other element be off by 1e-4 of that outlier. Per element, each row's typical magnitude sets it."""
+    hidden = _hidden()
+    hidden[..., 3] = 1e4  # an outlier feature in every row
+    lie = hidden.clone()
+    lie[0, 2, 7] += 0.05  # one element of one row, off by a few percent of its row's magnitude (~0.8)
+    assert not agree(hidden, lie, rtol_for(torch.float32))
+    assert agree(hidden, hidden * (1 + 1e-6), rtol_for(torch.float32))  # honest rounding still passes
+    assert not agree(hidden, hidden[:, :-1], rtol_for(torch.float32))  # another shape never agrees
+
+
 class Swarm:
     """What other routes compute: peer ids in order of preference, each with its answer."""
 

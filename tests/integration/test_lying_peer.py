@@ -1,17 +1,19 @@
 """A peer that lies through a real proxy: the client bans it, routes its blocks to an honest peer, and its results
 stay exact.
 
-One swarm for the module: an honest peer and a liar (tests/helpers/liar.py: a real `swarmlm peer` behind a proxy
-that corrupts chosen answers) both serve all blocks. The liar announces a far higher throughput, so that every
-client routes to it first. For a lie on inference and one on backward, the test rewrites the liar's mode file, runs
-a fresh client (greedy generation, or a forward and backward) and checks that:
+One swarm for the module: two honest peers and a liar (tests/helpers/liar.py: a real `swarmlm peer` behind a proxy
+that corrupts chosen answers) all serve all blocks. The liar announces a far higher throughput, so that every
+client routes to it first. For two lies on inference and one on backward, the test rewrites the liar's mode file,
+runs a fresh client (greedy generation, or a forward and backward) and checks that:
 
 - the client's results equal the local model's (tokens and per-step logits, logits and input gradients);
 - the liar told its lie, and the client struck it (banned) and nobody else;
 - nothing reached the caller: no error, whatever the liar's error code said.
 
 Every other lie, on every method, is told by in-memory peers in tests/client/test_lying_peers.py, in milliseconds.
-Inference lies start a few tokens in, so that the client replays a history into the honest peer.
+Inference lies start a few tokens in, so that the client replays a history into the honest peer. The noise lie
+("perturb": finite, of the right shape) only a check by other peers sees: that client checks every step it can
+(`verify_inference=1`), the two honest peers outvote the liar, and generation is redone without it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ LIE_FROM = PROMPT + 2  # the third decode step and later
 LIAR = Path(__file__).resolve().parents[1] / "helpers" / "liar.py"
 LIAR_THROUGHPUT = 1e6  # the honest peer announces 1: routing prefers the liar by far
 
-CASES = [("inference", "step_id"), ("backward", "nan")]
+CASES = [("inference", "step_id"), ("inference", "perturb"), ("backward", "nan")]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,7 @@ class LyingSwarm:
         self.swarm, self.model_path, self.mode_file = swarm, model_path, mode_file
         swarm.start_bootstrap()
         self.honest = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", "1")
+        self.spare = swarm.start_peer(model_path, "--blocks", f"0:{NUM_LAYERS}", "--throughput", "1")
         self.liar = swarm.start_peer(
             model_path,
             "--blocks",
@@ -64,12 +67,12 @@ class LyingSwarm:
         )
         prefix = prefix_for_model(str(model_path))
         snapshot = swarm.wait_for(
-            lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 2 and s,
+            lambda: (s := swarm.snapshot(prefix, NUM_LAYERS)) and len(s.online()) == 3 and s,
             120,
-            "the honest peer and the liar to be ONLINE",
+            "the honest peers and the liar to be ONLINE",
         )
         (self.liar_id,) = [pid for pid, info in snapshot.online().items() if info.throughput == LIAR_THROUGHPUT]
-        (self.honest_id,) = [pid for pid in snapshot.online() if pid != self.liar_id]
+        self.honest_id, self.spare_id = sorted(pid for pid in snapshot.online() if pid != self.liar_id)
 
     def lie(self, method: str, lie: str) -> None:
         self.mode_file.write_text(json.dumps({"lie": lie, "on": method, "from_position": LIE_FROM}))
@@ -77,9 +80,9 @@ class LyingSwarm:
     def lies_told(self, method: str, lie: str) -> int:
         return self.liar.stdout().count(f"lied: {lie} on {method.capitalize()}\n")
 
-    def connect(self):
+    def connect(self, **options):
         return AutoDistributedModelForCausalLM.from_pretrained(
-            str(self.model_path), initial_peers=self.swarm.initial_peers
+            str(self.model_path), initial_peers=self.swarm.initial_peers, **options
         )
 
 
@@ -98,7 +101,7 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
 def test_a_lying_peer_is_banned_and_the_results_stay_exact(lying, local, method, lie):
     told_before = lying.lies_told(method, lie)
     lying.lie(method, lie)
-    remote = lying.connect()
+    remote = lying.connect(verify_inference=1.0 if lie == "perturb" else 0.0)
     try:
         if method == "inference":
             ids = _ids(1, PROMPT, seed=21)
@@ -106,6 +109,8 @@ def test_a_lying_peer_is_banned_and_the_results_stay_exact(lying, local, method,
             got = generate_with_logits(remote, ids, max_new_tokens=10, do_sample=False)
             assert_same_generation(got, expected)
             assert remote.sequence.recoveries >= 1
+            if lie == "perturb":  # caught by a check, not by the answer's form
+                assert remote.sequence.spot_checks.stats.caught == [lying.liar_id]
         else:
             ids = _ids(2, 8, seed=22)
             embeds = local.get_input_embeddings()(ids).detach()
@@ -119,8 +124,9 @@ def test_a_lying_peer_is_banned_and_the_results_stay_exact(lying, local, method,
             torch.testing.assert_close(got_in.grad, expected_in.grad, atol=1e-5, rtol=1e-4)
         assert lying.lies_told(method, lie) > told_before, "the liar was not asked: the test proves nothing"
         bans = remote.sequence.bans
-        assert bans.strikes(lying.liar_id) >= 1 and bans.strikes(lying.honest_id) == 0
-        assert remote.sequence.failovers == bans.strikes(lying.liar_id)
+        assert bans.strikes(lying.liar_id) >= 1 and bans.strikes(lying.honest_id) == bans.strikes(lying.spare_id) == 0
+        if lie != "perturb":  # a check's ban is no failure of a call
+            assert remote.sequence.failovers == bans.strikes(lying.liar_id)
     finally:
         lying.lie(method, "honest")
         remote.shutdown()
@@ -161,7 +167,7 @@ def test_a_record_pointing_at_another_peers_server_is_an_impostor(lying, local):
 def test_a_strangers_plain_values_under_every_block_key_erase_nothing(lying, local):
     """A stranger with a plain hivemind DHT and hivemind's own signature check stores a plain value, pinned 1e7 s
     ahead, under every block key, and a megabyte under a subkey of its own: no honest node keeps either, and a fresh
-    client still finds both peers and generates exactly."""
+    client still finds every peer and generates exactly."""
     from hivemind.dht.crypto import RSASignatureValidator
 
     from protocol.records import block_key
@@ -182,7 +188,7 @@ def test_a_strangers_plain_values_under_every_block_key_erase_nothing(lying, loc
             expected = generate_with_logits(local, ids, max_new_tokens=6, do_sample=False)
             assert_same_generation(generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False), expected)
             bans = remote.sequence.bans  # (the impostor of the test above may still have a record: not these)
-            assert bans.strikes(lying.honest_id) == 0 and bans.strikes(lying.liar_id) == 0
+            assert bans.strikes(lying.honest_id) == bans.strikes(lying.spare_id) == bans.strikes(lying.liar_id) == 0
         finally:
             remote.shutdown()
     finally:

@@ -1,0 +1,121 @@
+"""Verified generation (client/inference_checks.py), on an in-memory swarm: a peer that adds noise to its inference
+answers (finite, of the right shape and dtype: nothing but another peer's recomputation tells) is caught by a check,
+banned, and generate() redoes the tokens after what was verified, so the text and every step's logits are the local
+model's; a checker that lies gets nobody honest banned.
+
+Peers serve the tiny Llama as 0:2 and 2:4; the liar of 2:4 announces a far higher throughput than the two honest
+peers of 2:4, so that routes go to it. Checks run after every step (`verify_inference=1`), one at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.config import ClientConfig
+from tests.helpers.fake_swarm import Fault
+from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.models import VOCAB_SIZE
+
+LIE_FROM_STEP = 4  # the liar answers the prompt and three steps honestly: a check then has verified positions
+CHECKED = dict(verify_inference=1.0, verify_seed=0, verify_fraction=0.0)
+
+
+def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _options(ids: torch.Tensor) -> dict:
+    options = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    if ids.shape[0] > 1:  # the second row left-padded: the checks carry the session's mask
+        options["attention_mask"] = torch.ones_like(ids)
+        options["attention_mask"][1, :3] = 0
+        ids[1, :3] = 0
+    return options
+
+
+def _swarm(fake_swarm, route_faults: list[Fault], checker_faults: list[Fault] = ()):
+    first = fake_swarm.add_peer(0, 2)
+    routed = fake_swarm.add_peer(2, 4, throughput=1e6, faults=route_faults)
+    checker = fake_swarm.add_peer(2, 4, faults=list(checker_faults))
+    spare = fake_swarm.add_peer(2, 4)
+    return first, routed, checker, spare
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-row", "left-padded-batch"])
+def test_a_peer_lying_on_inference_steps_is_caught_and_the_text_is_the_local_models(
+    fake_swarm, tiny_llama_local, batch
+):
+    first, liar, *honest = _swarm(fake_swarm, [Fault("perturb", method="inference", after=LIE_FROM_STEP)])
+    ids = _ids(batch, 6, seed=31)
+    options = _options(ids)
+    expected = generate_with_logits(tiny_llama_local, ids, **options)
+
+    unchecked = fake_swarm.client(verify_inference=0.0, verify_fraction=0.0)
+    try:  # the lie matters: without the checks it changes the logits
+        lied = generate_with_logits(unchecked, ids, **options)
+        assert not torch.allclose(lied[1], expected[1], atol=1e-3), "the liar's noise changed nothing"
+    finally:
+        unchecked.shutdown()
+
+    remote = fake_swarm.client(**CHECKED)
+    try:
+        with remote.inference_session(max_length=64) as session:
+            got = generate_with_logits(remote, ids, **options)
+            assert session.remote.checks.caught == 1
+            assert liar.peer_id not in {s.hop.peer_id for s in session.remote.spans}
+        assert_same_generation(got, expected)
+        assert remote.sequence.spot_checks.stats.caught == [liar.peer_id]
+        banned = remote.sequence.bans.banned()
+        assert liar.peer_id in banned and not banned & {first.peer_id, *(peer.peer_id for peer in honest)}
+    finally:
+        remote.shutdown()
+
+
+def test_a_checker_that_lies_gets_nobody_honest_banned_and_nothing_is_redone(fake_swarm, tiny_llama_local):
+    """The routed peer is honest; one of the two others lies to checks (forward calls). Drawn as the checker, it
+    disagrees with the routed peer, and the third peer outvotes it: it is banned, nobody else, and no token redone."""
+    first, routed, liar, spare = _swarm(fake_swarm, [], [Fault("perturb", method="forward")])
+    ids = _ids(1, 6, seed=32)
+    options = _options(ids)
+    expected = generate_with_logits(tiny_llama_local, ids, **options)
+    remote = fake_swarm.client(**CHECKED)
+    try:
+        with remote.inference_session(max_length=64) as session:
+            got = generate_with_logits(remote, ids, **options)
+            assert session.remote.checks.caught == 0 and session.remote.checks.started > 0
+        assert_same_generation(got, expected)
+        banned = remote.sequence.bans.banned()
+        assert not banned & {first.peer_id, routed.peer_id, spare.peer_id}
+        assert (liar.peer_id in banned) == (liar.acted > 0), "a checker that lied is banned, and only then"
+    finally:
+        remote.shutdown()
+
+
+def test_a_liar_caught_in_a_second_generate_of_the_session_is_redone_from_its_prompt(fake_swarm, tiny_llama_local):
+    """A conversation: the second generate() passes the whole sequence so far; the liar starts lying in it."""
+    _, liar, *_ = _swarm(fake_swarm, [Fault("perturb", method="inference", after=12)])
+    ids = _ids(1, 6, seed=33)
+    first_turn = generate_with_logits(tiny_llama_local, ids, max_new_tokens=8, do_sample=False)[0]
+    second_ids = torch.cat([first_turn, _ids(1, 3, seed=34)], dim=1)
+    expected = generate_with_logits(tiny_llama_local, second_ids, max_new_tokens=12, do_sample=False)
+    remote = fake_swarm.client(**CHECKED)
+    try:
+        with remote.inference_session(max_length=64) as session:
+            assert generate_with_logits(remote, ids, max_new_tokens=8, do_sample=False)[0].tolist() == (
+                first_turn.tolist()
+            )
+            got = generate_with_logits(remote, second_ids, max_new_tokens=12, do_sample=False)
+            assert session.remote.checks.caught == 1
+        assert_same_generation(got, expected)
+        assert liar.peer_id in remote.sequence.bans.banned()
+    finally:
+        remote.shutdown()
+
+
+def test_verify_inference_is_a_probability():
+    peers = ("/ip4/127.0.0.1/tcp/1",)
+    assert ClientConfig(initial_peers=peers).verify_inference == 0.05
+    for wrong in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="verify_inference must lie in"):
+            ClientConfig(initial_peers=peers, verify_inference=wrong)

@@ -23,6 +23,7 @@ from peer.forwarding import Forwarder
 from peer.inference import InferenceStreams, source_of
 from peer.proofs import ProofMeter
 from peer.served import ServedSpan, as_swarm_error
+from peer.state_stream import StateStreams
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadRequestError, OverloadedError, SwarmError, WrongSpanError
@@ -32,8 +33,6 @@ from swarm.trust.identity import MAX_NONCE_BYTES
 
 if TYPE_CHECKING:
     from peer.training import SpanTraining
-
-STATE_PIECE_BYTES = 16 * 1024 * 1024  # weights travel in pieces of at most this size (messages stop at 64 MiB)
 
 
 class PeerServicer:
@@ -66,6 +65,7 @@ class PeerServicer:
         self.activations = ActivationStore(limits.activation_cache_bytes, limits.activation_ttl_s)
         self.training: SpanTraining | None = None
         self.streams = InferenceStreams(self.served, budget, limits, forwarder)
+        self.state_streams = StateStreams(lambda fn: self.served.run(fn, tokens=1 << 20), limits.write_timeout_s)
 
     def set_span(self, span: BlockSpan | None) -> None:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
@@ -226,8 +226,9 @@ class PeerServicer:
 
         return await _unary(context, work)
 
-    async def state(self, request: pb.StateRequest, context) -> AsyncIterator:
-        """Stream the span's current weights, each tensor cut along its first dimension into pieces."""
+    async def state(self, request: pb.StateRequest, context) -> None:
+        """Stream the span's current weights, each tensor cut along its first dimension into pieces
+        (peer/state_stream.py: one caller at a time, a piece at a time)."""
         try:
             blocks = self.served.blocks(request.span)
             span = self.served.span
@@ -237,28 +238,14 @@ class PeerServicer:
                 )
             from peer import lora  # peft loads only when weights are asked for
 
-            weights_of = self.training.weights if self.training is not None else (lambda: lora.layer_state(span))
-            weights = await self.served.run(
-                lambda: {k: v.detach().cpu().clone() for k, v in weights_of().items()}, tokens=1 << 20
-            )
+            training = self.training
+            weights_of = training.weights if training is not None else (lambda: lora.layer_state(span))
+            epoch_of = (lambda: training.epoch) if training is not None else (lambda: 0)
+            await self.state_streams.stream(weights_of, context.write, epoch_of)
+        except TimeoutError:  # the caller stopped reading: nothing to tell it
+            return
         except SwarmError as exc:
             await _abort(context, exc)
-            return
-        for name, tensor in weights.items():
-            for piece, last in _pieces(tensor, STATE_PIECE_BYTES):
-                packer = Packer()
-                yield packer.pack(pb.StatePart(name=name, tensor=packer.tensor(piece), last=last))
-
-
-def _pieces(tensor: torch.Tensor, max_bytes: int):
-    """(piece, is_last) along the first dimension, each under `max_bytes` unless one row is larger."""
-    if tensor.dim() == 0 or tensor.numel() * tensor.element_size() <= max_bytes:
-        yield tensor.contiguous(), True
-        return
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
-    rows = max(1, max_bytes // row_bytes)
-    for start in range(0, tensor.shape[0], rows):
-        yield tensor[start : start + rows].contiguous(), start + rows >= tensor.shape[0]
 
 
 async def _unary(context: grpc.aio.ServicerContext, work):

@@ -8,6 +8,7 @@ place) and may be sent as `packing.Packed`; see protocol/packing.py. Unary error
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,8 +162,12 @@ def _refusing(method: Method, func: Callable) -> Callable:
             if received.error is not None:
                 await abort(context, received.error)
                 return
-            async for response in func(received.message if plain else received, context):
-                yield response
+            served = func(received.message if plain else received, context)
+            if inspect.isasyncgen(served):
+                async for response in served:
+                    await context.write(response)
+            else:  # it writes its responses itself (context.write), with a deadline of its own on each
+                await served
 
         return streaming
 

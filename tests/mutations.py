@@ -681,6 +681,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_dialing.py::test_five_stopped_fast_peers_get_no_request_and_cost_no_timeout",),
     ),
     Mutation(
+        "state-streams-unbounded",
+        "peer/state_stream.py",
+        "        if self._gate.locked() and self.waiting >= MAX_WAITING:\n",
+        "        if False:  # MUTATION\n",
+        "every State caller waits for its turn: unread streams pile up without bound",
+        ("tests/peer/test_state_stream.py",),
+    ),
+    Mutation(
+        "state-writes-untimed",
+        "peer/state_stream.py",
+        "                    await within(write(part), self.write_timeout_s)\n",
+        "                    await write(part)  # MUTATION\n",
+        "a State caller that never reads holds the one stream forever",
+        ("tests/peer/test_state_stream.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

@@ -160,7 +160,8 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         metavar="F",
-        help="share of --cache-tokens that one client address may hold (default: 0.5)",
+        help="share of --cache-tokens that one client address, or all clients tunneled through libp2p together, "
+        "may hold (default: 0.5)",
     )
     w.add_argument(
         "--write-timeout-s",

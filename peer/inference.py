@@ -47,6 +47,9 @@ MAX_CLIENT_REQUESTS_AHEAD = 2  # a session's client requests read before the one
 MAX_PUSHED_WAITING = 4  # pushed steps a session holds before pushes are refused (one per step is normal)
 MAX_PUSH_TOKEN_BYTES = 64
 DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch may wait a little for its step
+RECLAIM_IDLE_S = 60.0
+"""A session idle this long is closed when a new one waits for cache (SessionExpiredError: its client, idle since
+at least the lifetime a client excuses, reopens and replays without blaming this peer)."""
 
 
 # --- what comes through a session's inbox ---
@@ -78,7 +81,12 @@ class StreamEnded:
     """The client's stream ended or broke: so does the session."""
 
 
-InboxItem = ClientRequest | PushedStep | PushFailed | StreamEnded
+@dataclass(frozen=True)
+class Reclaimed:
+    """The session sat idle on its cache while another waited for room: it ends."""
+
+
+InboxItem = ClientRequest | PushedStep | PushFailed | StreamEnded | Reclaimed
 
 
 @dataclass
@@ -94,6 +102,7 @@ class Session:
     away_s: float | None = None  # usual time from the end of a decode step to the next one's arrival
     push_token: bytes = b""  # what the previous peer of the route shows to push steps into it (empty: none may)
     inbox: asyncio.Queue[InboxItem] | None = None  # the session's work
+    reclaimed: bool = False  # told to end, to make room for another session
 
 
 @dataclass
@@ -131,6 +140,29 @@ class InferenceStreams:
             served.compute, lambda: served.span, limits.max_batch_tokens, expected=self._decoding
         )
         self.step_timings = StepTimings()  # where inference steps spend their time (for Info and benchmarks)
+        self.reclaimed = 0  # idle sessions closed to make room for others
+        budget.reclaim = self._reclaim
+
+    def _reclaim(self, tokens: int) -> int:
+        """Close sessions idle for RECLAIM_IDLE_S, longest idle first, until `tokens` would fit in the budget."""
+        now = time.monotonic()
+        idle = sorted(
+            (s for s in self.sessions.values() if not s.reclaimed and s.inbox and now - s.last_used >= RECLAIM_IDLE_S),
+            key=lambda s: s.last_used,
+        )
+        room, closed = self.budget.tokens_left, 0
+        for session in idle:
+            if room >= tokens:
+                break
+            logger.info(
+                "session %s idle for %.0fs, closing it to make room", session.session_id, now - session.last_used
+            )
+            session.reclaimed = True
+            session.inbox.put_nowait(Reclaimed())
+            room += session.max_length * session.batch_size
+            closed += 1
+        self.reclaimed += closed
+        return closed
 
     def _decoding(self, blocks: tuple[int, int]) -> dict[str, float]:
         """When the next decode step of each session of `blocks` that is decoding is due (peer/batching.py)."""
@@ -190,6 +222,12 @@ class InferenceStreams:
             return _Reply(last=True)
         if isinstance(item, PushFailed):
             return _Reply(pb.InferenceResponse(forward_failed=item.report))
+        if isinstance(item, Reclaimed):
+            error = SessionExpiredError(
+                f"session closed after {RECLAIM_IDLE_S:.0f}s or more without requests, to make room for another "
+                f"session; open a new one"
+            )
+            return _Reply(_error(error), last=True)
         # past its lifetime, a session ends at its next request, whose answer says why (a stream closed
         # before would leave the client to guess), or at its idle timeout
         if stream.session is not None and self._past_lifetime(stream.session):

@@ -697,6 +697,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_state_stream.py",),
     ),
     Mutation(
+        "tunneled-quota-per-identity",
+        "peer/cache.py",
+        '    return TUNNELED if source.startswith("ipv4:127.") and source != "ipv4:127.0.0.1" else None\n',
+        "    return None  # MUTATION\n",
+        "every libp2p identity, free to make, gets a cache quota of its own: two of them take the whole cache",
+        ("tests/peer/test_cache.py",),
+    ),
+    Mutation(
+        "idle-sessions-kept",
+        "peer/inference.py",
+        "        budget.reclaim = self._reclaim\n",
+        "        pass  # MUTATION\n",
+        "a session idle on its cache keeps a waiting client out until the idle timeout",
+        ("tests/peer/test_inference.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

@@ -106,6 +106,7 @@ def peer(tmp_path_factory, tiny_llama_path):
             "endpoint": info.endpoint,
             "p2p": tunnel_address(peer_id),
             "dht": swarm.dht,
+            "initial_peers": swarm.initial_peers,
             "span": span,
         }
 
@@ -208,6 +209,37 @@ def test_one_client_address_cannot_take_the_whole_cache(attack, peer):
                 await _end(stream)
 
     attack(fn)
+
+
+def test_a_second_libp2p_identity_gets_no_second_quota(attack, peer):
+    """A squatter tunnels in through a libp2p identity of its own, next to the witness's: each identity comes from
+    a loopback address of its own, but identities are free, so tunneled clients share one quota (the witness
+    holds 16 of its 48). A client at another address still gets its own."""
+    from swarm.dht.node import start_dht, stop_dht
+
+    squatter = start_dht(peer["initial_peers"], client_mode=True)
+
+    async def fn(prefix, pool, endpoint, witness):
+        tunneled = ChannelPool(1 << 26, TunnelPool(squatter.replicate_p2p))
+        streams = [InferenceStream(tunneled, peer["p2p"]) for _ in range(2)]
+        direct = InferenceStream(pool, endpoint)
+        shared = CACHE_TOKENS // 2
+        try:
+            await streams[0].request(_open(prefix, "squat-1", shared - WITNESS_LENGTH), TIMEOUT_S)
+            with pytest.raises(CacheFullError, match=f"tunneled through libp2p hold {shared} of the quota {shared}"):
+                await streams[1].request(_open(prefix, "squat-2", 8), TIMEOUT_S)
+            await direct.request(_open(prefix, "direct", shared), TIMEOUT_S)  # the rest is for other addresses
+            await witness.step()
+        finally:
+            for stream in [*streams, direct]:
+                await _end(stream)
+            await tunneled.close()
+            await (await squatter.replicate_p2p()).shutdown()
+
+    try:
+        attack(fn)
+    finally:
+        stop_dht(squatter)
 
 
 def test_a_session_ends_at_its_lifetime_however_busy(attack):

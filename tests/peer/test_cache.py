@@ -94,6 +94,27 @@ def test_one_client_address_holds_at_most_its_share():
     asyncio.run(go())
 
 
+def test_clients_tunneled_through_libp2p_share_one_quota():
+    """Each remote libp2p identity comes from a loopback address of its own (swarm/net/tunnel.py), and identities
+    are free: together they hold one quota, not one each."""
+
+    async def go():
+        budget = CacheBudget(100, max_share=0.5)
+        async with budget.reserve(30, timeout_s=1, source="ipv4:127.1.2.3"):
+            with pytest.raises(CacheFullError, match="tunneled through libp2p hold 30 of the quota 50 they share"):
+                async with budget.reserve(30, timeout_s=0.1, source="ipv4:127.4.5.6"):
+                    pass
+            async with budget.reserve(20, timeout_s=1, source="ipv4:127.4.5.6"):  # within the shared quota
+                # a direct client, and one on this host, count on their own
+                async with budget.reserve(50, timeout_s=1, source="ipv4:10.0.0.1"):
+                    with pytest.raises(CacheFullError):
+                        async with budget.reserve(1, timeout_s=0.1, source="ipv4:127.0.0.1"):
+                            pass
+        assert budget.tokens_left == 100 and not budget.used_by
+
+    asyncio.run(go())
+
+
 def test_tokens_come_back_when_the_holder_is_cancelled_again_while_releasing():
     """A session's task cancelled, then cancelled again as it gives its tokens back (a client vanishing while
     its stream is being closed): the tokens must still come back, and a waiter must get them."""

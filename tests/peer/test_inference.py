@@ -12,11 +12,17 @@ import torch
 from peer.admission import WorkLimits
 from peer.cache import CacheBudget
 from peer.config import ServingLimits
-from peer.inference import InferenceStreams
+from peer.inference import RECLAIM_IDLE_S, InferenceStreams
 from peer.served import ServedSpan
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import BadRequestError, OverloadedError, UnknownSessionError
+from protocol.errors import (
+    BadRequestError,
+    CacheFullError,
+    OverloadedError,
+    SessionExpiredError,
+    UnknownSessionError,
+)
 from protocol.packing import Packer, unpack
 
 HIDDEN = 8
@@ -133,14 +139,14 @@ class Client:
         await asyncio.wait_for(self.task, 5)
 
 
-def _run(test, span: DoublingSpan | None = None, forwarder=None, **limits):
+def _run(test, span: DoublingSpan | None = None, forwarder=None, cache_tokens: int = 1024, **limits):
     """`await test(streams)` with streams over `span` (by default a DoublingSpan)."""
 
     async def go():
         config = SimpleNamespace(hidden_size=HIDDEN, max_position_embeddings=64, num_hidden_layers=NUM_BLOCKS)
         served = ServedSpan(config, PREFIX, WorkLimits())
         served.span = span or DoublingSpan()
-        streams = InferenceStreams(served, CacheBudget(1024), ServingLimits(**limits), forwarder)
+        streams = InferenceStreams(served, CacheBudget(cache_tokens), ServingLimits(**limits), forwarder)
         try:
             await test(streams)
         finally:
@@ -264,6 +270,34 @@ def test_an_idle_session_ends_with_a_typed_error():
         assert streams.sessions == {}
 
     _run(test, session_timeout_s=0.2)
+
+
+def test_a_session_idle_on_its_cache_is_closed_when_another_waits_for_room():
+    """The cache holds one session. One that stepped lately keeps it (the newcomer gets CacheFullError); one idle for
+    RECLAIM_IDLE_S is closed with SessionExpiredError (its client reopens elsewhere without blaming this peer)."""
+
+    async def test(streams: InferenceStreams):
+        squatter = Client(streams)
+        squatter.open("squatter")
+        await squatter.answer()
+        newcomer = Client(streams)
+        newcomer.open("newcomer")
+        assert (await newcomer.answer()).error.code == CacheFullError.code, "a busy session was closed"
+        newcomer.end()
+        await newcomer.ended()
+
+        streams.sessions["squatter"].last_used -= RECLAIM_IDLE_S  # idle since long enough
+        newcomer = Client(streams)
+        newcomer.open("newcomer")
+        error = (await squatter.answer()).error
+        assert error.code == SessionExpiredError.code and "to make room for another session" in error.message
+        assert (await newcomer.answer()).opened.session_id == "newcomer"
+        assert set(streams.sessions) == {"newcomer"} and streams.reclaimed == 1
+        await squatter.ended()
+        newcomer.end()
+        await newcomer.ended()
+
+    _run(test, cache_tokens=8, alloc_timeout_s=0.2)
 
 
 def test_a_session_past_its_lifetime_ends_at_its_next_request():

@@ -164,6 +164,14 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         "may hold (default: 0.5)",
     )
     w.add_argument(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="calls served at once, each inference stream counting as one; beyond, new calls are refused "
+        "(default: 1024)",
+    )
+    w.add_argument(
         "--write-timeout-s",
         type=float,
         default=30.0,
@@ -261,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         max_cache_share=args.max_cache_share,
         serving=serving_from_args(args),
         max_message_bytes=int(args.max_message_mb * 1024 * 1024),
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
         update_period_s=args.update_period_s,
         rebalance_period_s=args.rebalance_period_s,
         balance_margin=args.balance_margin,

@@ -199,6 +199,9 @@ class PeerConfig:
     """Timeouts, lifetimes and caps of the requests and sessions served."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest gRPC message accepted or sent."""
+    max_concurrent_rpcs: int = 1024
+    """Calls served at once (an inference stream counts as one for its whole life); beyond, gRPC refuses new ones
+    with RESOURCE_EXHAUSTED, which clients read as OverloadedError."""
     update_period_s: float = 30.0
     """How often the peer re-announces itself; records expire after about twice that."""
     rebalance_period_s: float = 60.0
@@ -240,7 +243,7 @@ class PeerConfig:
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if not isinstance(self.serving, ServingLimits):
             raise ValueError(f"serving must be a ServingLimits, got {type(self.serving).__name__}")
-        for name in ("cache_tokens", "max_message_bytes"):
+        for name in ("cache_tokens", "max_message_bytes", "max_concurrent_rpcs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.balance_margin < 0:

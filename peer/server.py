@@ -137,7 +137,11 @@ class PeerServer:
             ("grpc.so_reuseport", 0),
             *WINDOW_OPTIONS,
         ]
-        self.grpc_server = grpc.aio.server(options=options, interceptors=server_interceptors(self.auth))
+        self.grpc_server = grpc.aio.server(
+            options=options,
+            interceptors=server_interceptors(self.auth),
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        )
         self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))
         port = add_port(self.grpc_server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:

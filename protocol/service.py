@@ -226,6 +226,8 @@ def error_from_rpc(exc: grpc.RpcError, endpoint: str) -> SwarmError:
             f"peer {endpoint} did not complete a TLS handshake with this client's swarm key ({details}): it is not "
             f"a member of the private swarm this client's --swarm-key names, or not of a private swarm at all"
         )
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED and "concurrent rpc limit" in (details or "").lower():
+        return OverloadedError(f"peer {endpoint} serves as many calls as it takes at once ({details}); route elsewhere")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return MessageTooLargeError(
             f"peer {endpoint} refused the message: {details}; send fewer tokens or a smaller batch per request "

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import PeerUnavailableError
-from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME, PeerStub, make_generic_handler
+from protocol.errors import OverloadedError, PeerUnavailableError
+from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME, PeerStub, error_from_rpc, make_generic_handler
 
 GARBAGE = b"\x7a\x05ab"  # a payload field that runs past the end
 
@@ -47,8 +47,8 @@ class Servicer:
                 yield pb.InferenceResponse(error=pb.Error(code=exc.code, message=str(exc)))
 
 
-async def _serve(*handlers):
-    server = grpc.aio.server()
+async def _serve(*handlers, **server_options):
+    server = grpc.aio.server(**server_options)
     server.add_generic_rpc_handlers(handlers)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -136,6 +136,35 @@ def test_client_gets_a_typed_error_for_an_unreadable_response():
             with pytest.raises(PeerUnavailableError, match="InferenceResponse could not be read"):
                 answer.message.WhichOneof("kind")
             call.cancel()
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_calls_beyond_the_concurrent_limit_are_overloaded_not_too_large():
+    """A peer serves at most --max-concurrent-rpcs calls at once; gRPC refuses the next with RESOURCE_EXHAUSTED, which
+    a client must read as a busy peer (route elsewhere), not as its own message being too large (its own fault)."""
+    release = asyncio.Event()
+
+    class Held(Servicer):
+        async def info(self, request, context):
+            await release.wait()
+            return pb.InfoResponse(peer_id="p")
+
+    async def run():
+        server, channel = await _serve(make_generic_handler(Held()), maximum_concurrent_rpcs=1)
+        try:
+            info = channel.unary_unary(METHODS["Info"].path)
+            held = asyncio.ensure_future(info(b"", timeout=10))
+            await asyncio.sleep(0.2)  # the first call is being served
+            with pytest.raises(grpc.RpcError) as caught:
+                await info(b"", timeout=10)
+            error = error_from_rpc(caught.value, "127.0.0.1:1")
+            assert isinstance(error, OverloadedError) and "route elsewhere" in str(error)
+            release.set()
+            await held
         finally:
             await channel.close()
             await server.stop(0)

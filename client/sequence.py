@@ -31,6 +31,7 @@ from client.config import ClientConfig
 from client.dialing import Dialer
 from client.retry import Attempts, blame, describe, is_retriable
 from client.routing import RouteHop, plan_forward_route, plan_inference_route
+from client.speeds import Speeds
 from client.transport import ChannelPool
 from client.verify import Computed, SpotChecker
 from protocol import swarmlm_pb2 as pb
@@ -116,6 +117,7 @@ class RemoteSequence:
         self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
         self.dialer = Dialer(self.pool, self.bans)
+        self.speeds = Speeds()  # what forward calls measured of each peer: caps what peers announce, for routing
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
         self.spot_checks = SpotChecker(
             config.verify_fraction, self._ban_wrong_result, random.Random(config.verify_seed)
@@ -178,6 +180,7 @@ class RemoteSequence:
                     snapshot, only=None if inference else self._serving(snapshot, start, end)
                 )
                 banned = self.bans.banned(snapshot.expirations) | self.avoid
+                snapshot = self.speeds.capped(snapshot)
                 try:
                     hops = self._route(
                         snapshot, start, end, inference, banned | self.dialer.unreachable(), min_cache_tokens
@@ -261,8 +264,14 @@ class RemoteSequence:
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
+        began = time.perf_counter()
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
+        took = time.perf_counter() - began
         output = checks.unary_answer(response, "hidden_states", peer=describe(hop), shape=hidden.shape, dtype=dtype)
+        info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
+        if info is not None:  # as announced: tokens a second through its whole span, a hop over part of it faster
+            part = (hop.end - hop.start) / (info.end_block - info.start_block)
+            self.speeds.record(hop.peer_id, hidden.shape[0] * hidden.shape[1], took / part)
         return output.to(hidden.dtype)
 
     async def _call_backward(
@@ -396,6 +405,7 @@ class RemoteSequence:
 
     def _ban_wrong_result(self, peer_id: str, at_least_s: float) -> float:
         self.dialer.forget(peer_id)
+        self.speeds.forget(peer_id)
         return self.bans.ban(peer_id, at_least_s)
 
     async def _route_for_check(self, start: int, end: int, excluded: frozenset[str]) -> list[RouteHop] | None:

@@ -713,6 +713,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_inference.py",),
     ),
     Mutation(
+        "announced-throughput-trusted",
+        "client/sequence.py",
+        "                snapshot = self.speeds.capped(snapshot)\n",
+        "                pass  # MUTATION\n",
+        "routes weigh peers by the throughput they announce: a liar announcing 1e7 draws nearly every request",
+        ("tests/client/test_speeds.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

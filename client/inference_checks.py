@@ -43,7 +43,13 @@ class InferenceChecks:
         self.caught = 0  # of those, checks that found a liar
 
     def after_step(self, session: InferenceSession) -> None:
-        """Maybe start a check of one span's answers so far (not while another runs)."""
+        """Maybe start a check of one span's answers so far (not while another runs); never fails the step."""
+        try:
+            self._maybe_start(session)
+        except Exception:  # a bug of ours must not cost the caller its step
+            logger.exception("could not start a check of an inference session")
+
+    def _maybe_start(self, session: InferenceSession) -> None:
         running = self.task is not None and not self.task.done()
         if self.rate <= 0 or running or self.found is not None or self.rng.random() >= self.rate:
             return

@@ -397,7 +397,8 @@ class InferenceSession:
                 outputs, failed = exc.outputs, exc
             for span, output in zip(chain, outputs):  # the spans that answered keep this step's input
                 span.inputs.append(hidden)
-                span.positions.append(positions)
+                # kept [batch, new]: steps give [1, new] or [batch, new], and the history is joined along dim 1
+                span.positions.append(positions.expand(batch, -1))
                 if self.checks.rate > 0:
                     span.outputs.append(output)
                 hidden = output

@@ -25,12 +25,13 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _options(ids: torch.Tensor) -> dict:
+def _options(ids: torch.Tensor, padded: bool = True) -> dict:
     options = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
-    if ids.shape[0] > 1:  # the second row left-padded: the checks carry the session's mask
+    if ids.shape[0] > 1:
         options["attention_mask"] = torch.ones_like(ids)
-        options["attention_mask"][1, :3] = 0
-        ids[1, :3] = 0
+        if padded:  # the second row left-padded: the checks carry the session's mask
+            options["attention_mask"][1, :3] = 0
+            ids[1, :3] = 0
     return options
 
 
@@ -42,13 +43,15 @@ def _swarm(fake_swarm, route_faults: list[Fault], checker_faults: list[Fault] = 
     return first, routed, checker, spare
 
 
-@pytest.mark.parametrize("batch", [1, 2], ids=["one-row", "left-padded-batch"])
+@pytest.mark.parametrize(
+    "batch, padded", [(1, False), (2, True), (2, False)], ids=["one-row", "left-padded-batch", "unpadded-batch"]
+)
 def test_a_peer_lying_on_inference_steps_is_caught_and_the_text_is_the_local_models(
-    fake_swarm, tiny_llama_local, batch
+    fake_swarm, tiny_llama_local, batch, padded
 ):
     first, liar, *honest = _swarm(fake_swarm, [Fault("perturb", method="inference", after=LIE_FROM_STEP)])
     ids = _ids(batch, 6, seed=31)
-    options = _options(ids)
+    options = _options(ids, padded)
     expected = generate_with_logits(tiny_llama_local, ids, **options)
 
     unchecked = fake_swarm.client(verify_inference=0.0, verify_fraction=0.0)

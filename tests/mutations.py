@@ -721,6 +721,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_speeds.py",),
     ),
     Mutation(
+        "export-reads-unbounded",
+        "client/training/export.py",
+        "            if expected is not None:\n",
+        "            if False:  # MUTATION\n",
+        "export keeps whatever a peer streams: a peer that streams without end fills its reader's memory",
+        ("tests/client/test_export_stream.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

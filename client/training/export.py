@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -21,11 +22,11 @@ from client.sequence import RemoteSequence
 from client.transport import ChannelPool
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
-from protocol.errors import NoPeersError, SwarmError, TrainingFaultError
+from protocol.errors import NoPeersError, PeerFaultError, SwarmError, TrainingFaultError
 from protocol.records import check_prefix, prefix_for_model
 from protocol.service import error_from_rpc
 from swarm.dht.node import start_dht, stop_dht
-from swarm.models.checkpoint import load_config, load_tensors, resolve_model_path
+from swarm.models.checkpoint import load_config, load_tensors, resolve_model_path, tensor_shapes
 from swarm.trust.rpcauth import call_metadata
 from swarm.trust.swarmkey import SWARM_KEY_HELP, SwarmKey, load_optional
 
@@ -44,20 +45,46 @@ _COPIED = (
 
 
 async def fetch_peer_weights(
-    pool: ChannelPool, endpoint: str, prefix: str, start: int, end: int
+    pool: ChannelPool,
+    endpoint: str,
+    prefix: str,
+    start: int,
+    end: int,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name."""
+    """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name.
+
+    With `expected` (the checkpoint's shapes), the stream is read only as far as those tensors go: a name or a
+    shape that is not the checkpoint's, or rows beyond a tensor's, is the peer's fault (PeerFaultError), so a peer
+    cannot make its reader hold more than the span's weights.
+    """
     request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
     pieces: dict[str, list[torch.Tensor]] = {}
+    rows: dict[str, int] = {}
     try:
         stub = await pool.stub_for(endpoint)
         async for part in stub.state(request, timeout=600, metadata=call_metadata(pool.auth, "state")):
-            pieces.setdefault(part.message.name, []).append(
-                decode_tensor(part.message.tensor, part.message.name, part.payload).clone()
-            )
+            name = part.message.name
+            piece = decode_tensor(part.message.tensor, name, part.payload)
+            if expected is not None:
+                rows[name] = rows.get(name, 0) + (piece.shape[0] if piece.dim() else 1)
+                _check_piece(endpoint, name, piece, expected, rows[name])
+            pieces.setdefault(name, []).append(piece.clone())
     except grpc.RpcError as exc:
         raise error_from_rpc(exc, endpoint) from exc
     return {name: torch.cat(parts) if len(parts) > 1 else parts[0] for name, parts in pieces.items()}
+
+
+def _check_piece(endpoint: str, name: str, piece: torch.Tensor, expected: Mapping, rows: int) -> None:
+    shape = expected.get(name)
+    if shape is None:
+        raise PeerFaultError(f"peer {endpoint} sent a tensor {name!r} that the checkpoint's blocks do not have")
+    whole = tuple(shape[:1]) if shape else (1,)
+    if tuple(piece.shape[1:]) != tuple(shape[1:]) or (piece.dim() == 0) != (len(shape) == 0) or rows > whole[0]:
+        raise PeerFaultError(
+            f"peer {endpoint} sent {name!r} with {rows} rows of shape {list(piece.shape[1:])} so far; the "
+            f"checkpoint's is {list(shape)}"
+        )
 
 
 async def check_stages_agree(sequence: RemoteSequence, run_id: str) -> int:
@@ -92,15 +119,22 @@ async def check_stages_agree(sequence: RemoteSequence, run_id: str) -> int:
     return epochs.pop()
 
 
-async def fetch_span_weights(sequence: RemoteSequence, start: int, end: int) -> dict[str, torch.Tensor]:
-    """Weights of blocks [start, end) from peers of the sequence's run, one peer per span it covers."""
+async def fetch_span_weights(
+    sequence: RemoteSequence, start: int, end: int, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Weights of blocks [start, end) from peers of the sequence's run, one peer per span it covers; with `shapes`
+    (the checkpoint's), each peer's stream is held to them."""
     tensors: dict[str, torch.Tensor] = {}
     route = await sequence.plan(start, end, inference=False, refresh=True)
     snapshot = await sequence.snapshot()
     for hop in route:
         info = snapshot.servers[hop.peer_id]
+        expected = None
+        if shapes is not None:
+            blocks = tuple(f"model.layers.{i}." for i in range(info.start_block, info.end_block))
+            expected = {name: shape for name, shape in shapes.items() if name.startswith(blocks)}
         weights = await fetch_peer_weights(
-            sequence.pool, hop.endpoint, sequence.prefix, info.start_block, info.end_block
+            sequence.pool, hop.endpoint, sequence.prefix, info.start_block, info.end_block, expected
         )
         wanted = {f"model.layers.{i}." for i in range(hop.start, hop.end)}
         tensors.update({name: t for name, t in weights.items() if any(name.startswith(w) for w in wanted)})
@@ -143,7 +177,8 @@ def export_model(
         )
         try:
             epoch = loop.run(check_stages_agree(sequence, run_id)) if run_id is not None else None
-            tensors = loop.run(fetch_span_weights(sequence, 0, config.num_hidden_layers))
+            shapes = tensor_shapes(path, lambda name: name.startswith("model.layers."))
+            tensors = loop.run(fetch_span_weights(sequence, 0, config.num_hidden_layers, shapes))
         finally:
             loop.run(sequence.close())
     finally:

@@ -81,6 +81,20 @@ def load_tensors(
     return tensors
 
 
+def tensor_shapes(path: Path, wanted: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors whose names pass `wanted`, read from the files' headers (no tensor is loaded)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in weight_files(path).items():
+        if wanted(name):
+            by_file.setdefault(file, []).append(name)
+    shapes = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     """The dtype the checkpoint declares ("auto" on both peers and clients), float32 if it declares none."""
     found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -7,14 +7,20 @@ The client names each next hop in the step (`InferenceStep.next`): its endpoint,
 there, that session's push token, and the hop's step id. The next peer accepts the push only for a session that
 holds that token (peer/inference.py `push`), and checks the pushed tensor as it checks a client's.
 
-Pushes go only to direct gRPC endpoints ("host:port"); a hop reached through libp2p is driven by the client.
+Pushes go only to direct gRPC endpoints ("host:port") that ONLINE records of the model announce: a peer pushes to
+no other address a client names (which would make it a relay towards any host, and a port scanner). The endpoints
+are read from the directory when a push names one not seen yet, at most every DIRECTORY_REFRESH_S. A hop reached
+through libp2p is driven by the client.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import re
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import torch
@@ -32,6 +38,7 @@ MAX_HOPS = 64  # next hops one step may name
 MAX_TOKEN_BYTES = 64
 MAX_CHANNELS = 32  # channels to next peers kept open; beyond, the least recently used is closed
 PUSH_TIMEOUT_S = 10.0
+DIRECTORY_REFRESH_S = 5.0  # the directory is read again for an endpoint not seen, at most this often
 _ENDPOINT = re.compile(r"[^\s:/]{1,253}:\d{1,5}")
 
 
@@ -55,11 +62,28 @@ def check_next(hops, blocks_left: int) -> None:
             raise BadRequestError("a next hop needs its session id and push token (at most 64 bytes)")
 
 
-class Forwarder:
-    """Channels to the next peers, and the push of one step's output."""
+class NotAnnounced(Exception):
+    """A next hop's endpoint that no ONLINE record of the model announces: nothing is pushed there."""
 
-    def __init__(self, auth: RpcAuth | None, max_message_bytes: int):
+
+class Forwarder:
+    """Channels to the next peers, and the push of one step's output.
+
+    Args:
+        endpoints: reads the endpoints that ONLINE records of the model announce (None: pushes go to any endpoint,
+            for tests of one peer alone).
+    """
+
+    def __init__(
+        self,
+        auth: RpcAuth | None,
+        max_message_bytes: int,
+        endpoints: Callable[[], Awaitable[set[str]]] | None = None,
+    ):
         self.auth = auth
+        self._read_endpoints = endpoints
+        self._endpoints: set[str] = set()
+        self._read_at = -math.inf
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -67,6 +91,18 @@ class Forwarder:
         ]
         self._stubs: collections.OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = collections.OrderedDict()
         self.pushed = 0
+
+    async def announced(self, endpoint: str) -> bool:
+        """Whether an ONLINE record of the model announces `endpoint` (read again if it is new to this peer)."""
+        if self._read_endpoints is None or endpoint in self._endpoints:
+            return True
+        if time.monotonic() - self._read_at >= DIRECTORY_REFRESH_S:
+            self._read_at = time.monotonic()  # before the read: pushes meanwhile do not start reads of their own
+            try:
+                self._endpoints = await self._read_endpoints()
+            except Exception as exc:  # the DHT did not answer: keep what was read before
+                logger.warning("could not read the directory to check a push's next hop: %s", exc)
+        return endpoint in self._endpoints
 
     def _stub(self, endpoint: str) -> PeerStub:
         if endpoint in self._stubs:
@@ -89,9 +125,12 @@ class Forwarder:
     ) -> None:
         """Push `output` (this peer's result of `step`) as the input of the session of `hops[0]`.
 
-        Raises SwarmError when the next peer refused it or could not be reached.
+        Raises SwarmError when the next peer refused it or could not be reached, NotAnnounced when no ONLINE record
+        of the model announces its endpoint.
         """
         hop = hops[0]
+        if not await self.announced(hop.endpoint):
+            raise NotAnnounced(hop.endpoint)
         packer = Packer()
         request = packer.pack(
             pb.PushRequest(
@@ -128,6 +167,8 @@ def failure_report(exc: Exception) -> str:
     Not the transport's own words: those tell a refused port from a filtered one, which would make a peer a port
     scanner for whoever names hops.
     """
+    if isinstance(exc, NotAnnounced):
+        return "no ONLINE peer of this model announces the next hop's endpoint; nothing was pushed there"
     if isinstance(exc, SwarmError) and not isinstance(exc, PeerUnavailableError):
         return f"the next peer refused the step ({exc.code})"
     return "the next peer could not be reached"

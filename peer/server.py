@@ -115,13 +115,18 @@ class PeerServer:
             f", a private swarm with {cfg.swarm_key.describe()}" if cfg.swarm_key else "",
         )
 
+    async def _announced_endpoints(self) -> set[str]:
+        """The gRPC endpoints that ONLINE records of this model announce: where this peer may push steps."""
+        snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
+        return {info.endpoint for info in snapshot.online().values()}
+
     async def start(self) -> None:
         await self.join_swarm()
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         # serve first (the endpoint goes into every record), with no blocks until they are loaded
-        self.forwarder = Forwarder(self.auth, cfg.max_message_bytes)
+        self.forwarder = Forwarder(self.auth, cfg.max_message_bytes, endpoints=self._announced_endpoints)
         self.servicer = PeerServicer(
             self.model_config,
             self.prefix,

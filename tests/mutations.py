@@ -729,6 +729,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_export_stream.py",),
     ),
     Mutation(
+        "pushes-to-any-endpoint",
+        "peer/forwarding.py",
+        "        if not await self.announced(hop.endpoint):\n",
+        "        if False:  # MUTATION\n",
+        "a peer pushes steps to any host:port a client names: a relay towards any host, and a port scanner",
+        ("tests/peer/test_forwarding.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

@@ -101,8 +101,8 @@ def _identity(index: int) -> NodeIdentity:
 class _Forwarder(Forwarder):
     """Pushes steps to the next peer through the swarm's in-memory network: only the channel differs."""
 
-    def __init__(self, network: Network, max_message_bytes: int):
-        super().__init__(None, max_message_bytes)
+    def __init__(self, network: Network, max_message_bytes: int, endpoints=None):
+        super().__init__(None, max_message_bytes, endpoints)
         self._network = network
 
     def _stub(self, endpoint: str) -> PeerStub:
@@ -136,7 +136,7 @@ class FakePeer:
         self.faults = list(faults)
         self.answered: dict[str, int] = {}  # method -> answers (inference: step results) or calls seen so far
         self.acted = 0  # answers its faults spoiled (or calls they refused)
-        self.forwarder = _Forwarder(swarm.network, 64 * 1024 * 1024)
+        self.forwarder = _Forwarder(swarm.network, 64 * 1024 * 1024, swarm.announced_endpoints)
         self.budget = CacheBudget(cache_tokens)
         config = load_config(swarm.model_path)
         self.servicer = PeerServicer(
@@ -369,6 +369,10 @@ class FakeSwarm:
         peer.kill()
         peer.in_directory = False
         return self.add_peer(peer.start, peer.end, throughput=peer.throughput, key_of=peer)
+
+    async def announced_endpoints(self) -> set[str]:
+        """What a peer reads of the directory before it pushes a step: the endpoints of ONLINE records."""
+        return {info.endpoint for info in self.directory(self.prefix, self.num_blocks).online().values()}
 
     def directory(self, prefix: str, num_blocks: int) -> SwarmSnapshot:
         """What a client reads from the DHT: a record of every peer in the directory; live ones announced anew."""

@@ -737,6 +737,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_forwarding.py",),
     ),
     Mutation(
+        "tunnel-streams-uncapped",
+        "swarm/net/tunnel.py",
+        "        if len(self._tasks) >= self.max_streams or self._by_source.get(source, 0) >= self.max_per_source:\n",
+        "        if False:  # MUTATION\n",
+        "a peer splices every tunnel stream a remote identity opens: 500 streams, 500 sockets",
+        (
+            "tests/swarm/net/test_tunnel.py::test_a_flood_of_tunnel_streams_from_one_identity_is_capped_and_others_still_get_through",
+        ),
+    ),
+    Mutation(
+        "relay-streams-per-client-uncapped",
+        "swarm/net/relay.py",
+        "            if self._sources.get(source, 0) >= self.max_streams_per_source:\n",
+        "            if False:  # MUTATION\n",
+        "one client takes every stream a relay carries to a peer",
+        ("tests/swarm/net/test_tunnel.py::test_a_relay_carries_a_bounded_number_of_streams_per_client",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

@@ -7,7 +7,8 @@ peer over the peer's own connection and splices the two (swarm/net/tunnel.py). T
 and a public peer does with `--relay`.
 
 A relay forwards only to peers registered with it, only to their tunnel, and within bounds on peers and
-streams, so it is no open proxy. It sees the bytes it carries, as any proxy would.
+streams (in all, per peer, and per client that opens them), so it is no open proxy. It sees the bytes it carries,
+as any proxy would.
 
 libp2p's own circuit relay was tried first: its reservations (go-libp2p autorelay, in hivemind's p2pd) are made
 only after a 3-minute boot delay when fewer than 4 relays are known, which is every small swarm, and the relay
@@ -50,12 +51,15 @@ class RelayService:
         max_peers: int = 256,
         max_streams: int = 512,
         max_streams_per_peer: int = 64,
+        max_streams_per_source: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.p2p, self.ttl_s, self.clock = p2p, ttl_s, clock
         self.max_peers, self.max_streams, self.max_streams_per_peer = max_peers, max_streams, max_streams_per_peer
+        self.max_streams_per_source = max_streams_per_source
         self._expires: dict[PeerID, float] = {}
         self._streams: dict[PeerID, int] = {}
+        self._sources: dict[PeerID, int] = {}  # streams open by each client of the relay
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -118,7 +122,13 @@ class RelayService:
                 raise PeerUnavailableError(
                     f"this relay carries all the streams it can to {request.peer_id}; try again later"
                 )
+            source = info.peer_id
+            if self._sources.get(source, 0) >= self.max_streams_per_source:
+                raise PeerUnavailableError(
+                    f"this relay carries {self.max_streams_per_source} streams of yours already; close some first"
+                )
             self._streams[target] = self._streams.get(target, 0) + 1
+            self._sources[source] = self._sources.get(source, 0) + 1
             try:
                 try:
                     _, peer_reader, peer_writer = await asyncio.wait_for(
@@ -129,9 +139,10 @@ class RelayService:
                 await write_message(writer, pb.RelayOpened())
                 await splice((reader, writer), (peer_reader, peer_writer))
             finally:
-                self._streams[target] -= 1
-                if not self._streams[target]:
-                    del self._streams[target]
+                for counts, key in ((self._streams, target), (self._sources, source)):
+                    counts[key] -= 1
+                    if not counts[key]:
+                        del counts[key]
         except SwarmError as exc:
             logger.debug("relaying for %s failed: %s", info.peer_id, exc)
             with contextlib.suppress(Exception):

@@ -7,6 +7,11 @@ relay (swarm/net/relay.py). So the Peer service, its messages, limits and errors
 HTTP/2 connection (one stream) carries all the calls of a channel; libp2p streams have no message size limit.
 
 A peer's address on this path is "p2p:<peer id>", or "p2p:<peer id>@<relay peer id>" through a relay.
+
+Bounds, so that identities (free) cannot exhaust a peer's sockets: a peer takes at most MAX_TUNNELS_PER_SOURCE
+tunnel streams from one remote peer and MAX_TUNNELS in all (beyond, a stream is closed at once); a stream whose
+first bytes do not come within OPEN_TIMEOUT_S is closed before any connection is made for it; and a spliced stream
+that carries nothing either way for IDLE_S is closed (gRPC opens a new one when its channel is used again).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import struct
+import time
 from collections.abc import Awaitable, Callable
 
 import hivemind
@@ -32,6 +38,11 @@ TUNNEL_PREFIX = "p2p:"
 CHUNK_BYTES = 256 * 1024
 CONTROL_MAX_BYTES = 4096  # control messages (probe, relay registration and opening) are tiny
 OPEN_TIMEOUT_S = 10.0
+MAX_TUNNELS = 512
+MAX_TUNNELS_PER_SOURCE = (
+    64  # a client's channel needs one; a relay carries many clients' (as many as it takes per peer)
+)
+IDLE_S = 600.0  # longer than a peer's idle session timeout (300 s), so that no idle session loses its stream
 _LENGTH = struct.Struct(">I")
 
 
@@ -72,10 +83,12 @@ def loopback_source(peer: PeerID) -> str:
     return "127." + ".".join(str(byte) for byte in digest[:2]) + f".{max(2, digest[2])}"
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy `reader` into `writer` until it ends; then end `writer` too."""
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, activity: list[float] | None = None) -> None:
+    """Copy `reader` into `writer` until it ends; then end `writer` too. `activity[0]` is set at each chunk."""
     try:
         while data := await reader.read(CHUNK_BYTES):
+            if activity is not None:
+                activity[0] = time.monotonic()
             writer.write(data)
             await writer.drain()
     except (ConnectionError, OSError, asyncio.IncompleteReadError):
@@ -89,12 +102,23 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> No
 
 
 async def splice(
-    a: tuple[asyncio.StreamReader, asyncio.StreamWriter], b: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+    a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    idle_s: float = IDLE_S,
 ) -> None:
-    """Carry bytes both ways between two streams until one side is done with both directions or breaks."""
+    """Carry bytes both ways between two streams until one side is done with both directions or breaks, or
+    nothing passed either way for `idle_s`."""
+    activity = [time.monotonic()]
+    pipes = asyncio.ensure_future(asyncio.gather(pipe(a[0], b[1], activity), pipe(b[0], a[1], activity)))
     try:
-        await asyncio.gather(pipe(a[0], b[1]), pipe(b[0], a[1]))
+        while not pipes.done():
+            quiet = time.monotonic() - activity[0]
+            if quiet >= idle_s:
+                logger.debug("a spliced stream carried nothing for %.0fs; closing it", quiet)
+                break
+            await asyncio.wait([pipes], timeout=idle_s - quiet)
     finally:
+        pipes.cancel()
         for writer in (a[1], b[1]):
             writer.close()
 
@@ -131,17 +155,44 @@ async def read_message(reader: asyncio.StreamReader, cls, *, timeout_s: float = 
 class TunnelServer:
     """Splices every tunnel stream opened to `p2p` to a new connection to the gRPC server at `endpoint`."""
 
-    def __init__(self, p2p: hivemind.P2P, endpoint: str):
+    def __init__(
+        self,
+        p2p: hivemind.P2P,
+        endpoint: str,
+        *,
+        max_streams: int = MAX_TUNNELS,
+        max_per_source: int = MAX_TUNNELS_PER_SOURCE,
+        idle_s: float = IDLE_S,
+        first_bytes_s: float = OPEN_TIMEOUT_S,
+    ):
         self.p2p, self.endpoint = p2p, endpoint
+        self.max_streams, self.max_per_source, self.idle_s = max_streams, max_per_source, idle_s
+        self.first_bytes_s = first_bytes_s
         self._tasks: set[asyncio.Task] = set()
+        self._by_source: dict[PeerID, int] = {}
+        self.refused = 0  # streams closed at once: over a cap, or silent past OPEN_TIMEOUT_S
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(TUNNEL_PROTOCOL, self._handle)
 
     async def _handle(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        source = info.peer_id
+        if len(self._tasks) >= self.max_streams or self._by_source.get(source, 0) >= self.max_per_source:
+            self.refused += 1
+            writer.close()
+            return
         task = asyncio.current_task()
         self._tasks.add(task)
+        self._by_source[source] = self._by_source.get(source, 0) + 1
         try:
+            try:  # nothing is opened for a stream that says nothing
+                first = await asyncio.wait_for(reader.read(CHUNK_BYTES), self.first_bytes_s)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                first = b""
+            if not first:
+                self.refused += 1
+                writer.close()
+                return
             host, _, port = self.endpoint.rpartition(":")
             # from an address of its own per remote peer, so that the gRPC server tells tunneled clients apart
             # (each client address has its own cache quota, peer/cache.py)
@@ -152,12 +203,21 @@ class TunnelServer:
                 )
             except OSError:  # a system where only 127.0.0.1 is loopback: tunneled clients share one quota
                 local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)
-            await splice((reader, writer), local)
+            local[1].write(first)
+            await splice((reader, writer), local, self.idle_s)
         except (OSError, asyncio.TimeoutError) as exc:
             logger.warning("a tunnel from %s could not reach this peer's gRPC server: %r", info.peer_id, exc)
             writer.close()
         finally:
             self._tasks.discard(task)
+            self._by_source[source] -= 1
+            if not self._by_source[source]:
+                del self._by_source[source]
+
+    @property
+    def active(self) -> int:
+        """Tunnel streams open now."""
+        return len(self._tasks)
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):  # the daemon may be gone already

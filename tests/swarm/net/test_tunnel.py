@@ -23,7 +23,16 @@ from protocol.service import make_generic_handler
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.net.reachability import ProbeService, check_endpoint, probe
 from swarm.net.relay import RelayService, register
-from swarm.net.tunnel import RELAY_PROTOCOL, TunnelPool, TunnelServer, tunnel_address
+from swarm.net.tunnel import (
+    MAX_TUNNELS_PER_SOURCE,
+    RELAY_PROTOCOL,
+    TUNNEL_PROTOCOL,
+    TunnelPool,
+    TunnelServer,
+    read_message,
+    tunnel_address,
+    write_message,
+)
 
 MESSAGE_BYTES = 64 << 20
 
@@ -104,6 +113,48 @@ def test_a_tunnel_carries_the_peer_service_and_messages_past_4_mib(dhts):
     run(main())
 
 
+def test_a_flood_of_tunnel_streams_from_one_identity_is_capped_and_others_still_get_through(dhts):
+    """500 streams from one remote peer: MAX_TUNNELS_PER_SOURCE are spliced, the rest closed at once; a stream that
+    says nothing, and one that goes quiet, are closed; another identity's client is served all along."""
+    peer, flooder, client = dhts(), dhts(client_mode=True), dhts(client_mode=True)
+
+    async def main():
+        server, endpoint = await serve_grpc(peer.peer_id.to_base58())
+        peer_p2p, flood_p2p, client_p2p = [await d.replicate_p2p() for d in (peer, flooder, client)]
+        tunnel = TunnelServer(peer_p2p, endpoint, idle_s=1.0, first_bytes_s=1.0)
+        await tunnel.start()
+        pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+        streams = []
+        try:
+            silent = await flood_p2p.call_binary_stream_handler(peer.peer_id, TUNNEL_PROTOCOL)
+            for _ in range(500):
+                _, reader, writer = await flood_p2p.call_binary_stream_handler(peer.peer_id, TUNNEL_PROTOCOL)
+                writer.write(b"PRI * HTTP/2.0\r\n")  # the start of what gRPC sends first, then nothing
+                await writer.drain()
+                streams.append((reader, writer))
+            await asyncio.sleep(0.5)
+            assert tunnel.active <= MAX_TUNNELS_PER_SOURCE, tunnel.active
+            assert tunnel.refused >= 500 + 1 - MAX_TUNNELS_PER_SOURCE
+            answer = await pool.unary(tunnel_address(peer.peer_id.to_base58()), "info", pb.InfoRequest(), 10.0)
+            assert answer.peer_id == peer.peer_id.to_base58()
+            assert await asyncio.wait_for(silent[1].read(), 5) == b"", "a silent stream was kept"
+            # the spliced ones carried nothing since (the gRPC server waits for the rest of the preface): closed
+            deadline = asyncio.get_running_loop().time() + 10
+            while tunnel.active > 1 and asyncio.get_running_loop().time() < deadline:  # the client's channel
+                await asyncio.sleep(0.2)
+            assert tunnel.active <= 1
+        finally:
+            for _, writer in streams:
+                writer.close()
+            await pool.close()
+            await tunnel.stop()
+            await server.stop(None)
+            for p2p in (peer_p2p, flood_p2p, client_p2p):
+                await p2p.shutdown()
+
+    run(main())
+
+
 def test_a_relay_forwards_to_registered_peers_only(dhts):
     relay, home, client = dhts(), dhts(client_mode=True), dhts(client_mode=True)
 
@@ -146,6 +197,44 @@ def test_a_relay_forwards_to_registered_peers_only(dhts):
                 await part.stop()
             await server.stop(None)
             for p2p in (relay_p2p, home_p2p, client_p2p):
+                await p2p.shutdown()
+
+    run(main())
+
+
+def test_a_relay_carries_a_bounded_number_of_streams_per_client(dhts):
+    relay, home, greedy, other = dhts(), dhts(client_mode=True), dhts(client_mode=True), dhts(client_mode=True)
+
+    async def main():
+        server, endpoint = await serve_grpc(home.peer_id.to_base58())
+        p2ps = [await d.replicate_p2p() for d in (relay, home, greedy, other)]
+        relay_p2p, home_p2p, greedy_p2p, other_p2p = p2ps
+        service = RelayService(relay_p2p, max_streams_per_source=2)
+        tunnel = TunnelServer(home_p2p, endpoint)
+        await service.start()
+        await tunnel.start()
+        held = []
+
+        async def open_via_relay(p2p) -> pb.RelayOpened:
+            _, reader, writer = await p2p.call_binary_stream_handler(relay.peer_id, RELAY_PROTOCOL)
+            await write_message(writer, pb.RelayOpen(peer_id=home.peer_id.to_base58()))
+            held.append(writer)
+            return await read_message(reader, pb.RelayOpened)
+
+        try:
+            await register(home_p2p, relay.peer_id)
+            for _ in range(2):
+                assert not (await open_via_relay(greedy_p2p)).HasField("error")
+            refused = await open_via_relay(greedy_p2p)
+            assert refused.error.code == "peer_unavailable" and "2 streams of yours" in refused.error.message
+            assert not (await open_via_relay(other_p2p)).HasField("error"), "another client was refused too"
+        finally:
+            for writer in held:
+                writer.close()
+            for part in (tunnel, service):
+                await part.stop()
+            await server.stop(None)
+            for p2p in p2ps:
                 await p2p.shutdown()
 
     run(main())

@@ -13,7 +13,7 @@ from peer.admission import Admission, WorkLimits
 from peer.blocks import BlockSpan
 from peer.compute import TRAINING, ComputeQueue
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import decode_optional
+from protocol.codec import decode_optional, layout
 from protocol.errors import BadRequestError, SwarmError, WrongSpanError
 
 logger = logging.getLogger(__name__)
@@ -55,12 +55,27 @@ class ServedSpan:
 
     def inputs(self, message, payload: memoryview, prefix_length: int = 0):
         """A request's (hidden states, attention mask, position ids), checked against the span and the hard caps."""
-        hidden = decode_optional(message, "hidden_states", payload)
-        if hidden is None:
+        if not message.HasField("hidden_states"):
             raise BadRequestError("hidden_states is missing")
-        validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
-        batch, seq, _ = hidden.shape
+        # shapes, dtype and caps as declared, before decoding widens anything (float16 on the wire to the declared
+        # float32 or float64, a mask to int64): a request over the caps costs no memory
+        declared = layout(message.hidden_states, "hidden_states")
+        validation.check_hidden_layout(
+            declared.shape, declared.dtype, hidden_size=self.hidden_size, dtype=self.span.dtype
+        )
+        batch, seq, _ = declared.shape
         self.admission.check(batch, seq, prefix_length)
+        for name, shapes in (
+            ("attention_mask", [(batch, prefix_length + seq)]),
+            ("position_ids", [(batch, seq), (1, seq)]),
+        ):
+            if message.HasField(name) and layout(getattr(message, name), name).shape not in shapes:
+                raise BadRequestError(
+                    f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)}, got "
+                    f"{list(layout(getattr(message, name), name).shape)}"
+                )
+        hidden = decode_optional(message, "hidden_states", payload)
+        validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
         mask = validation.check_mask(
             decode_optional(message, "attention_mask", payload), batch=batch, length=prefix_length + seq
         )

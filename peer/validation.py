@@ -8,16 +8,23 @@ from protocol.errors import BadRequestError, SequenceTooLongError
 from protocol.finite import all_finite
 
 
-def check_hidden(hidden: torch.Tensor, *, hidden_size: int, dtype: torch.dtype, name: str = "hidden_states") -> None:
-    if hidden.ndim != 3:
-        raise BadRequestError(f"{name} must be [batch, seq, hidden], got shape {list(hidden.shape)}")
-    batch, seq, size = hidden.shape
+def check_hidden_layout(
+    shape: tuple[int, ...], declared: torch.dtype, *, hidden_size: int, dtype: torch.dtype, name: str = "hidden_states"
+) -> None:
+    """The checks of `check_hidden` that need no data: a tensor's shape and dtype as its message declares them."""
+    if len(shape) != 3:
+        raise BadRequestError(f"{name} must be [batch, seq, hidden], got shape {list(shape)}")
+    batch, seq, size = shape
     if size != hidden_size:
         raise BadRequestError(f"{name} has hidden size {size}, this model's is {hidden_size}")
     if batch < 1 or seq < 1:
-        raise BadRequestError(f"{name} must have at least one sequence and one token, got shape {list(hidden.shape)}")
-    if hidden.dtype != dtype:
-        raise BadRequestError(f"{name} has dtype {hidden.dtype}, this peer computes in {dtype}; send {dtype}")
+        raise BadRequestError(f"{name} must have at least one sequence and one token, got shape {list(shape)}")
+    if declared != dtype:
+        raise BadRequestError(f"{name} has dtype {declared}, this peer computes in {dtype}; send {dtype}")
+
+
+def check_hidden(hidden: torch.Tensor, *, hidden_size: int, dtype: torch.dtype, name: str = "hidden_states") -> None:
+    check_hidden_layout(tuple(hidden.shape), hidden.dtype, hidden_size=hidden_size, dtype=dtype, name=name)
     if not all_finite(hidden):
         raise BadRequestError(f"{name} contains NaN or inf")
 

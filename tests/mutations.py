@@ -755,6 +755,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/net/test_tunnel.py::test_a_relay_carries_a_bounded_number_of_streams_per_client",),
     ),
     Mutation(
+        "inputs-decoded-before-checks",
+        "peer/served.py",
+        '        declared = layout(message.hidden_states, "hidden_states")\n',
+        '        declared = layout(message.hidden_states, "hidden_states")\n'
+        '        decode_optional(message, "hidden_states", payload)  # MUTATION\n',
+        "a request's tensors are decoded (and widened) before its shape, dtype and caps are checked",
+        ("tests/peer/test_served.py",),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

@@ -373,6 +373,9 @@ def rss_figures(incarnation: Incarnation) -> dict:
         last_mib=round(values[-1], 1),
         max_mib=round(max(values), 1),
         minutes=round(points[-1][0], 2),
+        first_fds=incarnation.fds[0] if incarnation.fds else None,
+        last_fds=incarnation.fds[-1] if incarnation.fds else None,
+        max_fds=max(incarnation.fds, default=None),
         slope_mib_per_min=_slope(points),
         late_slope_mib_per_min=_slope([p for p in points if p[0] >= half], MIN_SLOPE_MINUTES / 2),
         series=[(round(t * 60, 1), round(v, 1)) for t, v in points],
@@ -492,7 +495,8 @@ def report(result: dict) -> str:
         f"still starting, never served: {len(leaks['peers_starting'])})",
         "",
         f"{'peer process':<12}{'blocks':>7}{'ended':>12}{'samples':>9}{'first':>8}{'last':>8}{'max':>8}{'mins':>7}"
-        f"{'MiB/min':>9}{'late':>7}   (RSS in MiB; slope over all samples, and over the second half)",
+        f"{'MiB/min':>9}{'late':>7}{'fds':>14}   (RSS in MiB, slope over all samples and over the second half; "
+        f"open fds first/last/max)",
     ]
     for r in result["rss"]:
         if not r["samples"]:
@@ -504,6 +508,7 @@ def report(result: dict) -> str:
         lines.append(
             f"{r['peer']:<12}{r['span']:>7}{r['ended']:>12}{r['samples']:>9}{r['first_mib']:>8.0f}"
             f"{r['last_mib']:>8.0f}{r['max_mib']:>8.0f}{r['minutes']:>7.1f}{slope:>9}{late:>7}"
+            f"{r['first_fds']:>6}/{r['last_fds']}/{r['max_fds']}"
         )
     lines += [f"  wrong: {m}" for m in g["mismatches"]] + [f"  lost: {e}" for e in g["lost_errors"]]
     lines += [f"  hung client: {name}" for name in g["hung_clients"]]
@@ -549,8 +554,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, churn and mutations (default: 0)")
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: a temporary folder)")
-    p.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    p.add_argument(
+        "--out", type=Path, metavar="PATH", help="also write the figures as JSON to this file (in a folder: soak.json)"
+    )
     args = p.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        args.out = args.out / "soak.json"
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: folder {args.out.parent} does not exist")
     try:
         config = SoakConfig(
             seconds=args.seconds if args.seconds is not None else 60 * args.minutes,

@@ -62,6 +62,7 @@ class Incarnation:
     online_at: float | None = None
     ended: str | None = None  # "SIGKILL", "SIGTERM" or "crash (exit N)"
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (monotonic time, MiB)
+    fds: list[int] = field(default_factory=list)  # open file descriptors, sampled with the RSS
     crash_log: str = ""
 
     @property
@@ -175,10 +176,12 @@ class Fleet:
         now = time.monotonic()
         for incarnation in self.online():
             try:
-                rss = psutil.Process(incarnation.pid).memory_info().rss / 2**20
+                process = psutil.Process(incarnation.pid)
+                rss, fds = process.memory_info().rss / 2**20, process.num_fds()
             except psutil.Error:  # it died between the two calls
                 continue
             incarnation.rss_mib.append((now, rss))
+            incarnation.fds.append(fds)
 
     def watch(self, stop: threading.Event, rss_every_s: float, poll_every_s: float = 1.0) -> None:
         """poll() every second and sample_rss() every `rss_every_s` until `stop` (a thread's target)."""

@@ -4,7 +4,10 @@ A request is first valid for its target (its span, the model's hidden size), the
 (bit flips, truncation, duplicated or dropped fields, giant varints, many payload fields, huge or negative
 shapes, wrong dtypes and offsets), or one of a few requests wrong on purpose: garbage bytes, NaN hidden states,
 a step of a session that does not exist, a session far longer than the model. Steps go to a session opened
-for them on a stream of its own, which is cancelled afterwards (the peer must free its cache).
+for them on a stream of its own, which is cancelled afterwards (the peer must free its cache). And two attacks
+of their own: "unread state" opens 8 State calls at once and reads none of them for a second (a peer sends its
+weights to one caller at a time and refuses more than four waiting), and "nonce flood" asks for 60 identity
+proofs at once (a peer signs 40 at most in a burst for one address).
 
 Answers are classed as in bench.fuzz (`ok`, `typed`, `untyped`), plus `churned` (the target was being
 stopped by the churn, or could not be reached: it was killed) and `timeout` (no answer within the timeout, on
@@ -31,7 +34,7 @@ from protocol.service import ERROR_CODE_KEY, METHODS
 
 REQUEST_TIMEOUT_S = 20.0
 METHOD_NAMES = ("forward", "backward", "open", "step", "info", "state")
-SPECIAL = ("garbage", "nan", "unknown session", "too long")
+SPECIAL = ("garbage", "nan", "unknown session", "too long", "unread state", "nonce flood")
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
@@ -143,6 +146,10 @@ class BadTraffic:
         if kind == "info":
             data, _ = mutate(pb.InfoRequest(param_digest=False), self.rng)
             return await _unary(channel, "info", data)
+        if kind == "unread state":
+            return await _unread_states(channel, pb.StateRequest(span=self._span(target)).SerializeToString())
+        if kind == "nonce flood":
+            return await _nonce_flood(channel, self.rng)
         if kind == "state":
             data, _ = mutate(pb.StateRequest(span=self._span(target)), self.rng)
             call = channel.unary_stream(METHODS["State"].path)(data)
@@ -158,6 +165,36 @@ class BadTraffic:
         opening = self._open(target)
         step, _ = mutate(self._step(opening.open.session_id, self.rng.choice([1, 3])), self.rng)
         return await _on_stream(channel, [opening.SerializeToString(), step])
+
+
+async def _unread_states(channel: grpc.aio.Channel, data: bytes, count: int = 8) -> tuple[str, str]:
+    """`count` State calls that nobody reads for a second, then cancelled: "typed" if the peer refused some of them
+    as it should (OverloadedError), the first untyped failure otherwise."""
+    calls = [channel.unary_stream(METHODS["State"].path)(data) for _ in range(count)]
+    reads = [asyncio.ensure_future(call.read()) for call in calls]  # one read each: the first piece, or the refusal
+    await asyncio.wait(reads, timeout=1.0)
+    outcomes = Counter()
+    for call, read in zip(calls, reads):
+        if read.done() and read.exception() is not None:
+            outcomes[_rpc_outcome(read.exception())[0]] += 1
+        call.cancel()
+        read.cancel()
+    await asyncio.gather(*reads, return_exceptions=True)
+    if outcomes["untyped"]:
+        return "untyped", f"{outcomes['untyped']} of {count} unread State calls failed untyped"
+    return ("typed" if outcomes["typed"] else "ok"), f"{dict(outcomes)}"
+
+
+async def _nonce_flood(channel: grpc.aio.Channel, rng: random.Random, count: int = 60) -> tuple[str, str]:
+    """`count` identity proofs asked at once: "typed" when the peer metered them (OverloadedError)."""
+    call = channel.unary_unary(METHODS["Info"].path)
+    asks = [call(pb.InfoRequest(nonce=rng.randbytes(16)).SerializeToString()) for _ in range(count)]
+    results = await asyncio.gather(*asks, return_exceptions=True)
+    failures = [_rpc_outcome(r) for r in results if isinstance(r, grpc.RpcError)]
+    untyped = [detail for outcome, detail in failures if outcome == "untyped"]
+    if untyped:
+        return "untyped", untyped[0]
+    return ("typed" if failures else "ok"), f"{len(failures)} of {count} refused"
 
 
 async def _unary(channel: grpc.aio.Channel, method: str, data: bytes) -> tuple[str, str]:

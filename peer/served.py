@@ -65,15 +65,11 @@ class ServedSpan:
         )
         batch, seq, _ = declared.shape
         self.admission.check(batch, seq, prefix_length)
-        for name, shapes in (
-            ("attention_mask", [(batch, prefix_length + seq)]),
-            ("position_ids", [(batch, seq), (1, seq)]),
-        ):
-            if message.HasField(name) and layout(getattr(message, name), name).shape not in shapes:
-                raise BadRequestError(
-                    f"{name} must have shape {' or '.join(str(list(s)) for s in shapes)}, got "
-                    f"{list(layout(getattr(message, name), name).shape)}"
-                )
+        if message.HasField("attention_mask"):
+            shape = layout(message.attention_mask, "attention_mask").shape
+            validation.check_mask_shape(shape, batch=batch, length=prefix_length + seq)
+        if message.HasField("position_ids"):
+            validation.check_positions_shape(layout(message.position_ids, "position_ids").shape, batch=batch, seq=seq)
         hidden = decode_optional(message, "hidden_states", payload)
         validation.check_hidden(hidden, hidden_size=self.hidden_size, dtype=self.span.dtype)
         mask = validation.check_mask(

@@ -29,12 +29,21 @@ def check_hidden(hidden: torch.Tensor, *, hidden_size: int, dtype: torch.dtype, 
         raise BadRequestError(f"{name} contains NaN or inf")
 
 
+def check_mask_shape(shape: tuple[int, ...], *, batch: int, length: int) -> None:
+    if tuple(shape) != (batch, length):
+        raise BadRequestError(f"attention_mask must have shape [{batch}, {length}], got {list(shape)}")
+
+
+def check_positions_shape(shape: tuple[int, ...], *, batch: int, seq: int) -> None:
+    if len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq:
+        raise BadRequestError(f"position_ids must have shape [{batch} or 1, {seq}], got {list(shape)}")
+
+
 def check_mask(mask: torch.Tensor | None, *, batch: int, length: int) -> torch.Tensor | None:
     """`mask` must be [batch, length] of 0/1; returned as int64 (what transformers' mask builders expect)."""
     if mask is None:
         return None
-    if mask.ndim != 2 or tuple(mask.shape) != (batch, length):
-        raise BadRequestError(f"attention_mask must have shape [{batch}, {length}], got {list(mask.shape)}")
+    check_mask_shape(tuple(mask.shape), batch=batch, length=length)
     if mask.is_floating_point() or mask.is_complex():
         raise BadRequestError(f"attention_mask must be an integer or bool tensor, got {mask.dtype}")
     mask = mask.to(torch.int64)
@@ -46,8 +55,7 @@ def check_mask(mask: torch.Tensor | None, *, batch: int, length: int) -> torch.T
 def check_positions(positions: torch.Tensor | None, *, batch: int, seq: int, max_positions: int) -> torch.Tensor | None:
     if positions is None:
         return None
-    if positions.ndim != 2 or positions.shape[0] not in (1, batch) or positions.shape[1] != seq:
-        raise BadRequestError(f"position_ids must have shape [{batch} or 1, {seq}], got {list(positions.shape)}")
+    check_positions_shape(tuple(positions.shape), batch=batch, seq=seq)
     if positions.is_floating_point() or positions.dtype == torch.bool:
         raise BadRequestError(f"position_ids must be integers, got {positions.dtype}")
     positions = positions.to(torch.int64)

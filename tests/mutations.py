@@ -764,6 +764,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_served.py",),
     ),
     Mutation(
+        "replaced-rounds-held",
+        "swarm/training/rounds.py",
+        "        if task is not None:\n            task.cancel()\n",
+        "        if task is not None:\n            pass  # MUTATION\n",
+        "a round that a later attempt replaced runs on to its timeout, holding the member's next round",
+        (
+            "tests/swarm/training/test_rounds.py::test_a_round_a_later_attempt_replaced_ends_at_once_and_the_next_one_meets",
+        ),
+    ),
+    Mutation(
         "proofs-unmetered",
         "peer/handler.py",
         "                if not self.proofs.take(source_of(context)):\n",

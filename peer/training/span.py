@@ -181,6 +181,8 @@ class SpanTraining:
         if plan is None:
             return self._set_status(pb.RoundStatus.WAITING, "waiting for the other trainers' commits")
         if plan.round_id != self.status.round_id:
+            if self._round is not None and not self._round.done() and self.status.round_id:
+                self.group.abandon(bytes.fromhex(self.status.round_id))  # a later attempt replaces it
             self.status = pb.RoundStatus(
                 epoch=self.epoch,
                 state=pb.RoundStatus.AVERAGING,

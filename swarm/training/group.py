@@ -70,6 +70,10 @@ class GroupMember:
             [t.to(torch.float64) for t in tensors], round_id=round_id, members=members, timeout_s=timeout_s
         )
 
+    def abandon(self, round_id: bytes) -> None:
+        """End round `round_id` at once, as incomplete: a later attempt replaced it (RoundAverager.abandon)."""
+        self.averager.abandon(round_id)
+
     def publish(self, progress: TrainingProgress) -> None:
         self.progress.publish(progress)
 

@@ -20,6 +20,7 @@ what it downloads); in a private swarm, only to peers whose signed progress is i
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import threading
@@ -116,6 +117,9 @@ class RoundAverager(DecentralizedAverager):
             raise ValueError("a private swarm's averager needs the group's progress_key, to know who may download")
         self.settings, self._state, self._private, self._progress_key = settings, state, private, progress_key
         self._round_lock, self._stop = threading.Lock(), threading.Event()
+        self._send_lock = threading.Lock()  # the control pipe takes one message at a time, from any thread
+        self._abandoned: collections.deque[bytes] = collections.deque(maxlen=64)  # rounds a later attempt replaced
+        self._round_tasks: dict[bytes, asyncio.Task] = {}  # in the averager's process: the rounds under way
         self._owners = OwnerCache()
         self._rounds_changed: asyncio.Event | None = None  # created in the averager's process
         self._schema = [(t.shape, t.dtype) for t in tensors]
@@ -176,12 +180,17 @@ class RoundAverager(DecentralizedAverager):
             return RoundResult(complete=False, tensors=None, seconds=0.0, members=ordered, reason="averager is gone")
         began = time.perf_counter()
         with self._round_lock:  # the shared tensors hold one round at a time
+            if round_id in self._abandoned:  # replaced while it waited for the round before it
+                return RoundResult(
+                    complete=False, tensors=None, seconds=0.0, members=ordered, reason="abandoned for a later attempt"
+                )
             with self.get_tensors() as shared:
                 for dst, src in zip(shared, tensors):
                     dst.copy_(src)
             future = MPFuture()
             round_kwargs = dict(round_id=round_id, members=ordered, timeout_s=timeout_s, future=future)
-            self._outer_pipe.send(("_run_round", [], round_kwargs))
+            with self._send_lock:
+                self._outer_pipe.send(("_run_round", [], round_kwargs))
             try:
                 problems = bounded_call(future.result, self, timeout_s + 10, self._stop, f"round {round_id.hex()}")
             except Exception as exc:
@@ -196,6 +205,15 @@ class RoundAverager(DecentralizedAverager):
         return RoundResult(
             complete=not problems, tensors=averaged, seconds=seconds, members=ordered, reason="; ".join(problems)
         )
+
+    def abandon(self, round_id: bytes) -> None:
+        """End round `round_id` at once, as incomplete, if it is under way or waiting for its turn: a later attempt
+        replaced it (one round runs at a time, so a failed one would hold the next until its timeout, and members one
+        attempt apart would never meet)."""
+        self._abandoned.append(round_id)
+        if self.is_alive():
+            with self._send_lock:
+                self._outer_pipe.send(("_abandon_round", [round_id], {}))
 
     def serve_state(self, serve: bool = True) -> None:
         """Let joiners download this member's state (or stop)."""
@@ -239,13 +257,24 @@ class RoundAverager(DecentralizedAverager):
     # --- in the averager's process ---
 
     async def _run_round(self, *, round_id: bytes, members: tuple[str, ...], timeout_s: float, future: MPFuture):
+        self._round_tasks[round_id] = asyncio.current_task()
         try:
             future.set_result(await self._round(round_id, members, timeout_s))
+        except asyncio.CancelledError:
+            if not future.done():
+                future.set_result(["abandoned for a later attempt"])
         except BaseException as exc:
             if not future.done():
                 future.set_result([f"the round failed: {exc!r}"])
             if not isinstance(exc, Exception):
                 raise
+        finally:
+            self._round_tasks.pop(round_id, None)
+
+    async def _abandon_round(self, round_id: bytes) -> None:
+        task = self._round_tasks.get(round_id)
+        if task is not None:
+            task.cancel()
 
     async def _round(self, round_id: bytes, members: tuple[str, ...], timeout_s: float) -> list[str]:
         group_id = round_group_id(self.prefix, round_id)

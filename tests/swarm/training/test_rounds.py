@@ -129,6 +129,32 @@ def test_a_listed_member_that_never_joins_makes_the_round_incomplete(swarm):
         assert result.seconds < 15.0  # the others left it out after the sender timeout, not the round's
 
 
+def test_a_round_a_later_attempt_replaced_ends_at_once_and_the_next_one_meets(swarm):
+    """A member waits in attempt v1 of a round whose partner moved on to the next attempt. One round runs at a time,
+    so without abandoning v1 the member would enter v2 only at v1's timeout (60 s here), after its partner gave up
+    on v2: members one attempt apart would never meet. Abandoned, v1 ends at once and both meet in v2."""
+    a, b = swarm(2)
+    members = [a.member_id, b.member_id]
+    old: dict[str, RoundResult] = {}
+
+    def wait_in_v1() -> None:
+        old["v1"] = a.average(member_tensors(0), round_id=b"v1", members=members, timeout_s=60.0)
+
+    thread = threading.Thread(target=wait_in_v1, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # in the round, waiting for b
+    a.abandon(b"v1")
+    thread.join(20)
+    assert not thread.is_alive(), "the abandoned round held on"
+    assert not old["v1"].complete and "abandoned" in old["v1"].reason
+    for result in run_round([a, b], members, b"v2").values():
+        assert_exact_mean(result, mean_of([0, 1]))
+    # one abandoned before it started does not start at all
+    a.abandon(b"v3")
+    late = a.average(member_tensors(0), round_id=b"v3", members=members, timeout_s=60.0)
+    assert not late.complete and "abandoned" in late.reason and late.seconds == 0.0
+
+
 class _Heavy(RoundRunner):
     """A listed member that puts a huge weight on the parts it sends."""
 

@@ -22,10 +22,12 @@ and the checks started and liars caught (none, on this honest swarm).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,15 +46,11 @@ PEER_ARGS = ("--num-threads", "1", "--throughput", "1000")
 
 def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[float, ...]) -> dict:
     config = load_config(Path(model))
-    num_blocks, half = config.num_hidden_layers, config.num_hidden_layers // 2
+    num_blocks = config.num_hidden_layers
     ids = prompt_ids(config.vocab_size, seq, seed=1, batch=batch)
     seconds: dict[float, list[float]] = {f: [] for f in fractions}
     checked: dict[float, int] = {}
-    with LocalSwarm() as swarm:
-        swarm.start_bootstrap()
-        for i, (a, b) in enumerate([(0, half), (0, half), (half, num_blocks), (half, num_blocks)]):
-            swarm.start_peer(f"p{i}", model, "--blocks", f"{a}:{b}", *PEER_ARGS)
-        swarm.wait_online(model, num_blocks, [(0, half), (half, num_blocks)])
+    with _two_peers_per_half(model, num_blocks) as swarm:
         client = AutoDistributedModelForCausalLM.from_pretrained(
             model, initial_peers=swarm.initial_peers, verify_seed=0
         )
@@ -100,16 +98,12 @@ def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[flo
 
 def measure_inference(model: str, repeats: int, seq: int, new: int, rates: tuple[float, ...]) -> dict:
     config = load_config(Path(model))
-    num_blocks, half = config.num_hidden_layers, config.num_hidden_layers // 2
+    num_blocks = config.num_hidden_layers
     ids = prompt_ids(config.vocab_size, seq, seed=1, batch=1)
     seconds: dict[float, list[float]] = {r: [] for r in rates}
     started: dict[float, int] = dict.fromkeys(rates, 0)
     caught = 0
-    with LocalSwarm() as swarm:
-        swarm.start_bootstrap()
-        for i, (a, b) in enumerate([(0, half), (0, half), (half, num_blocks), (half, num_blocks)]):
-            swarm.start_peer(f"p{i}", model, "--blocks", f"{a}:{b}", *PEER_ARGS)
-        swarm.wait_online(model, num_blocks, [(0, half), (half, num_blocks)])
+    with _two_peers_per_half(model, num_blocks) as swarm:
         client = AutoDistributedModelForCausalLM.from_pretrained(
             model, initial_peers=swarm.initial_peers, verify_seed=0, verify_fraction=0.0
         )
@@ -155,6 +149,19 @@ def markdown_inference(result: dict) -> str:
             f"{result['checks_started'][rate]} in {result['repeats']} generations |"
         )
     return "\n".join(rows)
+
+
+@contextlib.contextmanager
+def _two_peers_per_half(model: str, num_blocks: int) -> Iterator[LocalSwarm]:
+    """A bootstrap and four peers on loopback, two on each half of the blocks: every hop has another peer to check
+    it on."""
+    half = num_blocks // 2
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        for i, (a, b) in enumerate([(0, half), (0, half), (half, num_blocks), (half, num_blocks)]):
+            swarm.start_peer(f"p{i}", model, "--blocks", f"{a}:{b}", *PEER_ARGS)
+        swarm.wait_online(model, num_blocks, [(0, half), (half, num_blocks)])
+        yield swarm
 
 
 def _wait_for_peers(client, count: int, timeout_s: float = 120.0) -> None:

@@ -64,16 +64,21 @@ def weight_files(path: Path) -> dict[str, Path]:
     raise ModelNotFoundError(f"{path} has no {SINGLE_FILE} or {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
-def load_tensors(
-    path: Path, wanted: Callable[[str], bool], dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """Read just the tensors whose names pass `wanted`, shard by shard (the rest never enter memory)."""
+def _wanted_by_file(path: Path, wanted: Callable[[str], bool]) -> dict[Path, list[str]]:
+    """The names that pass `wanted`, by the safetensors file holding them."""
     by_file: dict[Path, list[str]] = {}
     for name, file in weight_files(path).items():
         if wanted(name):
             by_file.setdefault(file, []).append(name)
+    return by_file
+
+
+def load_tensors(
+    path: Path, wanted: Callable[[str], bool], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Read just the tensors whose names pass `wanted`, shard by shard (the rest never enter memory)."""
     tensors = {}
-    for file, names in by_file.items():
+    for file, names in _wanted_by_file(path, wanted).items():
         with safe_open(file, framework="pt") as f:
             for name in names:
                 tensor = f.get_tensor(name)
@@ -83,12 +88,8 @@ def load_tensors(
 
 def tensor_shapes(path: Path, wanted: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
     """The shapes of the tensors whose names pass `wanted`, read from the files' headers (no tensor is loaded)."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in weight_files(path).items():
-        if wanted(name):
-            by_file.setdefault(file, []).append(name)
     shapes = {}
-    for file, names in by_file.items():
+    for file, names in _wanted_by_file(path, wanted).items():
         with safe_open(file, framework="pt") as f:
             for name in names:
                 shapes[name] = tuple(f.get_slice(name).get_shape())

@@ -84,12 +84,7 @@ def start_dht(
 
 
 def _start_node(initial_peers, client_mode: bool, startup_timeout_s: float, identity: NodeIdentity, kwargs):
-    """Fork the node's process and wait until it is ready; once more if it never said anything.
-
-    A forked child that stays silent past the startup timeout (it did not even fail) is killed and forked again: the
-    test suite saw this about once in a few thousand starts on a busy machine (its cause is not traced yet).
-    """
-    for attempt in (1, 2):
+    def make() -> hivemind.DHT:
         dht = _OwnGroupDHT(
             initial_peers=list(initial_peers),
             # no NAT probing or UPnP mapping: a node contacts only the peers it is given
@@ -103,40 +98,61 @@ def _start_node(initial_peers, client_mode: bool, startup_timeout_s: float, iden
             **kwargs,
         )
         dht.identity = identity
+        return dht
+
+    return _start_forked(make, startup_timeout_s + 5)
+
+
+def start_plain_dht(
+    initial_peers: Sequence[str] = (),
+    record_validators=(),
+    *,
+    client_mode: bool = False,
+    ensure_bootstrap_success: bool = True,
+) -> hivemind.DHT:
+    """A hivemind DHT node as hivemind starts one (none of our validators), on 127.0.0.1: for bare hivemind averagers,
+    whose matchmaking records our nodes refuse, and for tests that play a stranger (one that goes on although nobody
+    answered its pings: `ensure_bootstrap_success=False`)."""
+
+    def make() -> hivemind.DHT:
+        return hivemind.DHT(
+            initial_peers=list(initial_peers),
+            start=False,
+            client_mode=client_mode,
+            auto_nat=False,
+            nat_port_map=False,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=list(record_validators),
+            ensure_bootstrap_success=ensure_bootstrap_success,
+        )
+
+    return _start_forked(make, 65)
+
+
+def _start_forked(make, timeout_s: float) -> hivemind.DHT:
+    """Fork the node `make()` gives and wait until it is ready; once more if it never said anything.
+
+    A forked child that stays silent past the timeout (it did not even fail) is killed and forked again: the test
+    suite saw this about once in a few thousand starts on a busy machine (its cause is not traced yet).
+    """
+    for attempt in (1, 2):
+        dht = make()
         _fork(dht)
         try:
-            dht.wait_until_ready(timeout=startup_timeout_s + 5)
+            dht.wait_until_ready(timeout=timeout_s)
             return dht
         except concurrent.futures.TimeoutError:
             stop_dht(dht)
             if attempt == 2:
                 raise DHTUnavailableError(
-                    f"the DHT process did not start within {startup_timeout_s + 5:g}s, twice; if this repeats, "
+                    f"the DHT process did not start within {timeout_s:g}s, twice; if this repeats, "
                     f"check that this machine can start processes and reach --initial-peers"
                 ) from None
-            logger.warning("the DHT process said nothing within %gs; starting it again", startup_timeout_s + 5)
+            logger.warning("the DHT process said nothing within %gs; starting it again", timeout_s)
         except BaseException:
             stop_dht(dht)
             raise
     raise AssertionError("unreachable")
-
-
-def start_plain_dht(initial_peers: Sequence[str] = (), record_validators=()) -> hivemind.DHT:
-    """A hivemind DHT node as hivemind starts one (none of our validators), on 127.0.0.1: for bare hivemind averagers,
-    whose matchmaking records our nodes refuse, and for tests that play a stranger."""
-    dht = hivemind.DHT(
-        initial_peers=list(initial_peers),
-        start=False,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        record_validators=list(record_validators),
-    )
-    _fork(dht)
-    try:
-        dht.wait_until_ready(timeout=65)
-    except BaseException:
-        stop_dht(dht)
-        raise
-    return dht
 
 
 def _fork(dht: hivemind.DHT) -> None:

@@ -8,7 +8,6 @@ attacker would), a client on the peer's gRPC endpoint and on its libp2p tunnel, 
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import ssl
 import stat
@@ -27,7 +26,7 @@ from protocol.errors import PeerUnavailableError, UnauthorizedError
 from protocol.records import ServerState, prefix_for_model
 from protocol.service import PeerStub, error_from_rpc
 from swarm.dht.directory import fetch_models, fetch_snapshot
-from swarm.dht.node import dht_result, start_dht, stop_dht
+from swarm.dht.node import dht_result, start_dht, start_plain_dht, stop_dht
 from swarm.net.tunnel import TunnelPool, tunnel_address
 from swarm.trust.rpcauth import SERVER_NAME
 from swarm.trust.swarmkey import SwarmKey, create_key_file
@@ -96,21 +95,7 @@ def test_a_stranger_dht_node_cannot_join(private, stranger_key):
 
 def _stranger_dht(initial_peers, *, client_mode: bool) -> hivemind.DHT:
     """A DHT node without a key that goes on although nobody answered its pings, as an attacker's would."""
-    # forked as swarm/dht/node.py forks its nodes: with the garbage of gRPC calls made here frozen, not finalized there
-    gc.collect()
-    gc.freeze()
-    try:
-        return hivemind.DHT(
-            initial_peers=initial_peers,
-            start=True,
-            client_mode=client_mode,
-            auto_nat=False,
-            nat_port_map=False,
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            ensure_bootstrap_success=False,
-        )
-    finally:
-        gc.unfreeze()
+    return start_plain_dht(initial_peers, client_mode=client_mode, ensure_bootstrap_success=False)
 
 
 def test_a_stranger_that_skips_the_join_check_reads_nothing_and_writes_nothing(private, tiny_llama_path):

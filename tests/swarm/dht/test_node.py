@@ -1,14 +1,18 @@
-"""swarm.dht.node against a real hivemind DHT process: a call into a node that stalls or dies fails in bounded time."""
+"""swarm.dht.node against a real hivemind DHT process: a start or a call into a node that stalls or dies fails in
+bounded time."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
+import hivemind
 import pytest
 
 from protocol.errors import DHTUnavailableError
-from swarm.dht.node import dht_result, start_dht, stop_dht
+from swarm.dht.node import _start_forked, dht_result, start_dht, stop_dht
+from swarm.trust.identity import fresh_identity
 
 
 async def _stall(dht, node, seconds: float) -> str:
@@ -52,3 +56,19 @@ class _Stall:
 
     async def __call__(self, dht, node) -> str:
         return await _stall(dht, node, self.seconds)
+
+
+def test_a_node_whose_start_stalls_is_given_up_in_bounded_time():
+    """A bootstrap peer that accepts connections and never speaks: the start is tried twice, each for its timeout,
+    then fails with a typed error, where hivemind's own wait for readiness never ends."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+
+        def make() -> hivemind.DHT:
+            maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{fresh_identity().peer_id}"
+            return hivemind.DHT(initial_peers=[maddr], start=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+        began = time.monotonic()
+        with pytest.raises(DHTUnavailableError, match="did not start within 1s, twice"):
+            _start_forked(make, 1)
+        assert time.monotonic() - began < 20

@@ -2,7 +2,8 @@
 
 - trainer: SwarmTrainer, pipelined synchronous training with the peers of a run
 - local: LocalTrainer, the same training in one process (the reference the swarm is checked against)
-- data: token batches from text files (default: Shakespeare), shuffled, resumable, prefetched
+- documents, stream, data: training batches from text, JSON lines or Parquet files (default: Shakespeare),
+  streamed, a data shard per trainer, shuffled in windows, resumable exactly, prefetched (data's docstring)
 - export: `swarmlm export`, the swarm's current weights as a Hugging Face checkpoint
 - cli: `swarmlm train`
 

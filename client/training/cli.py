@@ -1,4 +1,7 @@
-"""`swarmlm train MODEL ...`: train with the peers of a run (or alone with --local, the reference), on text files.
+"""`swarmlm train MODEL ...`: train with the peers of a run (or alone with --local, the reference), on your data.
+
+The data (--data: text files, JSON lines, Parquet, or a folder of them) is streamed: tokenized as it is read,
+shuffled within windows, this trainer's --data-shard of the documents only (client/training/stream.py).
 
 Prints a progress bar (loss, tokens/s, each stage's update count), writes one JSON line per step with
 --log-json, and with --save keeps the trainer's state (embeddings, norm, head, optimizer, data position) so
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 from client.config import TrainConfig
+from client.training.documents import Shard, Source, find_sources, sources_of
 from protocol.errors import SwarmError
 from swarm.training.settings import (
     add_averaging_arguments,
@@ -37,7 +41,26 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--local", action="store_true", help="train the whole model in this process: the reference")
-    p.add_argument("--data", help="a text file or a folder of them (default: the bundled Shakespeare plays)")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="training data: a text file (.txt, .md, ...), a JSON lines (.jsonl) or Parquet (.parquet) file, or a "
+        "folder of them, read recursively; streamed, never held whole (default: the bundled Shakespeare plays)",
+    )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the field of JSON lines records, or the Parquet column, that holds the text (default: text)",
+    )
+    p.add_argument(
+        "--data-shard",
+        type=_data_shard,
+        default="0/1",
+        metavar="I/N",
+        help="this trainer's share of the documents: those whose number %% N == I (a document is a text file or a "
+        "record); give the N trainers of a run 0/N .. N-1/N, so that none trains on another's text (default: 0/1)",
+    )
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     p.add_argument(
         "--batch-size",
@@ -51,7 +74,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default: 100)")
     add_recipe_arguments(p.add_argument_group("the run's recipe (given ones must equal a running run's)"))
-    p.add_argument("--seed", type=int, default=0, help="data order (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="data order: the shuffle within windows (default: 0)")
     p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--host", default="127.0.0.1", help="address the trainer's DHT node listens on")
@@ -83,22 +106,55 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None):
+def _data_shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def data_sources(args: argparse.Namespace) -> list[Source]:
+    """The files of --data, or the default corpus. Raises OSError or ValueError, naming the path."""
+    if args.data:
+        return find_sources(args.data)
+    from client.training.data import default_corpus
+
+    return sources_of(default_corpus())
+
+
+def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None, sources: list[Source] | None = None):
+    """The Prefetcher over the streaming loader of --data, resumed from `state` (a saved `state_dict()`)."""
+    from collections import Counter
+
     from transformers import AutoTokenizer
 
-    from client.training.data import Prefetcher, TokenBatches, default_corpus, text_files, tokenize_files
+    from client.training.data import Prefetcher
+    from client.training.stream import StreamingBatches
 
-    files = text_files(args.data) if args.data else default_corpus()
+    sources = data_sources(args) if sources is None else sources
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"cannot load the tokenizer of {model_path}: {exc}; the checkpoint folder must hold one"
         ) from None
-    tokens = tokenize_files(tokenizer, files)
-    batches = TokenBatches(tokens, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, state=state)
+    batches = StreamingBatches(
+        sources,
+        tokenizer,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        shard=args.data_shard,
+        text_field=args.text_field,
+        state=state,
+    )
+    kinds = Counter(source.kind.value for source in sources)
     logger.info(
-        "data: %d files, %d tokens, %d sequences of %d", len(files), tokens.numel(), batches.num_chunks, args.seq_len
+        "data: %s, data shard %s, streamed in shuffle windows of %d sequences of %d tokens",
+        ", ".join(f"{n} {kind} file(s)" for kind, n in sorted(kinds.items())),
+        args.data_shard,
+        batches.window_chunks,
+        args.seq_len,
     )
     return Prefetcher(batches)
 
@@ -119,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
         swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    try:
+        sources = data_sources(args)  # files only: nothing is read before the first batch
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl+C: through the cleanup below
     save = Path(args.save) if args.save else None
     resumed = json.loads((save / STATE_FILE).read_text()) if save and (save / STATE_FILE).exists() else None
@@ -127,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model_path = resolve_model_path(args.model)
-        batches = load_batches(model_path, args, resumed["data"] if resumed else None)
+        batches = load_batches(model_path, args, resumed["data"] if resumed else None, sources)
         trainer, model = _make_trainer(
             args, config, model_path, save if resumed else None, swarm_key, steps_done=resumed["step"] if resumed else 0
         )

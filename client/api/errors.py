@@ -49,11 +49,11 @@ def from_swarm_error(error: SwarmError) -> ApiError:
         return ApiError(400, str(error), code="context_length_exceeded")
     if isinstance(error, BadRequestError):
         return ApiError(400, str(error), code="invalid_value")
-    if isinstance(error, OutputRewoundError):  # tokens already generated may be wrong: only a new request is sure
+    if isinstance(error, OutputRewoundError):  # streamed tokens may be wrong (whole answers are generated again)
         return ApiError(
             503,
-            "a peer of the route was caught computing wrong results after this request's first tokens; it is banned "
-            "now: send the request again",
+            "a peer of the route was caught computing wrong results after this request's first tokens were sent; it "
+            "is banned now: send the request again",
             type="service_unavailable",
             code=error.code,
         )

@@ -31,7 +31,8 @@ class Backend(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> Iterator[int]:
-        """Generated token ids, one per step; closing the iterator ends the generation and frees its resources."""
+        """Generated token ids, one per step; closing the iterator ends the generation and frees its resources.
+        An iterator with a `settle()` is asked to confirm its tokens once the last one is taken."""
         ...
 
     def uncovered_blocks(self) -> list[int]:
@@ -50,6 +51,8 @@ class GenerationParams:
     sampling: Sampling
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stream: bool = False
+    """Text goes to the client as it comes; else it is held until the end (a rewound generation then starts again)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,14 @@ def run_generation(
 ) -> Finish:
     """Generate until a stop rule or `cancel`; `emit` gets each new piece of text, `on_token` each token.
 
-    Raises whatever the backend raises (swarm errors), after closing its token iterator.
+    Raises whatever the backend raises (swarm errors; OutputRewoundError when a check of the route caught a liar,
+    also once the last token is out), after closing its token iterator.
     """
     detokenizer, stops = Detokenizer(backend.decode), StopMatcher(params.stop)
     tokens = backend.tokens(list(params.prompt_ids), params.max_tokens, params.sampling)
-    count, reason = 0, "length"
+    count, reason, stopped = 0, "length", False
     try:
-        while count < params.max_tokens:
+        while count < params.max_tokens and not stopped:
             if cancel.is_set():
                 return Finish("cancelled", count)
             token = next(tokens, None)
@@ -88,8 +92,11 @@ def run_generation(
             text, stopped = stops.feed(detokenizer.add(token))
             if text:
                 emit(text)
-            if stopped:
-                return Finish("stop", count)
+        settle = getattr(tokens, "settle", None)
+        if settle is not None:  # the route's last check: a liar it caught made this output wrong
+            settle()
+        if stopped:
+            return Finish("stop", count)
         text, stopped = stops.feed(detokenizer.flush())
         rest = text if stopped else text + stops.flush()
         if rest:

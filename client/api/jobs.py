@@ -3,7 +3,9 @@
 The client's steps block (they wait for peers), so each generation runs in a worker thread of a pool of
 `max_concurrency` threads and hands its text to the event loop through an asyncio queue; the loop itself never
 waits on the swarm. A job whose HTTP client went away is cancelled: its thread stops after the current step
-and closes the inference session (generation.py), and only then does its slot free up.
+and closes the inference session (generation.py), and only then does its slot free up. A generation that a check
+caught a liar in (client/inference_checks.py) runs again from its prompt while none of its text was sent: a
+whole answer holds its text until the end for that.
 
 Admission is a bounded queue: up to `max_concurrency` jobs run, up to `max_queued` more wait in arrival
 order, and a request beyond that is refused at once with 429 (OpenAI's clients retry 429 with back-off).
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 from client.api.errors import ApiError
 from client.api.generation import Backend, Finish, GenerationParams, run_generation
 from client.api.metrics import ApiMetrics
+from protocol.errors import OutputRewoundError
 
 logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # a generation and its retries after checks caught liars; each liar is banned before the next
 
 
 class ClientGone(Exception):
@@ -65,12 +70,17 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self._last_token_at: float | None = None
+        self._sent = False  # text of this job reached the event loop (a streamed answer's client has it)
 
     def _post(self, event) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop closed (server shutdown): nobody is reading any more
             self.cancel.set()
+
+    def _send(self, text: str) -> None:
+        self._sent = True
+        self._post(Text(text))
 
     def _on_token(self) -> None:
         now = time.perf_counter()
@@ -85,9 +95,7 @@ class Job:
         self.metrics.active.inc()
         self.metrics.prompt_tokens.inc(len(self.params.prompt_ids))
         try:
-            finish = run_generation(
-                backend, self.params, self.cancel, lambda text: self._post(Text(text)), self._on_token
-            )
+            finish = self._generate(backend)
         except BaseException as exc:  # handed to the request, which answers with it
             if not self.cancel.is_set():
                 logger.warning("generation failed: %s: %s", type(exc).__name__, exc)
@@ -99,6 +107,24 @@ class Job:
         if finish.reason == "cancelled":
             self.metrics.cancelled.inc()
         self._post(finish)
+
+    def _generate(self, backend: Backend) -> Finish:
+        """run_generation, again from the prompt when a check rewound it (a liar was caught and banned) before any
+        of its text reached the client: always for a whole answer, whose text is held until the end."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            held: list[str] = []
+            emit = self._send if self.params.stream else held.append
+            try:
+                finish = run_generation(backend, self.params, self.cancel, emit, self._on_token)
+            except OutputRewoundError as exc:
+                if self._sent or attempt == MAX_ATTEMPTS:
+                    raise
+                logger.warning("%s; generating the request again from its prompt", exc)
+                continue
+            for text in held:
+                self._post(Text(text))
+            return finish
+        raise AssertionError("unreachable")
 
     def client_gone(self) -> None:
         """The HTTP client disconnected: stop the worker, and wake whoever waits for the next event."""

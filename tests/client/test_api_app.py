@@ -34,6 +34,9 @@ class ScriptedBackend:
         self.gate.set()
         self.step_s = 0.0
         self.fail_after: tuple[int, Exception] | None = None
+        self.failures_left: int | None = None  # generations that fail as fail_after says (None: every one)
+        self.settle_error: Exception | None = None  # what settle() raises, once
+        self.generations = 0
         self.open_sessions = 0
         self.uncovered: list[int] = []
         self.lock = threading.Lock()
@@ -53,11 +56,16 @@ class ScriptedBackend:
     def tokens(self, prompt_ids, max_new_tokens, sampling):
         with self.lock:
             self.open_sessions += 1
+            self.generations += 1
+        return _Tokens(self._tokens(), self)
+
+    def _tokens(self):
         try:
             i = 0
             while True:
                 self.gate.wait()
-                if self.fail_after and i == self.fail_after[0]:
+                if self.fail_after and i == self.fail_after[0] and self.failures_left != 0:
+                    self.failures_left = None if self.failures_left is None else self.failures_left - 1
                     raise self.fail_after[1]
                 time.sleep(self.step_s)
                 yield ord(REPLY[i % len(REPLY)])
@@ -71,6 +79,27 @@ class ScriptedBackend:
 
     def failovers(self):
         return 3
+
+
+class _Tokens:
+    """The scripted tokens, with the `settle()` of client/decoding.py's Decoding (the route's last check)."""
+
+    def __init__(self, tokens, backend):
+        self.tokens, self.backend = tokens, backend
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.tokens)
+
+    def settle(self):
+        error, self.backend.settle_error = self.backend.settle_error, None
+        if error is not None:
+            raise error
+
+    def close(self):
+        self.tokens.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +126,7 @@ def backend(served):
     yield backend
     backend.gate.set()
     backend.step_s, backend.fail_after, backend.uncovered = 0.0, None, []
+    backend.failures_left, backend.settle_error = None, None
     _wait(lambda: backend.open_sessions == 0, "every generation to end")
 
 
@@ -348,10 +378,44 @@ def test_errors_before_the_first_token_are_http_errors_and_after_it_an_event(bac
         for _ in api.completions.create(model="scripted", prompt="a", max_tokens=9, stream=True):
             pass
 
-    # a liar caught after tokens went out: they may be wrong, and the client is told to send the request again
-    backend.fail_after = (2, OutputRewoundError("peer X was caught computing wrong results", position=3))
+
+def _rewound() -> OutputRewoundError:
+    return OutputRewoundError("peer X was caught computing wrong results; it is banned", position=3)
+
+
+def test_a_whole_answer_a_check_rewound_is_generated_again_and_a_streamed_one_ends_in_an_error(backend, url, api):
+    # a liar caught (and banned) mid-generation: the whole answer is generated again, and the client sees only that
+    backend.fail_after, backend.failures_left = (2, _rewound()), 1
+    started = backend.generations
+    assert api.completions.create(model="scripted", prompt="a", max_tokens=9).choices[0].text == REPLY[:9]
+    assert (backend.generations - started, backend.failures_left) == (2, 0)
+    # caught by the route's last check, after the last token: the same
+    backend.settle_error, started = _rewound(), backend.generations
+    assert api.completions.create(model="scripted", prompt="a", max_tokens=4).choices[0].text == REPLY[:4]
+    assert (backend.generations - started, backend.settle_error) == (2, None)
+    # liar after liar: after three tries the client is told to send the request again
+    backend.fail_after, backend.failures_left, started = (2, _rewound()), None, backend.generations
     response = _post(url, "/v1/completions", {"model": "scripted", "prompt": "a", "max_tokens": 9})
     _assert_error(response, 503, "output_rewound", words=["wrong results", "send the request again"])
+    assert backend.generations - started == 3
+
+    # streamed: caught before any text went out, generated again; after, the text sent may be wrong: an error event
+    backend.fail_after, backend.failures_left = (0, _rewound()), 1
+    chunks = api.completions.create(model="scripted", prompt="a", max_tokens=5, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in chunks) == REPLY[:5]
+    backend.settle_error = _rewound()
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": "scripted", "prompt": "a", "max_tokens": 3, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        events = _events(response)
+    assert "".join(e["choices"][0]["text"] for e in events[:3]) == "Hel"
+    assert events[3]["error"]["code"] == "output_rewound" and "send the request again" in events[3]["error"]["message"]
+    assert events[4:] == ["[DONE]"]
 
 
 # --- admission, disconnects, health, metrics ---

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from client.config import ClientConfig
+from client.decoding import decode_tokens, lm_head_batcher
+from protocol.errors import OutputRewoundError
 from tests.helpers.fake_swarm import Fault
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE
@@ -122,3 +124,37 @@ def test_verify_inference_is_a_probability():
     for wrong in (-0.1, 1.5):
         with pytest.raises(ValueError, match="verify_inference must lie in"):
             ClientConfig(initial_peers=peers, verify_inference=wrong)
+
+
+def test_the_apis_decoding_is_told_of_a_liar_and_its_next_generation_gives_the_local_models_tokens(
+    fake_swarm, tiny_llama_local
+):
+    """What `swarmlm api` runs (client/decoding.py): a generation whose check caught the liar raises
+    OutputRewoundError (at a step, or at settle() after the last one), and the generation the API starts again
+    gives the local model's greedy tokens (client/api/jobs.py retries; tests/client/test_api_app.py)."""
+    _, liar, *honest = _swarm(fake_swarm, [Fault("perturb", method="inference", after=LIE_FROM_STEP)])
+    prompt = _ids(1, 6, seed=32)
+    expected = tiny_llama_local.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+
+    def greedy(ids, logits):
+        return logits.argmax(-1)
+
+    remote = fake_swarm.client(**CHECKED)
+    heads = lm_head_batcher(remote)
+    try:
+        tokens = decode_tokens(remote, heads, prompt[0].tolist(), 12, greedy)
+        with pytest.raises(OutputRewoundError, match="wrong results"):
+            for _ in tokens:
+                pass
+            tokens.settle()
+        tokens.close()
+        assert liar.peer_id in remote.sequence.bans.banned()
+        again = decode_tokens(remote, heads, prompt[0].tolist(), 12, greedy)
+        try:
+            assert list(again) == expected
+            again.settle()
+        finally:
+            again.close()
+        assert not remote.sequence.bans.banned() & {peer.peer_id for peer in honest}
+    finally:
+        remote.shutdown()

@@ -657,6 +657,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_inference_checks.py",),
     ),
     Mutation(
+        "api-rewound-not-retried",
+        "client/api/jobs.py",
+        "MAX_ATTEMPTS = 3 ",
+        "MAX_ATTEMPTS = 1 ",
+        "the API answers 503 to a whole answer a check rewound, though none of its text was sent: it could retry",
+        ("tests/client/test_api_app.py",),
+    ),
+    Mutation(
+        "api-last-check-not-awaited",
+        "client/api/generation.py",
+        "            settle()\n",
+        "            pass  # MUTATION\n",
+        "an answer ends before the route's last check: a liar caught after the last token leaves it wrong, unsaid",
+        ("tests/client/test_api_app.py",),
+    ),
+    Mutation(
         "checkers-drawn-by-throughput",
         "client/routing.py",
         "        if sum(weights) > 0 and not uniform:\n",

@@ -67,7 +67,7 @@ class NotAnnounced(Exception):
 
 
 class Forwarder:
-    """Channels to the next peers, and the push of one step's output.
+    """Channels to the next peers, and the push of one step's output (and the identity pings of placement).
 
     Args:
         endpoints: reads the endpoints that ONLINE records of the model announce (None: pushes go to any endpoint,
@@ -154,6 +154,17 @@ class Forwarder:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, hop.endpoint) from exc
         self.pushed += 1
+
+    async def prove(self, endpoint: str, nonce: bytes, timeout_s: float) -> bytes:
+        """The identity proof for `nonce` that the server at `endpoint` answers an Info call with (placement checks
+        the records it counts so: peer/placement_view.py)."""
+        try:
+            answer = await self._stub(endpoint).info(
+                pb.InfoRequest(nonce=nonce), timeout=timeout_s, metadata=call_metadata(self.auth, "info")
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, endpoint) from exc
+        return answer.identity_proof
 
     async def close(self) -> None:
         for channel, _ in self._stubs.values():

@@ -21,6 +21,7 @@ from peer.cache import CacheBudget
 from peer.config import WILDCARD_HOSTS, PeerConfig
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
+from peer.placement_view import PlacementView
 from peer.reach import Reach
 from peer.throughput import measure_throughput
 from protocol import swarmlm_pb2 as pb
@@ -38,6 +39,7 @@ from protocol.service import WINDOW_OPTIONS, make_generic_handler
 from protocol.vocab import Transport
 from swarm.dht.directory import announce, fetch_snapshot, unstored
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.checkpoint import load_config, resolve_model_path
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
@@ -56,6 +58,7 @@ class PeerServer:
         self.span = None
         self.servicer: PeerServicer | None = None
         self.forwarder: Forwarder | None = None  # pushes inference steps on to the next peer of a route
+        self.placement: PlacementView | None = None  # what placement decisions count (set once the peer id is final)
         self.grpc_server: grpc.aio.Server | None = None
         self.endpoint: str | None = None
         self.auth = RpcAuth(config.swarm_key) if config.swarm_key is not None else None
@@ -160,8 +163,9 @@ class PeerServer:
         self.dht = await self.reach.decide(self.dht, self.endpoint, self._relays_in_directory)
         local_host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
         await self.reach.start(self.dht, f"{local_host}:{port}", self._relays_changed)
+        self.placement = PlacementView(self.peer_id, self.forwarder.prove)
 
-        await self._serve_blocks(await asyncio.to_thread(self._choose_blocks))
+        await self._serve_blocks(await self._choose_blocks())
         self._announcer = asyncio.create_task(self._announce_forever())
         if cfg.blocks is None:  # blocks the operator chose stay put
             self._rebalancer = asyncio.create_task(self._rebalance_forever())
@@ -219,7 +223,7 @@ class PeerServer:
         while True:
             await asyncio.sleep(self.config.rebalance_period_s * random.uniform(0.5, 1.5))
             try:
-                snapshot = await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
+                snapshot = await self._placement_snapshot()
                 target = should_move(snapshot, self.peer_id, balance_margin=self.config.balance_margin)
                 if target is not None:
                     await self._move(target)
@@ -235,13 +239,18 @@ class PeerServer:
         self.span = None  # free the old blocks before loading the new ones
         await self._serve_blocks(blocks)
 
-    def _choose_blocks(self) -> tuple[int, int]:
+    async def _choose_blocks(self) -> tuple[int, int]:
         cfg = self.config
         if cfg.blocks is not None:
             return cfg.blocks
         count = cfg.num_blocks or self._blocks_that_fit()
-        snapshot = fetch_snapshot(self.dht, self.prefix, self.num_layers)
-        return choose_span(snapshot, min(count, self.num_layers))
+        return choose_span(await self._placement_snapshot(), min(count, self.num_layers))
+
+    async def _placement_snapshot(self) -> SwarmSnapshot:
+        """The directory as placement counts it: records proven by their endpoints (peer/placement_view.py)."""
+        return await self.placement.trusted(
+            await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
+        )
 
     def _blocks_that_fit(self) -> int:
         """As many blocks as fit in half the free memory (the rest is left for cache and the system)."""

@@ -673,6 +673,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_api_app.py",),
     ),
     Mutation(
+        "placement-counts-unproven-records",
+        "peer/placement_view.py",
+        "        return peer_id != self.own_peer_id and info.transport != Transport.P2P\n",
+        "        return False  # MUTATION\n",
+        "placement counts records nobody proved: a made-up fast record for some blocks keeps honest peers off them",
+        ("tests/peer/test_placement_view.py",),
+    ),
+    Mutation(
+        "joining-dated-by-its-claim",
+        "peer/placement_view.py",
+        '        return info.model_copy(update={"joined_at": first}) if info.joined_at > first else info\n',
+        "        return info  # MUTATION\n",
+        "a JOINING record renewed with a fresh joined_at counts as coverage for ever: its blocks stay unserved",
+        ("tests/peer/test_placement_view.py",),
+    ),
+    Mutation(
         "checkers-drawn-by-throughput",
         "client/routing.py",
         "        if sum(weights) > 0 and not uniform:\n",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -78,3 +79,43 @@ def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path
         what="blocks 2:4 served again by one of the peers of 0:2",
         watch=[p for p in peers if p is not victim],
     )
+
+
+def test_a_peer_places_itself_by_records_it_has_proven_not_by_made_up_ones(swarm, model_path):
+    """Two strangers announce blocks 3:6 ONLINE at 1e7 tokens/s, signed with their own keys: one at an endpoint where
+    nothing listens, one at the honest peer's endpoint, whose server cannot sign for the stranger's key. A peer that
+    places itself counts neither (peer/placement_view.py) and takes 3:6, which nobody serves; counting them, it
+    would take 0:3 beside the honest peer."""
+    from protocol.records import ModelRecord, ServerInfo
+    from swarm.dht.directory import announce
+    from swarm.dht.node import start_dht, stop_dht
+
+    prefix = prefix_for_model(str(model_path))
+    swarm.start_bootstrap()
+    swarm.start_peer(model_path, "--blocks", "0:3")
+    honest = swarm.wait_online(prefix, [(0, 3)]).online()
+    ((honest_id, info),) = honest.items()
+    with socket.socket() as closed:  # a port that was free a moment ago, where nothing listens
+        closed.bind(("127.0.0.1", 0))
+        dead_endpoint = f"127.0.0.1:{closed.getsockname()[1]}"
+    strangers = [start_dht(swarm.initial_peers) for _ in range(2)]
+    try:
+        for stranger, endpoint in zip(strangers, [dead_endpoint, info.endpoint]):
+            fake = ServerInfo.from_wire({**info.to_wire(), "start_block": 3, "end_block": 6, "throughput": 1e7})
+            fake = fake.model_copy(update={"endpoint": endpoint})
+            assert not announce(
+                stranger, prefix, fake, ModelRecord(num_blocks=NUM_LAYERS, repository="x"), expiration_s=120
+            )
+        ids = {stranger.peer_id.to_base58() for stranger in strangers}
+        swarm.wait_for(lambda: ids <= set(swarm.snapshot(prefix, NUM_LAYERS).online()), 30, "the strangers' records")
+
+        swarm.start_peer(model_path, "--num-blocks", "3")
+
+        def placed():
+            spans = _online_spans(swarm, prefix)[1]
+            return sorted(span for pid, span in spans.items() if pid not in ids | {honest_id}) or None
+
+        assert swarm.wait_for(placed, timeout_s=60, what="the second peer ONLINE") == [(3, 6)]
+    finally:
+        for stranger in strangers:
+            stop_dht(stranger)

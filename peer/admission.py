@@ -59,6 +59,21 @@ class Admission:
                 f"(--max-attention-cost); send shorter sequences or smaller batches"
             )
 
+    def hold(self, nbytes: int, *, check: bool = True) -> int:
+        """Count `nbytes` of a message that waits in a session's inbox (a pushed step, a request read ahead) as
+        queued until `release(nbytes)`; with `check`, OverloadedError if the queue is full (never when it is empty).
+        Returns `nbytes`."""
+        if check and self.queued_bytes and self.queued_bytes + nbytes > self.limits.max_queued_bytes:
+            raise OverloadedError(
+                f"this peer is busy: {self.queued_bytes / 2**20:.1f} MiB are queued (limit "
+                f"{self.limits.max_queued_bytes / 2**20:.0f} MiB); use another peer or retry later"
+            )
+        self.queued_bytes += nbytes
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.queued_bytes -= nbytes
+
     @contextlib.contextmanager
     def admit(self, tokens: int, nbytes: int) -> Iterator[None]:
         """Count a request as queued for the body; OverloadedError if the queue is full (never when it is empty)."""

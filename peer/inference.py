@@ -2,7 +2,8 @@
 
 A session's work comes through one queue, its inbox: the client's requests, steps that the previous peer of the
 route pushed into it (peer/forwarding.py), and reports of pushes of ours that failed. Each kind of item has its
-own type and its own answer. One-token steps of concurrent sessions are computed in one batch
+own type and its own answer. The bytes of requests and pushed steps count as queued (peer/admission.py) from when
+they enter the inbox: a push is refused when the peer's queue is full. One-token steps of concurrent sessions are computed in one batch
 (peer/batching.py); a long prefill is computed in chunks, other sessions' steps running between them.
 """
 
@@ -14,7 +15,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -60,6 +61,7 @@ class ClientRequest:
     """A request the client sent on the stream: open, step or close."""
 
     received: Received
+    held: int = 0  # its bytes, counted as queued (peer/admission.py) while it waits in the inbox
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class PushedStep:
     """A step that the previous peer of the route pushed into the session; `push` checked its token."""
 
     received: Received
+    held: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,10 @@ class InferenceStreams:
         """The responses of one stream, until it closes or ends, or its session idles out or outlives its lifetime."""
         async with contextlib.AsyncExitStack() as stack:
             stream = _Stream(source, stack)
-            reader = asyncio.ensure_future(_read_into(requests, stream.inbox, stream.slots))
+            # last out: the session is unlisted by then (no more pushes), and the reader stopped
+            stack.callback(self._release_waiting, stream.inbox)
+            hold = functools.partial(self.served.admission.hold, check=False)  # read ahead, bounded by the slots
+            reader = asyncio.ensure_future(_read_into(requests, stream.inbox, stream.slots, hold))
             stack.callback(reader.cancel)
             while True:
                 reply = await self._next_reply(stream)
@@ -214,7 +220,16 @@ class InferenceStreams:
             return self._idle(stream.session)
         if isinstance(item, ClientRequest):
             stream.slots.release()
+        if isinstance(item, (ClientRequest, PushedStep)):
+            self.served.admission.release(item.held)  # admitted again, as work, by the step that computes it
         return await self._answer(stream, item)
+
+    def _release_waiting(self, inbox: asyncio.Queue[InboxItem]) -> None:
+        """Release what the items left in a stream's inbox held: it ended before they were taken."""
+        while not inbox.empty():
+            item = inbox.get_nowait()
+            if isinstance(item, (ClientRequest, PushedStep)):
+                self.served.admission.release(item.held)
 
     async def _answer(self, stream: _Stream, item: InboxItem) -> _Reply:
         """What one item of the stream's inbox gets."""
@@ -289,7 +304,8 @@ class InferenceStreams:
 
         Raises:
             UnknownSessionError: no session here takes pushed steps with that token.
-            OverloadedError: the session already holds MAX_PUSHED_WAITING steps.
+            OverloadedError: the session already holds MAX_PUSHED_WAITING steps, or the peer's queue is full (the
+                step's bytes wait counted as queued, peer/admission.py).
         """
         request: pb.PushRequest = received.message
         session = self.sessions.get(request.step.session_id)
@@ -299,7 +315,8 @@ class InferenceStreams:
             )
         if session.inbox.qsize() >= MAX_PUSHED_WAITING:
             raise OverloadedError(f"session {session.session_id} has {MAX_PUSHED_WAITING} steps waiting")
-        session.inbox.put_nowait(PushedStep(received))
+        held = self.served.admission.hold(_size(received))
+        session.inbox.put_nowait(PushedStep(received, held))
         return pb.PushResponse()
 
     async def _push_on(self, session: Session, step: pb.InferenceStep, out, mask, positions) -> None:
@@ -499,8 +516,10 @@ async def _guarded(answer: Awaitable[_Reply], what: str) -> _Reply:
         return _Reply(_error(as_swarm_error(exc, what)))
 
 
-async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue, slots: asyncio.Semaphore) -> None:
-    """The client's requests into the session's inbox, each once a slot is free, then StreamEnded."""
+async def _read_into(
+    requests: AsyncIterator[Received], inbox: asyncio.Queue, slots: asyncio.Semaphore, hold: Callable[[int], int]
+) -> None:
+    """The client's requests into the session's inbox, each once a slot is free (its bytes held), then StreamEnded."""
     iterator = requests.__aiter__()
     try:
         while True:
@@ -509,11 +528,16 @@ async def _read_into(requests: AsyncIterator[Received], inbox: asyncio.Queue, sl
                 received = await iterator.__anext__()
             except StopAsyncIteration:
                 return
-            inbox.put_nowait(ClientRequest(received))
+            inbox.put_nowait(ClientRequest(received, hold(_size(received))))
     except (grpc.RpcError, asyncio.CancelledError):
         pass
     finally:
         inbox.put_nowait(StreamEnded())
+
+
+def _size(received: Received) -> int:
+    """The bytes a received message holds: its payload, and the rest (small tensors travel inline)."""
+    return len(received.payload) + received.message.ByteSize()
 
 
 def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:

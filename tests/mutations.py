@@ -376,8 +376,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "cache-quota-ignored",
         "peer/cache.py",
-        "            return self.tokens_left >= tokens and self.used_by[source] + tokens <= self.source_quota\n",
-        "            return self.tokens_left >= tokens  # MUTATION\n",
+        "                and self.used_by[source] + tokens <= self.source_quota\n",
+        "                and True  # MUTATION\n",
         "one client address can take the whole KV cache",
         ("tests/integration/test_limits.py::test_one_client_address_cannot_take_the_whole_cache",),
     ),
@@ -687,6 +687,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return info  # MUTATION\n",
         "a JOINING record renewed with a fresh joined_at counts as coverage for ever: its blocks stay unserved",
         ("tests/peer/test_placement_view.py",),
+    ),
+    Mutation(
+        "pushed-bytes-not-counted",
+        "peer/inference.py",
+        "        held = self.served.admission.hold(_size(received))\n",
+        "        held = 0  # MUTATION\n",
+        "steps pushed into a session wait outside the peer's queued bytes: pushes pile up memory past --max-queued-bytes",
+        ("tests/peer/test_inference.py",),
+    ),
+    Mutation(
+        "inbox-left-not-released",
+        "peer/inference.py",
+        "            stack.callback(self._release_waiting, stream.inbox)\n",
+        "            pass  # MUTATION\n",
+        "what a stream left in its inbox stays counted as queued: the peer refuses work for bytes nobody holds",
+        ("tests/peer/test_inference.py",),
     ),
     Mutation(
         "checkers-drawn-by-throughput",

@@ -64,11 +64,14 @@ class Context:
 
     def __init__(self):
         self.written: asyncio.Queue = asyncio.Queue()
+        self.writable = asyncio.Event()  # cleared: the client does not read, and the stream waits in write()
+        self.writable.set()
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:5555"
 
     async def write(self, response) -> None:
+        await self.writable.wait()
         self.written.put_nowait(response)
 
 
@@ -139,12 +142,19 @@ class Client:
         await asyncio.wait_for(self.task, 5)
 
 
-def _run(test, span: DoublingSpan | None = None, forwarder=None, cache_tokens: int = 1024, **limits):
+def _run(
+    test,
+    span: DoublingSpan | None = None,
+    forwarder=None,
+    cache_tokens: int = 1024,
+    work: WorkLimits | None = None,
+    **limits,
+):
     """`await test(streams)` with streams over `span` (by default a DoublingSpan)."""
 
     async def go():
         config = SimpleNamespace(hidden_size=HIDDEN, max_position_embeddings=64, num_hidden_layers=NUM_BLOCKS)
-        served = ServedSpan(config, PREFIX, WorkLimits())
+        served = ServedSpan(config, PREFIX, work or WorkLimits())
         served.span = span or DoublingSpan()
         streams = InferenceStreams(served, CacheBudget(cache_tokens), ServingLimits(**limits), forwarder)
         try:
@@ -313,3 +323,42 @@ def test_a_session_past_its_lifetime_ends_at_its_next_request():
         assert streams.sessions == {}
 
     _run(test, session_lifetime_s=100)
+
+
+def test_pushed_steps_and_requests_read_ahead_count_as_queued_bytes_until_taken():
+    """A step waiting in an inbox holds memory as a step being computed does: its bytes count in the peer's queue
+    (peer/admission.py) from when it arrives, a push the queue has no room for is refused, and what a stream that
+    ended left in its inbox is given back."""
+    first, second = (_pushed("s", b"token", 1.0, prefix, prefix + 1) for prefix in (0, 1))
+    two_steps = first.message.ByteSize() + second.message.ByteSize()  # one float32 token each, inline, and the rest
+
+    async def test(streams: InferenceStreams):
+        admission = streams.served.admission
+        client = Client(streams)
+        client.open("s", push_token=b"token")
+        await client.answer()
+        assert admission.queued_bytes == 0
+        streams.push(first)
+        streams.push(second)
+        assert admission.queued_bytes == two_steps  # not taken yet: this loop has not let the stream run
+        with pytest.raises(OverloadedError, match="MiB are queued"):
+            streams.push(_pushed("s", b"token", 1.0, 2, 3))  # a third would pass --max-queued-bytes
+        assert await client.output() == (2.0, 1, 1)
+        assert await client.output() == (2.0, 2, 2)
+        assert admission.queued_bytes == 0
+
+        # the stream ends before it takes a pushed step (its client closed the session first): the step's bytes are
+        # given back
+        client.context.writable.clear()
+        client.step("s", 1.0, prefix_length=2, step_id=5)
+        client.close("s")
+        await asyncio.sleep(0.1)  # the step's answer waits to be written; the close is read ahead behind it
+        streams.push(_pushed("s", b"token", 1.0, 3, 6))
+        assert admission.queued_bytes > 0
+        client.context.writable.set()
+        assert await client.output() == (2.0, 5, 3)
+        await client.ended()
+        assert admission.queued_bytes == 0 and streams.sessions == {} and span.calls == 3
+
+    span = DoublingSpan()
+    _run(test, span, work=WorkLimits(max_queued_bytes=two_steps))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from hivemind.utils import get_dht_time
+from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from protocol.records import MAX_RECORD_TTL_S, TrainingProgress
 from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
-from swarm.training.members import GroupProgress, progress_key
+from swarm.training.members import GroupProgress, OwnerCache, progress_key, verified_progress
 from swarm.training.state import majority_claim
 
 GROUP = "test-model.train.run.0-4"
@@ -51,9 +51,10 @@ def test_a_stranger_announcing_a_higher_epoch_changes_no_members_decision(nodes)
         dht_result(member.dht, member.publish(honest), "publishing")
     stranger_dht, first_id = nodes["stranger"], first.peer_id
     lie = TrainingProgress(epoch=99, samples=1 << 40, param_digest=OTHER).to_wire()
-    # in a member's name: under its plain peer id (anyone may write that, so it counts for nothing), and under
-    # its signed subkey (the stranger cannot sign for that key, so no node takes it)
-    store(stranger_dht, first_id, lie)
+    # in a member's name: under its plain peer id (no node takes a plain subkey under our keys, and a reader
+    # would skip it: test_a_plain_subkey_counts_for_nothing), and under its signed subkey (the stranger cannot
+    # sign for that key, so no node takes it)
+    assert not store(stranger_dht, first_id, lie)
     assert not store(stranger_dht, nodes["first"].identity.record_subkey(), lie, expiration_s=120)
     # malformed or pinned far ahead, under its own key: refused by the validators
     mine = stranger_dht.identity.record_subkey()
@@ -71,6 +72,19 @@ def test_a_stranger_announcing_a_higher_epoch_changes_no_members_decision(nodes)
     }
     # what a member decides: the state it would catch up to is still the honest majority's
     assert majority_claim(found) == (3, DIGEST)
+
+
+def test_a_plain_subkey_counts_for_nothing(nodes):
+    """What a reader keeps of a record, should a node have stored a plain subkey anyway: only signed entries."""
+    signed = nodes["first"].identity.record_subkey()
+    progress = TrainingProgress(epoch=3, samples=0, param_digest=DIGEST).to_wire()
+    raw = {
+        nodes["second"].peer_id.to_base58(): ValueWithExpiration(progress, get_dht_time() + 30),
+        signed: ValueWithExpiration(progress, get_dht_time() + 30),
+    }
+    assert verified_progress(raw, OwnerCache()) == {
+        nodes["first"].peer_id.to_base58(): TrainingProgress(epoch=3, samples=0, param_digest=DIGEST)
+    }
 
 
 def test_a_progress_record_outlives_no_ttl_and_the_ttl_is_bounded(nodes):

@@ -6,6 +6,7 @@
 - reach: how clients reach the peer (direct gRPC, or libp2p through a relay from behind NAT)
 - handler: the gRPC service; its unary calls (forward, backward, info, state)
 - inference: the inference stream (sessions, their steps, steps pushed into them by the previous peer)
+- inbox: the kinds of work a session's inbox holds, and the reader of the client's requests
 - served: the span served now, and what every request goes through (span check, validation, compute thread)
 - validation: checks that turn bad input into typed errors
 - admission: caps on one request and on the work waiting for compute

@@ -1,6 +1,6 @@
 """The inference stream of the Peer service: one session per stream, its steps, and the steps pushed into it.
 
-A session's work comes through one queue, its inbox: the client's requests, steps that the previous peer of the
+A session's work comes through one queue, its inbox (peer/inbox.py): the client's requests, steps that the previous peer of the
 route pushed into it (peer/forwarding.py), and reports of pushes of ours that failed. Each kind of item has its
 own type and its own answer. The bytes of requests and pushed steps count as queued (peer/admission.py) from when
 they enter the inbox: a push is refused when the peer's queue is full. One-token steps of concurrent sessions are computed in one batch
@@ -15,10 +15,9 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from peer import validation
@@ -28,6 +27,18 @@ from peer.cache import CacheBudget
 from peer.compute import INFERENCE
 from peer.config import ServingLimits
 from peer.forwarding import Forwarder, check_next, failure_report
+from peer.inbox import (
+    ClientRequest,
+    InboxItem,
+    PushedStep,
+    PushFailed,
+    Reclaimed,
+    StreamEnded,
+    drain,
+    held_bytes,
+    read_into,
+    size_of,
+)
 from peer.served import ServedSpan, as_swarm_error
 from peer.timings import StepClock, StepTimings
 from protocol import swarmlm_pb2 as pb
@@ -51,45 +62,6 @@ DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch
 RECLAIM_IDLE_S = 60.0
 """A session idle this long is closed when a new one waits for cache (SessionExpiredError: its client, idle since
 at least the lifetime a client excuses, reopens and replays without blaming this peer)."""
-
-
-# --- what comes through a session's inbox ---
-
-
-@dataclass(frozen=True)
-class ClientRequest:
-    """A request the client sent on the stream: open, step or close."""
-
-    received: Received
-    held: int = 0  # its bytes, counted as queued (peer/admission.py) while it waits in the inbox
-
-
-@dataclass(frozen=True)
-class PushedStep:
-    """A step that the previous peer of the route pushed into the session; `push` checked its token."""
-
-    received: Received
-    held: int = 0
-
-
-@dataclass(frozen=True)
-class PushFailed:
-    """A step of ours that the next peer did not take: the client hears of it and sends its steps itself."""
-
-    report: pb.ForwardFailed
-
-
-@dataclass(frozen=True)
-class StreamEnded:
-    """The client's stream ended or broke: so does the session."""
-
-
-@dataclass(frozen=True)
-class Reclaimed:
-    """The session sat idle on its cache while another waited for room: it ends."""
-
-
-InboxItem = ClientRequest | PushedStep | PushFailed | StreamEnded | Reclaimed
 
 
 @dataclass
@@ -203,7 +175,7 @@ class InferenceStreams:
             # last out: the session is unlisted by then (no more pushes), and the reader stopped
             stack.callback(self._release_waiting, stream.inbox)
             hold = functools.partial(self.served.admission.hold, check=False)  # read ahead, bounded by the slots
-            reader = asyncio.ensure_future(_read_into(requests, stream.inbox, stream.slots, hold))
+            reader = asyncio.ensure_future(read_into(requests, stream.inbox, stream.slots, hold))
             stack.callback(reader.cancel)
             while True:
                 reply = await self._next_reply(stream)
@@ -220,16 +192,12 @@ class InferenceStreams:
             return self._idle(stream.session)
         if isinstance(item, ClientRequest):
             stream.slots.release()
-        if isinstance(item, (ClientRequest, PushedStep)):
-            self.served.admission.release(item.held)  # admitted again, as work, by the step that computes it
+        self.served.admission.release(held_bytes(item))  # admitted again, as work, by the step that computes it
         return await self._answer(stream, item)
 
     def _release_waiting(self, inbox: asyncio.Queue[InboxItem]) -> None:
         """Release what the items left in a stream's inbox held: it ended before they were taken."""
-        while not inbox.empty():
-            item = inbox.get_nowait()
-            if isinstance(item, (ClientRequest, PushedStep)):
-                self.served.admission.release(item.held)
+        self.served.admission.release(drain(inbox))
 
     async def _answer(self, stream: _Stream, item: InboxItem) -> _Reply:
         """What one item of the stream's inbox gets."""
@@ -315,7 +283,7 @@ class InferenceStreams:
             )
         if session.inbox.qsize() >= MAX_PUSHED_WAITING:
             raise OverloadedError(f"session {session.session_id} has {MAX_PUSHED_WAITING} steps waiting")
-        held = self.served.admission.hold(_size(received))
+        held = self.served.admission.hold(size_of(received))
         session.inbox.put_nowait(PushedStep(received, held))
         return pb.PushResponse()
 
@@ -514,30 +482,6 @@ async def _guarded(answer: Awaitable[_Reply], what: str) -> _Reply:
         return await answer
     except Exception as exc:
         return _Reply(_error(as_swarm_error(exc, what)))
-
-
-async def _read_into(
-    requests: AsyncIterator[Received], inbox: asyncio.Queue, slots: asyncio.Semaphore, hold: Callable[[int], int]
-) -> None:
-    """The client's requests into the session's inbox, each once a slot is free (its bytes held), then StreamEnded."""
-    iterator = requests.__aiter__()
-    try:
-        while True:
-            await slots.acquire()
-            try:
-                received = await iterator.__anext__()
-            except StopAsyncIteration:
-                return
-            inbox.put_nowait(ClientRequest(received, hold(_size(received))))
-    except (grpc.RpcError, asyncio.CancelledError):
-        pass
-    finally:
-        inbox.put_nowait(StreamEnded())
-
-
-def _size(received: Received) -> int:
-    """The bytes a received message holds: its payload, and the rest (small tensors travel inline)."""
-    return len(received.payload) + received.message.ByteSize()
 
 
 def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:

@@ -691,7 +691,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "pushed-bytes-not-counted",
         "peer/inference.py",
-        "        held = self.served.admission.hold(_size(received))\n",
+        "        held = self.served.admission.hold(size_of(received))\n",
         "        held = 0  # MUTATION\n",
         "steps pushed into a session wait outside the peer's queued bytes: pushes pile up memory past --max-queued-bytes",
         ("tests/peer/test_inference.py",),

@@ -165,6 +165,19 @@ def _events(response) -> list:
     return out
 
 
+def _streamed(url, max_tokens: int) -> list:
+    """The events of a streamed completion of "a", whose answer began with status 200."""
+    with httpx2.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json={"model": "scripted", "prompt": "a", "max_tokens": max_tokens, "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    ) as response:
+        assert response.status_code == 200
+        return _events(response)
+
+
 def _assert_error(response, status, code=None, param=None, words=()):
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -362,15 +375,7 @@ def test_errors_before_the_first_token_are_http_errors_and_after_it_an_event(bac
         api.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
 
     backend.fail_after = (3, PeerUnavailableError("peer X vanished"))
-    with httpx2.stream(
-        "POST",
-        f"{url}/v1/completions",
-        json={"model": "scripted", "prompt": "a", "max_tokens": 9, "stream": True},
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=30,
-    ) as response:
-        assert response.status_code == 200
-        events = _events(response)
+    events = _streamed(url, max_tokens=9)
     assert "".join(e["choices"][0]["text"] for e in events[:3]) == "Hel"
     assert events[3]["error"]["code"] == "peer_unavailable" and "vanished" in events[3]["error"]["message"]
     assert events[4:] == ["[DONE]"]
@@ -404,15 +409,7 @@ def test_a_whole_answer_a_check_rewound_is_generated_again_and_a_streamed_one_en
     chunks = api.completions.create(model="scripted", prompt="a", max_tokens=5, stream=True)
     assert "".join(chunk.choices[0].text for chunk in chunks) == REPLY[:5]
     backend.settle_error = _rewound()
-    with httpx2.stream(
-        "POST",
-        f"{url}/v1/completions",
-        json={"model": "scripted", "prompt": "a", "max_tokens": 3, "stream": True},
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=30,
-    ) as response:
-        assert response.status_code == 200
-        events = _events(response)
+    events = _streamed(url, max_tokens=3)
     assert "".join(e["choices"][0]["text"] for e in events[:3]) == "Hel"
     assert events[3]["error"]["code"] == "output_rewound" and "send the request again" in events[3]["error"]["message"]
     assert events[4:] == ["[DONE]"]

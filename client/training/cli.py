@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 
 from client.config import TrainConfig
@@ -124,8 +125,6 @@ def data_sources(args: argparse.Namespace) -> list[Source]:
 
 def load_batches(model_path: Path, args: argparse.Namespace, state: dict | None, sources: list[Source] | None = None):
     """The Prefetcher over the streaming loader of --data, resumed from `state` (a saved `state_dict()`)."""
-    from collections import Counter
-
     from transformers import AutoTokenizer
 
     from client.training.data import Prefetcher

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -57,3 +59,42 @@ def test_a_zygote_with_threads_is_refused_and_commands_are_execd(monkeypatch):
     with pytest.warns(UserWarning, match=r"exec every command.*threads: [2-9]"):
         assert zygote.launcher(env) is None
     assert zygote.launcher(env) is None
+
+
+def test_a_forked_process_that_keeps_a_wait_waiting_shows_its_stacks(tmp_path):
+    with Swarm(tmp_path / "swarm") as swarm:
+        swarm.start_bootstrap()
+        with pytest.raises(TimeoutError) as waited:
+            swarm.wait_for(lambda: False, 0.5, "something that never comes")
+        assert "most recent call first" in str(waited.value) and "swarm/bootstrap.py" in str(waited.value)
+        assert swarm.bootstrap.alive()
+
+
+LOCK_HELD_BY_A_SIBLING = """
+import os, signal, sys
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+from tests.helpers import zygote
+
+SharedBytes._lock.acquire()  # as a sibling that was SIGKILLed inside it leaves it
+pid = os.fork()
+if pid == 0:
+    zygote.become({"argv": [], "env": dict(os.environ), "cwd": os.getcwd(), "stdout": sys.argv[1], "stderr": sys.argv[1]})
+    signal.alarm(20)  # stuck on the lock: killed by SIGALRM
+    MPFuture()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_command_has_hiveminds_process_wide_locks_to_itself(tmp_path):
+    """hivemind's futures take process-wide multiprocessing locks, which a fork shares with the zygote and every
+    sibling: a sibling killed while it held one (tests SIGKILL peers) must not leave the next command waiting forever."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOCK_HELD_BY_A_SIBLING, str(tmp_path / "child.log")],
+        cwd=zygote.REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:], (tmp_path / "child.log").read_text()[-3000:])

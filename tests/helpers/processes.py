@@ -23,6 +23,7 @@ tails, which waits that time out include in their error and the `swarm` fixture 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -94,6 +95,33 @@ def describe(procs: Sequence[psutil.Process]) -> str:
         except psutil.Error:
             lines.append(f"  pid {proc.pid}: (gone)")
     return "\n".join(lines)
+
+
+def show_stacks(procs: Sequence[ManagedProcess], wait_s: float = 1.0) -> None:
+    """Have the Python processes of the given commands' sessions that catch SIGUSR1 (forked ones and what they fork:
+    tests/helpers/zygote.py) write their threads' stacks to their stderr: where a process that keeps a test waiting
+    is stuck. Others are left alone: SIGUSR1 would end them (p2pd's Go runtime catches it, and then exits)."""
+    signalled = False
+    for proc in procs:
+        if not proc.alive():
+            continue
+        for member in proc.members():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if member.name().startswith("python") and catches(member.pid, signal.SIGUSR1):
+                    os.kill(member.pid, signal.SIGUSR1)
+                    signalled = True
+    if signalled:
+        time.sleep(wait_s)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the kernel's SigCgt mask)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (sig - 1) & 1)
 
 
 def _tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -489,6 +517,7 @@ class Swarm:
                 raise AssertionError(f"while waiting for {what}: {names} exited\n{self.format_logs()}")
             if time.monotonic() >= deadline:
                 detail = f"; last probe error: {last_error!r}" if last_error else ""
+                show_stacks(watched)
                 raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}{detail}\n{self.format_logs()}")
             time.sleep(poll_s)
 

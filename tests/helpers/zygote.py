@@ -19,6 +19,7 @@ tests/helpers/processes.py uses of `subprocess.Popen`. `SWARMLM_TEST_FORK=0` mak
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import json
 import os
@@ -120,6 +121,7 @@ def serve() -> dict | None:
 def become(request: dict) -> None:
     """In the forked child: what `subprocess.Popen(..., start_new_session=True)` and a fresh interpreter give."""
     import numpy
+    from hivemind.utils.mpfuture import MPFuture
 
     os.setsid()
     os.chdir(request["cwd"])
@@ -133,6 +135,12 @@ def become(request: dict) -> None:
         os.dup2(out, fd)
         os.close(out)
     numpy.random.seed()  # `random` reseeds itself after fork; numpy's global generator does not
+    # hivemind's futures share process-wide multiprocessing locks, made when the zygote imported hivemind: without
+    # locks of its own, a child waits forever on one that a sibling held when it was SIGKILLed (as tests kill peers)
+    MPFuture.reset_backend()
+    # SIGUSR1 writes every thread's stack to stderr (the processes this one forks inherit it): how a test shows
+    # where a process that stays silent is stuck (Swarm.wait_for)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.argv = ["swarmlm", *request["argv"]]
 
 

@@ -340,6 +340,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (EXACT,),
     ),
     Mutation(
+        "sat-out-member-not-named",
+        "client/training/stages.py",
+        "        for pid in self.last_update - taking_part - set(online):\n",
+        "        for pid in ():  # MUTATION\n",
+        "a member that the directory read missed sits an update out unsaid: the step's log hides it",
+        ("tests/client/training/test_stages.py",),
+    ),
+    Mutation(
         "schedule-ignored",
         "peer/training/span.py",
         "        lr = lr_at(self.recipe, self.epoch)\n",

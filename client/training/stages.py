@@ -48,6 +48,8 @@ class Stages:
     def __init__(self, sequence: RemoteSequence, run_id: str):
         self.sequence, self.run_id = sequence, run_id
         self.refused: set[str] = set()  # peers whose connection was refused since the last directory read
+        self.answered: dict[str, Member] = {}  # peer id -> its Info, of the last members() read
+        self.last_update: set[str] = set()  # the members of the last update a step began
 
     async def members(self) -> dict[Span, dict[str, Member]]:
         """Every peer of the run that answers Info, by stage (fresh directory read)."""
@@ -68,6 +70,7 @@ class Stages:
             return Member(peer_id, span, address, int(response.epoch), response.round)
 
         found = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
+        self.answered = {member.peer_id: member for member in found if member is not None}
         stages: dict[Span, dict[str, Member]] = {}
         for member in found:
             if member is not None:
@@ -97,6 +100,29 @@ class Stages:
                     f"(members' updates per stage: {seen}); start or wait for the missing stages' peers"
                 )
             await asyncio.sleep(0.2)
+
+    async def left_out(self, members: dict[Span, dict[str, Member]], epoch: int) -> dict[str, str]:
+        """Peer id -> why, for every peer of the run that is not among `members` (update `epoch`'s) although it is in
+        the directory or took part in the update before: it is at another update, it did not answer Info in time
+        (stopped or overloaded for a moment), or the directory read missed it. Such a peer sits the update out, and
+        copies its group's state once the group has moved on."""
+        taking_part = {pid for span_members in members.values() for pid in span_members}
+        online = (await self.sequence.snapshot()).online()
+        why = {}
+        for pid in online:
+            if pid in taking_part:
+                continue
+            seen = self.answered.get(pid)
+            if seen is None:
+                why[pid] = f"no Info answer within {INFO_TIMEOUT_S:g}s"
+            elif seen.epoch != epoch:
+                why[pid] = f"at update {seen.epoch}"
+            else:
+                why[pid] = "joined after the stages were read"
+        for pid in self.last_update - taking_part - set(online):
+            why[pid] = "not in the directory just now"
+        self.last_update = taking_part
+        return why
 
     def _cover(self, stages: dict[Span, dict[str, Member]]) -> bool:
         """Whether the stages' spans tile blocks [0, num_blocks) without gaps or overlaps."""

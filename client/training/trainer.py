@@ -210,8 +210,11 @@ class SwarmTrainer:
             )
         self.epoch = epoch
         self._publish(TrainingProgress(epoch=epoch, samples=0, param_digest=self._progress.param_digest))
-        everyone = {pid for span_members in (await self.stages.members()).values() for pid in span_members}
-        self.sequence.avoid = frozenset(everyone - {pid for ms in members.values() for pid in ms})
+        left_out = await self.stages.left_out(members, epoch)
+        self.sequence.avoid = frozenset(left_out)  # no micro-batch goes to a peer outside the update
+        sat_out = [f"update {epoch}: peer {pid[-8:]} sits it out ({why})" for pid, why in sorted(left_out.items())]
+        for fault in sat_out:
+            logger.warning("%s", fault)
         ledger = Ledger(members)
         sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         gate = asyncio.Semaphore(self.config.max_in_flight or batch.shape[0])
@@ -256,7 +259,7 @@ class SwarmTrainer:
             dict.fromkeys(members, epoch + 1),
             stage_samples=applied,
             trainer_samples=sum(trainers.values()),
-            faults=update.faults,
+            faults=[*sat_out, *update.faults],
         )
         logger.info(
             "update %d applied: samples per stage %s, trainer %d, global norm %.4g (scale %.3g)%s",
@@ -265,7 +268,7 @@ class SwarmTrainer:
             batch.shape[0],
             total_norm,
             scale,
-            f", {len(update.faults)} faults repaired" if update.faults else "",
+            f", {len(result.faults)} faults repaired" if result.faults else "",
         )
         return result
 

@@ -7,6 +7,8 @@ the clipping and the spared parameters are checked too. Step after step, a fault
 the trainer works:
 
 - none;
+- a member SIGSTOPped as the step begins, continued once the step is under way (it sits the update out, then
+  copies the state);
 - a member SIGSTOPped mid-step for longer than the Info timeout, then continued (it is slow, not lost);
 - a backward whose answer is lost after the member added it (the proxy drops it: the trainer asks again);
 - a member SIGKILLed after it took part of the step (fenced; its micro-batches go to the other member);
@@ -144,21 +146,36 @@ class Run:
         # every micro-batch once: every stage and the trainer applied exactly the batch
         assert mine.stage_samples == {(0, 2): BATCH, (2, 4): BATCH}, mine
         assert mine.trainer_samples == BATCH, mine
-        self.check_weights()
+        self.check_weights(mine)
         return mine
 
-    def check_weights(self) -> None:
+    def check_weights(self, step) -> None:
+        """Every live member's weights and the trainer's equal the reference's; a member that sat the update out
+        (the step names it) first copies its group's state."""
         local = self.local.model.state_dict()
         sequence = self.model.sequence
         for span in [(0, 2), (2, 4)]:
-            found = self.infos(span)
-            assert found, f"no live member of {span}"
+            found = self.caught_up(span, step)
             for pid, (_, endpoint) in found.items():
                 weights = self.model._run(fetch_peer_weights(sequence.pool, endpoint, sequence.prefix, *span))
                 worst = max(float((weights[n] - local[n]).abs().max()) for n in weights)
-                assert worst < ATOL, (self.steps, span, pid, worst)
+                assert worst < ATOL, (self.steps, span, pid, worst, step, self.swarm.format_logs())
         for name, p in self.model.named_parameters():
             assert float((p.detach() - local[name]).abs().max()) < ATOL, (self.steps, name)
+
+    def caught_up(self, span, step, timeout_s: float = 60.0) -> dict[str, tuple[pb.InfoResponse, str]]:
+        """The live members of `span` once all are at the trainer's update; one behind must be named by the step."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.infos(span)
+            assert found, f"no live member of {span}"
+            behind = [pid for pid, (info, _) in found.items() if info.epoch != self.trainer.epoch]
+            if not behind:
+                return found
+            for pid in behind:
+                assert any(pid[-8:] in fault for fault in step.faults), (self.steps, span, pid, step.faults)
+            assert time.monotonic() < deadline, (self.steps, span, behind, "did not catch up", self.swarm.format_logs())
+            time.sleep(0.5)
 
     def process_of(self, span, endpoint: str):
         return process_serving(self.peers[span], endpoint)
@@ -190,6 +207,20 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
         try:
             # no fault
             run.step()
+
+            # a member stopped as the step begins, continued once the step is under way without it: it sits the
+            # update out (the step says so), then copies its group's state
+            (late, (_, endpoint)), *_ = run.infos((2, 4)).items()
+            proc = run.process_of((2, 4), endpoint)
+            swarm.kill(proc, signal.SIGSTOP)
+
+            def continue_once_under_way(done, proc=proc):
+                run.when((2, 4), lambda info: info.samples > 0, done)  # the update's members are chosen by then
+                swarm.kill(proc, signal.SIGCONT)
+                proc.expected_alive = True
+
+            skipped = run.step(continue_once_under_way)
+            assert any(late[-8:] in f and "sits it out" in f for f in skipped.faults), skipped.faults
 
             # a member stopped mid-step, longer than the Info timeout, then continued: waited for, not fenced
             # (a step can end before a poll of the members' Info sees it under way, on a busy machine: each fault

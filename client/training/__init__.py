@@ -1,6 +1,8 @@
 """Training with the swarm: the trainer, its local reference, data, export and `swarmlm train`.
 
 - trainer: SwarmTrainer, pipelined synchronous training with the peers of a run
+- stages, ledger, update: the run's stage members, where each micro-batch went, and the commit and apply of an update
+- cotrainers: CoTrainers, meeting the run's other trainers and averaging the trainers' own parts with them
 - local: LocalTrainer, the same training in one process (the reference the swarm is checked against)
 - documents, stream, data: training batches from text, JSON lines or Parquet files (default: Shakespeare),
   streamed, a data shard per trainer, shuffled in windows, resumable exactly, prefetched (data's docstring)

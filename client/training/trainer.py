@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,23 +31,19 @@ from client.config import TrainConfig
 from client.retry import describe
 from client.routing import RouteHop
 from client.sequence import HopRecord, TakenBackward, TrainingTag
+from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
 from client.training.stages import Span, Stages
 from client.training.update import Update
 from protocol.errors import BadRequestError, StaleEpochError, TrainingFaultError, UnauthorizedError
 from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
-from swarm.training.group import GroupMember, group_key
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 from swarm.training.state import state_digest
 
 logger = logging.getLogger(__name__)
 
-# trainers' progress records outlive a few lost stores under load: a trainer that missed its co-trainer would update
-# alone; one that died is still expected this long, which costs at most a rendezvous's matchmaking time
-TRAINER_PROGRESS_TTL_S = 15.0
-POLL_S = 0.05
 MAX_WAIT_S = 5.0
 MAX_LATE_STEPS = 20  # tries of one batch whose update moves on without it (other trainers going on meanwhile)
 
@@ -123,24 +117,19 @@ class SwarmTrainer:
         self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local")
         self.epoch = epoch
         self.steps_done = 0
-        self._progress = TrainingProgress(epoch=epoch or 0, samples=0)
-        self._stop = threading.Event()
         try:
-            self.trainers = GroupMember(
+            self.trainers = CoTrainers(
                 self.dht,
-                group_key(self.sequence.prefix, config.run_id, "trainers"),
-                grads_like=self.params,
+                self.sequence.prefix,
+                config,
+                params=self.params,
                 state=self._shared_state,
-                settings=config.averaging,
                 swarm_key=self.sequence.config.swarm_key,
-                progress_ttl_s=TRAINER_PROGRESS_TTL_S,
             )
             self._join_trainers()
         except BaseException:
             self.close()
             raise
-        self._publisher = threading.Thread(target=self._publish_forever, name="trainer-progress", daemon=True)
-        self._publisher.start()
 
     # --- the blocking facade ---
 
@@ -184,12 +173,7 @@ class SwarmTrainer:
     def _catch_up_trainers(self, missed: int | None) -> None:
         """After update `missed` went on without it: copy the state that a majority of the trainers vouches for
         once they have applied it."""
-        deadline = time.monotonic() + self.config.averaging.load_state_timeout_s
-        claim = self.trainers.majority()
-        missed = -1 if missed is None else missed
-        while (claim is None or claim[0] <= missed) and time.monotonic() < deadline:
-            time.sleep(self.config.averaging.progress_period_s)
-            claim = self.trainers.majority()
+        self.trainers.wait_until_past(-1 if missed is None else missed)
         verified = self.trainers.load_state(self.state())
         self._load_state(verified.epoch, verified.tensors)
 
@@ -209,7 +193,9 @@ class SwarmTrainer:
                 epoch,
             )
         self.epoch = epoch
-        self._publish(TrainingProgress(epoch=epoch, samples=0, param_digest=self._progress.param_digest))
+        self.trainers.publish(
+            TrainingProgress(epoch=epoch, samples=0, param_digest=self.trainers.progress.param_digest)
+        )
         left_out = await self.stages.left_out(members, epoch)
         self.sequence.avoid = frozenset(left_out)  # no micro-batch goes to a peer outside the update
         sat_out = [f"update {epoch}: peer {pid[-8:]} sits it out ({why})" for pid, why in sorted(left_out.items())]
@@ -225,7 +211,7 @@ class SwarmTrainer:
         for span in members:
             if not ledger.complete(span, len(micro)):
                 raise AssertionError(f"stage {span} does not hold every micro-batch once: {ledger.holdings(span)}")
-        trainers, mean = await self._with_trainers(epoch, sums, batch.shape[0])
+        trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
 
         update = Update(
             self.stages,
@@ -238,7 +224,7 @@ class SwarmTrainer:
             ledger=ledger,
             redo=lambda span, pid: self._fence(span, pid, epoch, ledger),
             round_timeout_s=self.config.averaging.averaging_timeout_s,
-            trainers_alive=lambda: asyncio.to_thread(lambda: set(self.trainers.members())),
+            trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
         )
         done = await update.average()
         head_sq = float(sum(float(g.double().pow(2).sum()) for g in mean))
@@ -247,7 +233,9 @@ class SwarmTrainer:
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
         self.epoch = epoch + 1
-        self._publish(TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest)))
+        self.trainers.publish(
+            TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest))
+        )
         self.steps_done += 1
         loss = sum(loss * ids.shape[0] for loss, ids in zip(losses, micro)) / batch.shape[0]
         result = StepResult(
@@ -388,117 +376,7 @@ class SwarmTrainer:
             verified = self.trainers.load_state(self.state())
             self._load_state(verified.epoch, verified.tensors)
             logger.info("copied the other trainers' state at update %d", verified.epoch)
-        self._publish(TrainingProgress(epoch=self.epoch or 0, samples=0, param_digest=self._digest()))
-        self.trainers.serve_state(True)
-
-    def _publish(self, progress: TrainingProgress) -> None:
-        self._progress = progress
-        self.trainers.publish(progress)
-
-    def _publish_forever(self) -> None:
-        while not self._stop.wait(self.config.averaging.progress_period_s):
-            try:
-                self.trainers.publish(self._progress)
-            except Exception as exc:  # the DHT may be briefly unreachable
-                logger.debug("publishing the trainer's progress failed: %r", exc)
-
-    async def _rendezvous(self, epoch: int, samples: int) -> dict[str, int]:
-        """The trainers of update `epoch`: trainer id -> its samples, once every trainer at that update is done with
-        its micro-batches (one that has not been within the step timeout sits this update out)."""
-        self._publish(TrainingProgress(epoch=epoch, samples=samples, param_digest=self._progress.param_digest))
-        # a co-trainer at this update still computing is waited for: its record says it is there
-        deadline = time.monotonic() + self.config.step_timeout_s
-        while True:
-            members = await asyncio.to_thread(self.trainers.members)
-            at = {pid: p for pid, p in members.items() if p.epoch == epoch and not p.left}
-            ready = {pid: p.samples for pid, p in at.items() if p.samples > 0}
-            ready[self.trainer_id] = samples
-            if len(ready) == len(at | {self.trainer_id: None}) or time.monotonic() > deadline:
-                return dict(sorted(ready.items()))
-            await asyncio.sleep(POLL_S)
-
-    async def _with_trainers(self, epoch: int, sums: list[torch.Tensor], samples: int) -> tuple[dict[str, int], list]:
-        """(the trainers of update `epoch`, the mean gradients of the trainers' parts over all their samples).
-
-        The trainers average their parts in a round, then agree through their records that every one of them got
-        the same result before any applies it; a round that failed anywhere is tried again by all, under the next
-        try number. A trainer whose record lapses (it died; records outlive it by TRAINER_PROGRESS_TTL_S at most)
-        is left out and the others go on."""
-        trainers = await self._rendezvous(epoch, samples)
-        if len(trainers) == 1:
-            return trainers, [s / samples for s in sums]
-        deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
-        attempt = 0
-        while True:
-            mean, digest = await self._trainers_round(epoch, sums, trainers, attempt)
-            self._publish(
-                TrainingProgress(
-                    epoch=epoch,
-                    samples=samples,
-                    param_digest=self._progress.param_digest,
-                    round=attempt,
-                    round_digest=digest,
-                )
-            )
-            agreed, trainers, attempt = await self._agree(epoch, attempt, trainers, digest)
-            if agreed:
-                return trainers, mean
-            if time.monotonic() > deadline:
-                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round")
-            logger.warning("the trainers' round of update %d failed; trying again (try %d)", epoch, attempt)
-
-    async def _agree(
-        self, epoch: int, attempt: int, trainers: dict[str, int], digest: str
-    ) -> tuple[bool, dict[str, int], int]:
-        """Wait for every trainer's outcome of try `attempt`: (all got `digest`, the trainers still there, the next
-        try number)."""
-        while True:
-            members = await asyncio.to_thread(self.trainers.members)
-            gone = [pid for pid in trainers if pid != self.trainer_id and pid not in members]
-            if gone:
-                logger.warning("trainers %s left during update %d; going on without them", gone, epoch)
-                left = {pid: n for pid, n in trainers.items() if pid not in gone}
-                return False, left, attempt + 1
-            outcomes = {pid: members[pid] for pid in trainers if pid != self.trainer_id}
-            ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
-            if ahead > attempt:  # another trainer saw this try fail already
-                return False, trainers, ahead
-            done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
-            if len(done) == len(outcomes) and all(done):
-                agreed = digest != "x" and all(d == digest for d in done)
-                return agreed, trainers, attempt + (not agreed)
-            if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
-                return digest != "x", trainers, attempt + 1
-            await asyncio.sleep(POLL_S)
-
-    async def _trainers_round(
-        self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int
-    ) -> tuple[list | None, str]:
-        """(the mean gradients of the trainers' parts over every trainer's samples, their digest), or (None, "x")."""
-        total = sum(trainers.values())
-        scale = len(trainers) / total  # uniform weights, pre-scaled (swarm/training/rounds.py)
-        # the same id for every trainer of the try: what it averages, and the try number
-        round_id = hashlib.sha256(f"{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
-        began = time.perf_counter()
-        result = await asyncio.to_thread(
-            self.trainers.average,
-            [s.double() * scale for s in sums],
-            round_id=round_id,
-            members=list(trainers),
-            timeout_s=self.config.averaging.averaging_timeout_s,
-        )
-        if not result.complete:
-            return None, "x"
-        logger.info(  # worded as a stage peer's round (peer/training/span.py): the bench reads both
-            "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
-            epoch,
-            self.config.run_id,
-            total,
-            trainers[self.trainer_id],
-            len(trainers),
-            time.perf_counter() - began,
-        )
-        return [t.to(torch.float32) for t in result.tensors], state_digest(result.tensors)
+        self.trainers.start(TrainingProgress(epoch=self.epoch or 0, samples=0, param_digest=self._digest()))
 
     # --- the trainer's own parts ---
 
@@ -547,8 +425,7 @@ class SwarmTrainer:
 
     def close(self) -> None:
         """Stop the local thread, the trainers' group and the DHT node (idempotent)."""
-        self._stop.set()
         self.local.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "trainers", None) is not None:
-            self.trainers.shutdown()
+            self.trainers.close()
         stop_dht(self.dht)

@@ -1,0 +1,208 @@
+"""The run's other trainers, as one trainer sees them: meeting at each update, averaging the trainers' own parts
+(embeddings, norm, head) with them, and agreeing on the result before anyone applies it.
+
+The trainers of a run are a group of their own ("trainers", beside each stage's group): signed progress records,
+rounds among exactly the trainers of an update, and the state a majority vouches for (swarm/training/group.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import hivemind
+import torch
+
+from client.config import TrainConfig
+from protocol.errors import TrainingFaultError
+from protocol.records import TrainingProgress
+from swarm.training.group import GroupMember, group_key
+from swarm.training.state import VerifiedState, state_digest
+from swarm.trust.swarmkey import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+# trainers' progress records outlive a few lost stores under load: a trainer that missed its co-trainer would update
+# alone; one that died is still expected this long, which costs at most a rendezvous's matchmaking time
+TRAINER_PROGRESS_TTL_S = 15.0
+POLL_S = 0.05
+
+
+class CoTrainers:
+    """This trainer in its run's group of trainers.
+
+    Args:
+        params: the trainer's own parameters (what the trainers' rounds average, shapes only).
+        state: returns (epoch, state tensors) for a trainer that joins: a consistent copy.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        prefix: str,
+        config: TrainConfig,
+        *,
+        params: Sequence[torch.Tensor],
+        state: Callable[[], tuple[int, Sequence[torch.Tensor]]],
+        swarm_key: SwarmKey | None = None,
+    ):
+        self.config = config
+        self.trainer_id = dht.peer_id.to_base58()
+        self.progress = TrainingProgress(epoch=0, samples=0)
+        self._stop = threading.Event()
+        self.group = GroupMember(
+            dht,
+            group_key(prefix, config.run_id, "trainers"),
+            grads_like=params,
+            state=state,
+            settings=config.averaging,
+            swarm_key=swarm_key,
+            progress_ttl_s=TRAINER_PROGRESS_TTL_S,
+        )
+        self._publisher = threading.Thread(target=self._publish_forever, name="trainer-progress", daemon=True)
+
+    def start(self, progress: TrainingProgress) -> None:
+        """Announce `progress`, serve this trainer's state to joiners, and keep the record alive."""
+        self.publish(progress)
+        self.group.serve_state(True)
+        self._publisher.start()
+
+    def publish(self, progress: TrainingProgress) -> None:
+        self.progress = progress
+        self.group.publish(progress)
+
+    def _publish_forever(self) -> None:
+        while not self._stop.wait(self.config.averaging.progress_period_s):
+            try:
+                self.group.publish(self.progress)
+            except Exception as exc:  # the DHT may be briefly unreachable
+                logger.debug("publishing the trainer's progress failed: %r", exc)
+
+    def majority(self) -> tuple[int, str] | None:
+        """The (epoch, state digest) a strict majority of the other trainers announce, or None."""
+        return self.group.majority()
+
+    def alive(self) -> set[str]:
+        """The trainers heard from lately (this one too, once its record is in)."""
+        return set(self.group.members())
+
+    def load_state(self, like: Sequence[torch.Tensor]) -> VerifiedState:
+        return self.group.load_state(like)
+
+    def wait_until_past(self, missed: int) -> None:
+        """After update `missed` went on without this trainer: wait (bounded by the load-state timeout) until a
+        majority of the trainers vouches for a state past it."""
+        deadline = time.monotonic() + self.config.averaging.load_state_timeout_s
+        claim = self.majority()
+        while (claim is None or claim[0] <= missed) and time.monotonic() < deadline:
+            time.sleep(self.config.averaging.progress_period_s)
+            claim = self.majority()
+
+    # --- one update ---
+
+    async def rendezvous(self, epoch: int, samples: int) -> dict[str, int]:
+        """The trainers of update `epoch`: trainer id -> its samples, once every trainer at that update is done with
+        its micro-batches (one that has not been within the step timeout sits this update out)."""
+        self.publish(TrainingProgress(epoch=epoch, samples=samples, param_digest=self.progress.param_digest))
+        # a co-trainer at this update still computing is waited for: its record says it is there
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while True:
+            members = await asyncio.to_thread(self.group.members)
+            at = {pid: p for pid, p in members.items() if p.epoch == epoch and not p.left}
+            ready = {pid: p.samples for pid, p in at.items() if p.samples > 0}
+            ready[self.trainer_id] = samples
+            if len(ready) == len(at | {self.trainer_id: None}) or time.monotonic() > deadline:
+                return dict(sorted(ready.items()))
+            await asyncio.sleep(POLL_S)
+
+    async def average(self, epoch: int, sums: list[torch.Tensor], samples: int) -> tuple[dict[str, int], list]:
+        """(the trainers of update `epoch`, the mean gradients of the trainers' parts over all their samples).
+
+        The trainers average their parts in a round, then agree through their records that every one of them got
+        the same result before any applies it; a round that failed anywhere is tried again by all, under the next
+        try number. A trainer whose record lapses (it died; records outlive it by TRAINER_PROGRESS_TTL_S at most)
+        is left out and the others go on."""
+        trainers = await self.rendezvous(epoch, samples)
+        if len(trainers) == 1:
+            return trainers, [s / samples for s in sums]
+        deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
+        attempt = 0
+        while True:
+            mean, digest = await self._round(epoch, sums, trainers, attempt)
+            self.publish(
+                TrainingProgress(
+                    epoch=epoch,
+                    samples=samples,
+                    param_digest=self.progress.param_digest,
+                    round=attempt,
+                    round_digest=digest,
+                )
+            )
+            agreed, trainers, attempt = await self._agree(epoch, attempt, trainers, digest)
+            if agreed:
+                return trainers, mean
+            if time.monotonic() > deadline:
+                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round")
+            logger.warning("the trainers' round of update %d failed; trying again (try %d)", epoch, attempt)
+
+    async def _agree(
+        self, epoch: int, attempt: int, trainers: dict[str, int], digest: str
+    ) -> tuple[bool, dict[str, int], int]:
+        """Wait for every trainer's outcome of try `attempt`: (all got `digest`, the trainers still there, the next
+        try number)."""
+        while True:
+            members = await asyncio.to_thread(self.group.members)
+            gone = [pid for pid in trainers if pid != self.trainer_id and pid not in members]
+            if gone:
+                logger.warning("trainers %s left during update %d; going on without them", gone, epoch)
+                left = {pid: n for pid, n in trainers.items() if pid not in gone}
+                return False, left, attempt + 1
+            outcomes = {pid: members[pid] for pid in trainers if pid != self.trainer_id}
+            ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
+            if ahead > attempt:  # another trainer saw this try fail already
+                return False, trainers, ahead
+            done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
+            if len(done) == len(outcomes) and all(done):
+                agreed = digest != "x" and all(d == digest for d in done)
+                return agreed, trainers, attempt + (not agreed)
+            if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
+                return digest != "x", trainers, attempt + 1
+            await asyncio.sleep(POLL_S)
+
+    async def _round(
+        self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int
+    ) -> tuple[list | None, str]:
+        """(the mean gradients of the trainers' parts over every trainer's samples, their digest), or (None, "x")."""
+        total = sum(trainers.values())
+        scale = len(trainers) / total  # uniform weights, pre-scaled (swarm/training/rounds.py)
+        # the same id for every trainer of the try: what it averages, and the try number
+        round_id = hashlib.sha256(f"{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
+        began = time.perf_counter()
+        result = await asyncio.to_thread(
+            self.group.average,
+            [s.double() * scale for s in sums],
+            round_id=round_id,
+            members=list(trainers),
+            timeout_s=self.config.averaging.averaging_timeout_s,
+        )
+        if not result.complete:
+            return None, "x"
+        logger.info(  # worded as a stage peer's round (peer/training/span.py): the bench reads both
+            "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
+            epoch,
+            self.config.run_id,
+            total,
+            trainers[self.trainer_id],
+            len(trainers),
+            time.perf_counter() - began,
+        )
+        return [t.to(torch.float32) for t in result.tensors], state_digest(result.tensors)
+
+    def close(self) -> None:
+        """Leave the group (the others stop counting this trainer at once) and stop publishing."""
+        self._stop.set()
+        self.group.shutdown()

@@ -8,7 +8,7 @@ SIGTERM, then SIGKILL after a bounded wait, and raises `LeftoverProcessError` if
 `reaping_descendants(popen)` does the same for a process that starts its own children (`swarmlm demo`): it
 remembers every descendant while the process runs, and SIGKILLs and checks them at the end, whatever happened.
 
-Commands run outside a network namespace and with `swarmlm` itself are forked from the test process's zygote
+Commands run with `swarmlm` itself (also inside a network namespace) are forked from the test process's zygote
 (tests/helpers/zygote.py), which has our modules imported already: the same command in a real process of its own,
 without the 4 CPU-seconds of imports each; `SWARMLM_TEST_FORK=0` execs them all instead.
 
@@ -143,15 +143,17 @@ class ManagedProcess:
         env: dict[str, str],
         zygote: Zygote | None = None,
         argv: Sequence[str] = (),
+        netns: str | None = None,
     ):
-        """Runs `args`; or, given a zygote, forks `swarmlm ARGV...` there (`args` is then what it stands for)."""
+        """Runs `args`; or, given a zygote, forks `swarmlm ARGV...` there, in network namespace `netns` if given
+        (`args` is then what it stands for)."""
         self.name = name
         self.args = list(args)
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             if zygote is not None:
-                self.popen = zygote.start(self.args, list(argv), env, self.stdout_path, self.stderr_path)
+                self.popen = zygote.start(self.args, list(argv), env, self.stdout_path, self.stderr_path, netns or "")
             else:
                 self.popen = subprocess.Popen(
                     self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
@@ -319,7 +321,8 @@ class Swarm:
 
     def spawn(self, name: str, *args: str, netns: str | None = None) -> ManagedProcess:
         """Start `swarmlm ARGS...` as a managed process named `name` (numbered if the name was used), inside the
-        network namespace `netns` if given (`ip netns exec` keeps the pid, so signals reach swarmlm itself)."""
+        network namespace `netns` if given (forked into it, or run by `ip netns exec`, which keeps the pid: signals
+        reach swarmlm itself)."""
         return self._spawn(ManagedProcess, name, list(args), netns)
 
     def _spawn(
@@ -330,8 +333,10 @@ class Swarm:
         self._names[name] = count + 1
         unique = name if count == 0 else f"{name}-{count}"
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        zygote = launcher(self.env) if not netns and command is None else None
-        proc = cls(unique, prefix + list(command or swarmlm_command()) + args, self.log_dir, self.env, zygote, args)
+        zygote = launcher(self.env) if command is None else None
+        proc = cls(
+            unique, prefix + list(command or swarmlm_command()) + args, self.log_dir, self.env, zygote, args, netns
+        )
         self.processes.append(proc)
         return proc
 

@@ -8,7 +8,7 @@ own, stdin from /dev/null, stdout and stderr to the given files, the given envir
 fresh random state, then `swarm.cli.main(ARGS)` and a normal interpreter exit. The child is a real process
 running the real command; only the interpreter's start and the imports are shared.
 
-Protocol, JSON lines: requests on the zygote's stdin, {"argv", "env", "cwd", "stdout", "stderr"}; on its
+Protocol, JSON lines: requests on the zygote's stdin, {"argv", "env", "cwd", "stdout", "stderr", "netns"}; on its
 stdout {"ready": pid, "threads": N} once, then {"pid"} (or {"error"}) per request in turn, and {"exit": pid, "code": N}
 when a child ends (N < 0: killed by signal -N, as `subprocess` reports it). It exits when its stdin closes.
 
@@ -19,6 +19,7 @@ tests/helpers/processes.py uses of `subprocess.Popen`. `SWARMLM_TEST_FORK=0` mak
 from __future__ import annotations
 
 import atexit
+import ctypes
 import faulthandler
 import importlib
 import json
@@ -50,6 +51,7 @@ PRELOAD = (
 )
 READY_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 30.0
+CLONE_NEWNET = 0x40000000  # os.setns and os.CLONE_NEWNET come with Python 3.12
 ORPHAN_EXIT_CODE = 255  # what a Forked reports when the zygote ended before it did
 
 
@@ -124,6 +126,8 @@ def become(request: dict) -> None:
     from hivemind.utils.mpfuture import MPFuture
 
     os.setsid()
+    if request.get("netns"):
+        enter_netns(request["netns"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -142,6 +146,17 @@ def become(request: dict) -> None:
     # where a process that stays silent is stuck (Swarm.wait_for)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.argv = ["swarmlm", *request["argv"]]
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace `name`, as `ip netns exec` does for the
+    command it runs: what it binds and reaches from then on, and what it starts, is in there."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
+    finally:
+        os.close(fd)
 
 
 # --- the test side ---
@@ -243,12 +258,16 @@ class Zygote:
             self.alive = False  # a late reply would answer the next request
             return None
 
-    def start(self, args: list[str], argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> Forked:
-        """Fork `swarmlm ARGV...` (shown as `args`) with its output appended to the given files."""
+    def start(
+        self, args: list[str], argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, netns: str = ""
+    ) -> Forked:
+        """Fork `swarmlm ARGV...` (shown as `args`) with its output appended to the given files, in the network
+        namespace `netns` if given (`ip netns add` made it)."""
         with self._lock:
             if not self.alive:
                 raise ZygoteError("the tests' zygote has stopped")
             request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout), "stderr": str(stderr)}
+            request["netns"] = netns
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             reply = self._reply(REPLY_TIMEOUT_S)

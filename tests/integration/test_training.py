@@ -77,8 +77,8 @@ def read_log(path) -> list[dict]:
 
 
 def test_swarm_training_equals_local_training(model_path, tmp_path):
-    """One trainer, two stages of one peer each, fp32: the same losses for 20 steps and the same weights."""
-    steps = 20
+    """One trainer, two stages of one peer each, fp32: the same losses for 10 steps and the same weights."""
+    steps = 10  # the loss falls to 0.72x its first value by then
     with Swarm(tmp_path / "swarm") as swarm:
         # the reference needs no swarm: it trains while the swarm starts
         local = swarm.spawn(

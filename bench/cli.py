@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if plan.reference_threads:
         torch.set_num_threads(plan.reference_threads)
+    # stop like Ctrl+C: the harness stops the peers on the way out, and what was measured is still reported
+    signal.signal(signal.SIGTERM, _interrupt)
     warn_missing_plots()
     from swarm.paths import default_cache_dir
 
@@ -215,6 +218,10 @@ NOTES = [
     "Wire: client and an echo peer (real PeerServicer, identity span) in one fresh process, one event loop, "
     "torch threads as a peer's; calls of the three transports interleaved one by one.",
 ]
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,7 +126,10 @@ def _train_swarm(
 
 
 def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) -> tuple[list[Row], list[str], dict]:
-    """Every scenario of `plan` over every model; returns rows, errors and the models' descriptions."""
+    """Every scenario of `plan` over every model; returns rows, errors and the models' descriptions.
+
+    Interrupted (KeyboardInterrupt), it returns what was measured so far, with the interruption among the errors.
+    """
     out = _Collector()
     try:
         descriptions = {}
@@ -153,6 +156,9 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
             _train_swarm(
                 plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out, descriptions=descriptions
             )
+    except KeyboardInterrupt:  # Ctrl+C or SIGTERM: the harness stopped the peers on the way out; keep what was measured
+        logger.warning("interrupted: reporting the %d results measured so far", len(out.rows))
+        out.errors.append(f"interrupted after {len(out.rows)} results: the scenarios after them did not run")
     finally:
         out.bar.close()
     return out.rows, out.errors, descriptions

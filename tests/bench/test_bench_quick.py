@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -132,3 +135,29 @@ def test_quick_bench_on_the_tiny_model_writes_every_result(tmp_path):
     assert "| model | setting | metric | ours | reference | ratio | target | met |" in table
     assert "Decode latency" in table and "Wire overhead" in table
     assert _our_processes(str(out)) == [], "peer processes outlived the benchmark"
+
+
+@pytest.mark.timeout(120)
+def test_a_terminated_bench_stops_what_it_started_and_reports_what_it_measured(tmp_path):
+    """SIGTERM (what `timeout` and schedulers send) after the first model's scenario: what the bench started is
+    stopped, and the scenarios finished before it are reported, with the interruption among the errors."""
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "bench", "--quick", "--configs", "tiny,small", "--scenarios", "wire"]
+    command += ["--repeats", "1", "--out", str(out), "--models-dir", str(tmp_path / "models")]
+    bench = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(bench.stderr), daemon=True)
+    reader.start()
+    with reaping_descendants(bench):  # wire's echo peer process too
+        deadline = time.monotonic() + 90
+        while not any("tiny/wire done" in line for line in lines):
+            assert bench.poll() is None and time.monotonic() < deadline, "".join(lines[-40:])
+            time.sleep(0.1)
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=60)
+        reader.join(timeout=10)
+    assert bench.returncode == 1, "".join(lines[-40:])
+    results = json.loads((out / "results.json").read_text())
+    assert {(row["scenario"], row["config"]) for row in results["rows"]} == {("wire", "tiny")}
+    assert any(error.startswith("interrupted") for error in results["errors"]), results["errors"]
+    assert "interrupted" in (out / "results.md").read_text()

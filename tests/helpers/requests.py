@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
 from client.transport import InferenceStream
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor, encode_tensor
-from protocol.errors import SwarmError
+from protocol.errors import SessionExpiredError, SwarmError, UnknownSessionError
 from tests.helpers.models import HIDDEN_SIZE
 
 
@@ -54,7 +55,11 @@ async def end_stream(stream: InferenceStream, timeout_s: float) -> None:
 
 class Witness:
     """An honest session stepping through a fixed sequence of `length` tokens over `span` (a peer.blocks.BlockSpan
-    from block 0, loaded locally from the same checkpoint); every output must match the local span's."""
+    from block 0, loaded locally from the same checkpoint); every output must match the local span's.
+
+    With `lifetime_s` (the peer's --session-lifetime-s), a session the peer ends at its lifetime is opened anew,
+    as a client's would be: how long an attack takes depends on the machine, and reaching the lifetime is no harm.
+    """
 
     def __init__(
         self,
@@ -65,8 +70,10 @@ class Witness:
         length: int = 16,
         timeout_s: float = 30.0,
         atol: float = 1e-5,
+        lifetime_s: float | None = None,
     ):
         self.stream, self.prefix, self.end = stream, prefix, span.end
+        self.lifetime_s, self.opened_at = lifetime_s, time.monotonic()
         self.length, self.timeout_s, self.atol = length, timeout_s, atol
         self.tokens = hidden(1, length, HIDDEN_SIZE, seed=1)
         torch.set_num_threads(1)  # as the peer computes: alike rounding
@@ -79,9 +86,21 @@ class Witness:
 
     async def open(self) -> Witness:
         await self.stream.request(open_request(self.prefix, self.end, "witness", self.length), self.timeout_s)
+        self.opened_at = time.monotonic()
         return self
 
     async def step(self) -> None:
+        try:
+            await self._step()
+        except (SessionExpiredError, UnknownSessionError) as exc:
+            lived = time.monotonic() - self.opened_at
+            if self.lifetime_s is None or lived < self.lifetime_s or "--session-lifetime-s" not in str(exc):
+                raise
+            await end_stream(self.stream, self.timeout_s)
+            self.stream, self.position = InferenceStream(self.stream.pool, self.stream.endpoint), 0
+            await (await self.open())._step()
+
+    async def _step(self) -> None:
         p = self.position
         response = await self.stream.request(step_request("witness", self.tokens[:, p : p + 1], p), self.timeout_s)
         out = decode_tensor(response.message.step.hidden_states, "hidden_states", response.payload)

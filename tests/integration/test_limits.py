@@ -49,8 +49,10 @@ TIMEOUT_S = 30.0
 ATOL = 1e-5
 
 
-def _witness(stream: InferenceStream, prefix: str, span) -> requests.Witness:
-    return requests.Witness(stream, prefix, span, length=WITNESS_LENGTH, timeout_s=TIMEOUT_S, atol=ATOL)
+def _witness(stream: InferenceStream, prefix: str, span, lifetime_s: float | None = None) -> requests.Witness:
+    return requests.Witness(
+        stream, prefix, span, length=WITNESS_LENGTH, timeout_s=TIMEOUT_S, atol=ATOL, lifetime_s=lifetime_s
+    )
 
 
 def _open(prefix: str, session_id: str, max_length: int) -> pb.InferenceRequest:
@@ -119,7 +121,10 @@ def attack(peer):
         async def main():
             pool = ChannelPool(1 << 26)  # the attacker: direct gRPC
             witness_pool = ChannelPool(1 << 26, TunnelPool(peer["dht"].replicate_p2p))
-            witness = await _witness(InferenceStream(witness_pool, peer["p2p"]), peer["prefix"], peer["span"]).open()
+            # an attack that happens to take longer than the lifetime on a slow machine: the witness opens anew
+            lifetime_s = None if outlives_witness else SESSION_LIFETIME_S
+            stream = InferenceStream(witness_pool, peer["p2p"])
+            witness = await _witness(stream, peer["prefix"], peer["span"], lifetime_s).open()
             try:
                 await witness.step()
                 await fn(peer["prefix"], pool, peer["endpoint"], witness)

@@ -1,7 +1,9 @@
 """A causal LM whose blocks live in the swarm: embeddings, final norm and LM head stay local.
 
 It is a transformers PreTrainedModel with GenerationMixin, so `generate()` (greedy, sampling,
-repetition penalty, stopping criteria, streamers) is Hugging Face's own; only the blocks are remote.
+repetition penalty, stopping criteria, streamers) is Hugging Face's own; only the blocks are remote. With
+transformers' assisted-generation arguments (`prompt_lookup_num_tokens`, `assistant_model`) it decodes
+speculatively instead, several tokens per trip through the swarm (client/speculative.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, Pr
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from client import speculative
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
 from client.sequence import RemoteBlocks, RemoteSequence
@@ -201,6 +204,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (client/inference_checks.py), generation starts again from the prompt, on the peers' caches as far as they
         were verified: the output is as if the liar had not been there (a streamer hears the new tokens again)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        speculating = any(kwargs.get(name) is not None for name in speculative.SPECULATIVE_KWARGS)
+        if speculating and (args or prompt is None or prompt.dtype != torch.long):
+            raise BadRequestError("speculative decoding takes input_ids (token ids) and keyword arguments only")
         if self._session is not None:
             return self._generate_checked(prompt, inputs, args, kwargs)
         prompt_length = prompt.shape[1] if prompt is not None else 1
@@ -218,7 +224,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         restart_at = prompt.shape[1] - 1 if covers else before  # its first forward must send a token at least
         for rewinds in itertools.count():
             try:
-                output = super().generate(inputs, *args, **kwargs)
+                if any(kwargs.get(name) is not None for name in speculative.SPECULATIVE_KWARGS):
+                    output = speculative.generate(self, prompt, kwargs)
+                else:
+                    output = super().generate(inputs, *args, **kwargs)
                 if session.remote is not None:
                     self._run(session.remote.settle())
                 return output

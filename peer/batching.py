@@ -1,5 +1,9 @@
 """Decode steps of concurrent sessions, computed as one batched forward over the span, exact per session.
 
+A step of a few tokens (speculative decoding's verification: the last token and its drafts) is batched too, where
+every layer attends to the whole cache: the batch's steps are padded on the right to the longest, each row's
+queries see its own cache and its own tokens before them, and only each step's real keys and values are stored.
+
 A decode step (one new token per row) of a session waits in its group (sessions of the same blocks) while the
 compute thread is busy; the thread then takes the whole group, up to `max_batch_tokens` rows, and runs it as one
 forward. Batching pays because a decode step's cost is reading the weights, which one batched matmul reads once.
@@ -37,8 +41,17 @@ BATCHED_ATTENTION = ("sdpa", "eager")  # attention implementations that take the
 DUE_SLACK_S = 0.003  # a session's step may come this much later than due and still be waited for
 
 
-def can_batch(span: BlockSpan) -> bool:
-    return getattr(span.config, "_attn_implementation", None) in BATCHED_ATTENTION
+MAX_STEP_TOKENS = 16
+"""Steps of up to this many new tokens per row are batched (a speculative verification step is the last token and
+its drafts); longer ones are prefills, computed alone in chunks."""
+
+
+def can_batch(span: BlockSpan, new: int = 1) -> bool:
+    """Whether steps of `new` tokens a row over `span` can be batched: one token always where the attention takes
+    a padding mask; several only where every layer attends to the whole cache (no sliding window)."""
+    if getattr(span.config, "_attn_implementation", None) not in BATCHED_ATTENTION:
+        return False
+    return new == 1 or (new <= MAX_STEP_TOKENS and set(span.types) == {"full_attention"})
 
 
 def stored_tokens(cache: DynamicCache, layer_idx: int) -> int:
@@ -48,15 +61,17 @@ def stored_tokens(cache: DynamicCache, layer_idx: int) -> int:
 
 
 class BatchCache:
-    """The caches of a batch's sessions, as one cache to the decoder layers: `rows[i]` rows belong to `caches[i]`."""
+    """The caches of a batch's sessions, as one cache to the decoder layers: `rows[i]` rows belong to `caches[i]`,
+    whose step has `new[i]` tokens (the batch's states are padded on the right to the longest step)."""
 
-    def __init__(self, caches: list[DynamicCache], rows: list[int]):
-        self.caches, self.rows = caches, rows
+    def __init__(self, caches: list[DynamicCache], rows: list[int], new: list[int]):
+        self.caches, self.rows, self.new = caches, rows, new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = [], []
-        for cache, k, v in zip(self.caches, key_states.split(self.rows), value_states.split(self.rows)):
-            k, v = cache.update(k, v, layer_idx)
+        parts = zip(self.caches, self.new, key_states.split(self.rows), value_states.split(self.rows))
+        for cache, new, k, v in parts:
+            k, v = cache.update(k[:, :, :new], v[:, :, :new], layer_idx)
             keys.append(k)
             values.append(v)
         length = max(k.shape[-2] for k in keys)
@@ -79,6 +94,23 @@ def padding_mask(lengths: torch.Tensor, implementation: str, dtype: torch.dtype)
     return torch.zeros(allowed.shape, dtype=dtype, device=lengths.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def step_mask(held: torch.Tensor, new: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Row r's query j attends to its first held[r] + j + 1 states (causal within its `new[r]` tokens; queries
+    past them are padding, whose outputs are dropped): [rows, 1, longest step, longest cache]."""
+    steps, longest = int(new.max()), int((held + new).max())
+    query = torch.minimum(torch.arange(steps, device=held.device)[None, :], new[:, None] - 1)
+    allowed = (torch.arange(longest, device=held.device)[None, None, :] <= (held[:, None] + query)[:, :, None])[:, None]
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=held.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _pad_steps(tensors: list[torch.Tensor], steps: int) -> torch.Tensor:
+    """[b_i, n_i, ...] each -> [sum b_i, steps, ...]: each step padded on the right by repeating its last entry."""
+    padded = [torch.cat([t, t[:, -1:].expand(-1, steps - t.shape[1], *t.shape[2:])], dim=1) for t in tensors]
+    return torch.cat(padded)
+
+
 def forward_batch(
     span: BlockSpan,
     hidden: list[torch.Tensor],
@@ -86,22 +118,28 @@ def forward_batch(
     caches: list[DynamicCache],
     blocks: tuple[int, int],
 ) -> list[torch.Tensor]:
-    """One decode step of several sessions over `blocks`: hidden[i] is [b_i, 1, hidden], positions[i] [b_i, 1]."""
+    """One step of several sessions over `blocks`: hidden[i] is [b_i, n_i, hidden], positions[i] [b_i, n_i]; n_i is
+    1 (a decode step), or more where can_batch(span, n_i) (a verification step of speculative decoding)."""
     start, end = blocks
     types = span.types[start - span.start : end - span.start]
     layers = span.layers[start - span.start : end - span.start]
     device = span.device
-    rows = [h.shape[0] for h in hidden]
-    states = torch.cat(hidden).to(device)
-    position_ids = torch.cat(positions).to(device)
+    rows, new = [h.shape[0] for h in hidden], [h.shape[1] for h in hidden]
+    steps = max(new)
+    states = _pad_steps(hidden, steps).to(device)
+    position_ids = _pad_steps(positions, steps).to(device)
     masks = {}
     for kind in set(types):
         first = start + types.index(kind)  # every layer of a kind holds as many tokens as the first
-        lengths = torch.tensor(
-            [stored_tokens(c, first) + 1 for c, r in zip(caches, rows) for _ in range(r)], device=device
-        )
-        masks[kind] = padding_mask(lengths, span.config._attn_implementation, states.dtype)
-    view = BatchCache(caches, rows)
+        held = [stored_tokens(c, first) for c in caches]
+        if steps == 1:
+            lengths = torch.tensor([h + 1 for h, r in zip(held, rows) for _ in range(r)], device=device)
+            masks[kind] = padding_mask(lengths, span.config._attn_implementation, states.dtype)
+        else:
+            held_rows = torch.tensor([h for h, r in zip(held, rows) for _ in range(r)], device=device)
+            new_rows = torch.tensor([n for n, r in zip(new, rows) for _ in range(r)], device=device)
+            masks[kind] = step_mask(held_rows, new_rows, span.config._attn_implementation, states.dtype)
+    view = BatchCache(caches, rows, new)
     position_embeddings = span.rotary(states, position_ids)
     for layer, kind in zip(layers, types):
         states = layer(
@@ -112,7 +150,7 @@ def forward_batch(
             use_cache=True,
             position_embeddings=position_embeddings,
         )
-    return list(states.split(rows))
+    return [out[:, :n] for out, n in zip(states.split(rows), new)]
 
 
 @dataclass
@@ -134,7 +172,8 @@ class Member:
 
     @property
     def rows(self) -> int:
-        return self.hidden.shape[0]
+        """Tokens of the step (rows times new tokens a row): what the batch's token budget counts."""
+        return self.hidden.shape[0] * self.hidden.shape[1]
 
 
 class DecodeBatcher:

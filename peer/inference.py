@@ -366,11 +366,10 @@ class InferenceStreams:
         batch, new = hidden.shape[:2]
         with self.served.admission.admit(batch * new, hidden.nbytes):
             if (
-                new == 1
-                and mask is None
+                mask is None
                 and len(self.sessions) > 1
-                and can_batch(span)
-                and batch <= self.limits.max_batch_tokens
+                and can_batch(span, new)
+                and batch * new <= self.limits.max_batch_tokens
             ):
                 out = await self._decode_in_batch(session, span, step, hidden, positions, clock)
             else:
@@ -423,7 +422,8 @@ class InferenceStreams:
     async def _decode_in_batch(
         self, session: Session, span: BlockSpan, step: pb.InferenceStep, hidden, positions, clock: StepClock
     ) -> torch.Tensor:
-        """A one-token step, computed together with other sessions' steps of the same blocks (peer/batching.py)."""
+        """A one-token step (or a few tokens: speculative decoding's verification), computed together with other
+        sessions' steps of the same blocks (peer/batching.py)."""
         away = time.monotonic() - session.last_used
         session.away_s = away if session.away_s is None else 0.7 * session.away_s + 0.3 * away
         batch = hidden.shape[0]
@@ -431,7 +431,9 @@ class InferenceStreams:
             session.session_id,
             session.cache,
             hidden,
-            positions if positions is not None else torch.full((batch, 1), step.prefix_length),
+            positions
+            if positions is not None
+            else (step.prefix_length + torch.arange(hidden.shape[1])).expand(batch, -1),
             step.prefix_length,
             session.position,
             asyncio.get_running_loop().create_future(),

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.batching import DecodeBatcher, Member, forward_batch
-from peer.blocks import load_span
+from peer.batching import MAX_STEP_TOKENS, DecodeBatcher, Member, can_batch, forward_batch
+from peer.blocks import load_span, rewind_cache
 from peer.compute import INFERENCE, ComputeQueue
 from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE, make_tiny
@@ -68,6 +68,42 @@ def test_a_batch_of_sessions_of_different_lengths_computes_what_each_would_alone
     for a, t in zip(solo, batched):  # the caches hold the same states too
         assert a.get_seq_length() == t.get_seq_length()
         _close(t.layers[-1].keys, a.layers[-1].keys)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_steps_of_several_tokens_and_branches_compute_what_each_would_alone(tmp_path_factory, family):
+    """Speculative decoding's verification steps: sessions whose steps carry 1 to 9 tokens in one batch, some of
+    them building on fewer tokens than their cache holds (the drafts refused last round are dropped first)."""
+    span = _span(tmp_path_factory, family)
+    assert can_batch(span, 9) and not can_batch(span, MAX_STEP_TOKENS + 1)
+    lengths, batches = [3, 20, 7, 12], [1, 2, 1, 1]
+    solo, batched = _sessions(span, lengths, batches)
+    positions = list(lengths)
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for round_ in range(6):
+            new = [1 + (round_ + i) % 9 for i in range(len(lengths))]
+            if round_ % 2:  # a branch: each drops its last two tokens before the step
+                positions = [p - 2 for p in positions]
+                for caches in (solo, batched):
+                    for cache, p in zip(caches, positions):
+                        rewind_cache(cache, p)
+            hidden = [torch.randn(b, n, HIDDEN_SIZE, generator=g) for b, n in zip(batches, new)]
+            where = [(p + torch.arange(n)).expand(b, -1) for b, n, p in zip(batches, new, positions)]
+            alone = [span(h, None, q, c, p) for h, q, c, p in zip(hidden, where, solo, positions)]
+            together = forward_batch(span, hidden, where, batched, (0, 4))
+            for a, t in zip(alone, together):
+                assert t.shape == a.shape
+                _close(t, a)
+            positions = [p + n for p, n in zip(positions, new)]
+    for a, t in zip(solo, batched):
+        assert a.get_seq_length() == t.get_seq_length()
+        _close(t.layers[-1].keys, a.layers[-1].keys)
+
+
+def test_a_sliding_window_batches_one_token_steps_only(tmp_path_factory):
+    span = _span(tmp_path_factory, "mistral")
+    assert can_batch(span, 1) and not can_batch(span, 2)
 
 
 def test_a_batch_over_some_of_the_blocks(llama):
@@ -131,6 +167,41 @@ def test_the_batcher_batches_what_waits_skips_the_cancelled_and_keeps_to_its_bud
     with torch.inference_mode():
         for i in (0, 2, 3):
             _close(results[i], llama(hidden[i], None, torch.tensor([[lengths[i]]]), solo[i], lengths[i]))
+
+
+def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
+    """Verification steps of 3, 1 and 5 tokens wait together and go as one batch; the second builds on 9 of its 11
+    tokens (the drafts its client refused), so its cache is cut back first, as a step computed alone would be."""
+    lengths, prefixes, new = [5, 11, 8], [5, 9, 8], [3, 1, 5]
+    solo, batched = _sessions(llama, lengths, [1, 1, 1])
+    hidden = [torch.randn(1, n, HIDDEN_SIZE) for n in new]
+    compute = ComputeQueue()
+    batcher = DecodeBatcher(compute, lambda: llama, max_batch_tokens=64)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        blocked = Blocked(compute)
+        await asyncio.sleep(0.05)
+        members = [
+            Member(f"s{i}", c, h, (p + torch.arange(h.shape[1]))[None], p, length, loop.create_future())
+            for i, (c, h, p, length) in enumerate(zip(batched, hidden, prefixes, lengths))
+        ]
+        steps = [asyncio.ensure_future(batcher.step((0, 4), m)) for m in members]
+        await asyncio.sleep(0.05)
+        blocked.release.set()
+        await blocked.task
+        return await asyncio.gather(*steps)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        compute.close()
+    assert (batcher.batches, batcher.batched_steps) == (1, 3)
+    with torch.inference_mode():
+        for i, (h, p) in enumerate(zip(hidden, prefixes)):
+            rewind_cache(solo[i], p)
+            _close(results[i], llama(h, None, (p + torch.arange(h.shape[1]))[None], solo[i], p))
+            assert batched[i].get_seq_length() == p + h.shape[1]
 
 
 def test_a_member_that_breaks_the_batch_fails_alone(llama):

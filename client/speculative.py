@@ -17,11 +17,14 @@ each token is distributed exactly as plain sampling's. Both drafters draft greed
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from client.session import InferenceSession
 from protocol.errors import BadRequestError
 
 logger = logging.getLogger(__name__)
@@ -363,3 +366,69 @@ def _rectangular(rows: list[list[int]], k: int, pad: int) -> torch.Tensor:
     return torch.tensor([r[:width] + [pad] * (width - len(r[:width])) for r in rows], dtype=torch.long).reshape(
         len(rows), width
     )
+
+
+class Totals:
+    """Counts summed over the generations of one server (the API's /metrics), safe across worker threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.rounds = self.drafted = self.accepted = self.tokens = 0
+
+    def add(self, rounds: int, drafted: int, accepted: int, tokens: int) -> None:
+        with self._lock:
+            self.rounds += rounds
+            self.drafted += drafted
+            self.accepted += accepted
+            self.tokens += tokens
+
+
+class SpeculativeDecoding(Iterator[int]):
+    """The tokens of one generation of one row, several per trip through the swarm: what `swarmlm api
+    --speculative` runs per request, as client/decoding.py's Decoding runs plain decoding (the same iterator, the
+    same `settle()`); `verifier` picks the tokens as plain decoding would, `totals` counts what it did."""
+
+    def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, drafter, verifier: Verifier, totals: Totals):
+        self.model, self.drafter, self.verifier, self.totals = model, drafter, verifier, totals
+        # drafts never reach past the last token to generate: the session needs no room beyond it
+        self.session = InferenceSession(model.sequence, len(prompt_ids) + max_new_tokens, batch_size=1)
+        self._tokens = self._decode(torch.tensor([prompt_ids]), max_new_tokens)
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def settle(self) -> None:
+        if not self.session.closed:
+            self.model._run(self.session.settle())
+
+    def close(self) -> None:
+        self._tokens.close()
+
+    def _logits(self, ids: torch.Tensor, sent: int, k: int) -> torch.Tensor:
+        model = self.model
+        with torch.inference_mode():
+            hidden = model.get_input_embeddings()(ids[:, sent:])
+            positions = torch.arange(sent, ids.shape[1]).unsqueeze(0)
+            output = model._run(self.session.step(hidden, None, positions))
+            return model.lm_head(model.model.norm(output[:, -(k + 1) :])).float()
+
+    def _decode(self, ids: torch.Tensor, max_new_tokens: int) -> Iterator[int]:
+        sent, produced = 0, 0
+        try:
+            while produced < max_new_tokens:
+                k = max(0, min(self.drafter.length(), max_new_tokens - produced - 1))
+                drafts = _rectangular(self.drafter.propose(ids, torch.ones_like(ids), k) if k else [[]], k, 0)
+                k = drafts.shape[1]
+                logits = self._logits(torch.cat([ids, drafts], dim=1), sent, k)
+                tokens, kept = self.verifier.round(ids, drafts, logits)
+                n = min(int(kept[0]), max_new_tokens - produced - 1)
+                new = tokens[:, : n + 1]
+                sent = ids.shape[1] + n
+                self.session.truncate(sent)
+                ids = torch.cat([ids, new], dim=1)
+                self.drafter.kept(ids, k, n)
+                produced += new.shape[1]
+                self.totals.add(1, k, n if k else 0, new.shape[1])
+                yield from new[0].tolist()
+        finally:
+            self.model._run(self.session.close())

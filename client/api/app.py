@@ -41,7 +41,8 @@ CLIENT_GONE = "499"  # the status label of requests whose client disconnected (n
 
 def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
     """An ASGI app serving `backend`; its metrics live in `app.state.metrics` (a registry of its own)."""
-    metrics = ApiMetrics(backend.failovers)
+    speculating = getattr(backend, "drafter", None) is not None  # swarmlm api --speculative
+    metrics = ApiMetrics(backend.failovers, backend.speculative if speculating else None)
     runner = JobRunner(backend, metrics, config.max_concurrency, config.max_queued)
     started = int(time.time())
 

@@ -83,6 +83,19 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=("auto", *choices(DType)),
         help="dtype of the local embeddings and head (default: the checkpoint's)",
     )
+    p.add_argument(
+        "--speculative",
+        metavar="ngram|MODEL_DIR",
+        help="decode every request speculatively: drafts from n-grams of the context (ngram) or from a local model "
+        "with the same tokenizer (its folder), several tokens checked per trip through the swarm (default: off)",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=8,
+        metavar="N",
+        help="with --speculative: drafts per trip at most (ngram), or at first (a model adapts it) (default: 8)",
+    )
     p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")
     return p
 
@@ -98,6 +111,10 @@ def config_from_args(args: argparse.Namespace):
             f"error: --wait-for-peers-s must be >= 0, --request-timeout-s and --max-body-mb positive, got "
             f"{args.wait_for_peers_s}, {args.request_timeout_s}, {args.max_body_mb}"
         )
+    if args.draft_tokens < 1:
+        raise SystemExit(f"error: --draft-tokens must be >= 1, got {args.draft_tokens}")
+    if args.speculative not in (None, "ngram") and not os.path.isdir(args.speculative):
+        raise SystemExit(f"error: --speculative takes ngram or a local model's folder; {args.speculative!r} is neither")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         return ApiConfig(
@@ -178,6 +195,31 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def _drafter(args, model):
+    """A function returning a fresh drafter for each generation, as --speculative asks (None: plain decoding)."""
+    from client import speculative
+    from protocol.errors import BadRequestError, ModelNotFoundError
+
+    if args.speculative is None:
+        return None
+    if args.speculative == "ngram":
+        return lambda: speculative.NgramDrafter(args.draft_tokens)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        assistant = AutoModelForCausalLM.from_pretrained(args.speculative, dtype=model.lm_head.weight.dtype).eval()
+    except Exception as exc:
+        raise ModelNotFoundError(
+            f"--speculative {args.speculative}: not 'ngram', and no model loads from that folder ({exc})"
+        ) from None
+    if assistant.config.vocab_size != model.config.vocab_size:
+        raise BadRequestError(
+            f"--speculative {args.speculative}: its vocabulary ({assistant.config.vocab_size} tokens) is not the "
+            f"served model's ({model.config.vocab_size}); draft with a model of the same tokenizer, or with ngram"
+        )
+    return lambda: speculative.AssistantDrafter(assistant, args.draft_tokens, adapt=True)
+
+
 def _serve(args, config, swarm_key, sock) -> int:
     import dataclasses
 
@@ -219,7 +261,7 @@ def _serve(args, config, swarm_key, sock) -> int:
     try:
         aliases = tuple({args.model, str(path)} - {model_id})
         config = dataclasses.replace(config, model_id=model_id, aliases=aliases)
-        app = create_app(SwarmBackend(model, tokenizer, model_id), config)
+        app = create_app(SwarmBackend(model, tokenizer, model_id, _drafter(args, model)), config)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from client import speculative
 from client.api.errors import ApiError, bad_request
 from client.api.schemas import Sampling
 from client.decoding import decode_tokens, lm_head_batcher
@@ -47,10 +48,12 @@ class TokenPicker:
 
 
 class SwarmBackend:
-    """The `generation.Backend` of a model served by the swarm."""
+    """The `generation.Backend` of a model served by the swarm. With `drafter` (a function returning a fresh
+    client/speculative.py drafter), every generation decodes speculatively; `speculative` sums what they did."""
 
-    def __init__(self, model: DistributedModelForCausalLM, tokenizer, model_id: str):
+    def __init__(self, model: DistributedModelForCausalLM, tokenizer, model_id: str, drafter=None):
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.drafter, self.speculative = drafter, speculative.Totals()
         self.context_length = int(model.config.max_position_embeddings)
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -98,7 +101,15 @@ class SwarmBackend:
     # --- generation ---
 
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling) -> Iterator[int]:
-        return decode_tokens(self.model, self.heads, prompt_ids, max_new_tokens, TokenPicker(sampling).pick)
+        picker = TokenPicker(sampling)
+        if self.drafter is None:
+            return decode_tokens(self.model, self.heads, prompt_ids, max_new_tokens, picker.pick)
+        # drafts kept by the speculative-sampling rule: a seed gives the same output each time, and the output
+        # is distributed as plain sampling's, but it is not the same tokens as without --speculative
+        verifier = speculative.Verifier(not picker.greedy, picker.processors, picker.generator)
+        return speculative.SpeculativeDecoding(
+            self.model, prompt_ids, max_new_tokens, self.drafter(), verifier, self.speculative
+        )
 
     # --- the swarm ---
 

@@ -24,8 +24,25 @@ class _Failovers:
         )
 
 
+class _Speculative:
+    """What speculative decoding did (`swarmlm api --speculative`), read from the backend's totals when scraped."""
+
+    def __init__(self, totals):
+        self.totals = totals
+
+    def collect(self):
+        t = self.totals
+        for name, value, text in (
+            ("rounds", t.rounds, "Verification steps through the swarm (one round trip each)"),
+            ("drafted", t.drafted, "Draft tokens proposed"),
+            ("accepted", t.accepted, "Draft tokens kept (acceptance rate: accepted / drafted)"),
+            ("tokens", t.tokens, "Tokens generated speculatively (tokens per round trip: tokens / rounds)"),
+        ):
+            yield CounterMetricFamily(f"swarmlm_api_speculative_{name}", text, value=value)
+
+
 class ApiMetrics:
-    def __init__(self, failovers: Callable[[], int]):
+    def __init__(self, failovers: Callable[[], int], speculative=None):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -53,6 +70,8 @@ class ApiMetrics:
         )
         self.queued = Gauge("swarmlm_api_queued_requests", "Requests waiting for a generation slot", registry=r)
         r.register(_Failovers(failovers))
+        if speculative is not None:
+            r.register(_Speculative(speculative))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

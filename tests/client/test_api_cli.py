@@ -43,6 +43,8 @@ def test_the_command_is_listed_and_has_help():
         (["--max-concurrency", "0"], "--max-concurrency: max_concurrency must be >= 1, got 0"),
         (["--max-queued", "-1"], "--max-queued: max_queued must be >= 0"),
         (["--wait-for-peers-s", "-2"], "--wait-for-peers-s must be >= 0"),
+        (["--speculative", "/no/such/model"], "--speculative takes ngram or a local model's folder"),
+        (["--speculative", "ngram", "--draft-tokens", "0"], "--draft-tokens must be >= 1, got 0"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_heavy(flags, words):

@@ -9,11 +9,17 @@ that it exercises what it claims. Sampling is compared with the exact distributi
 
 from __future__ import annotations
 
+import copy
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from client.speculative import NgramDrafter
+from client.api.engine import SwarmBackend
+from client.api.metrics import ApiMetrics
+from client.api.schemas import Sampling
+from client.speculative import AssistantDrafter, NgramDrafter
 from protocol.errors import BadRequestError
 from tests.helpers.fake_swarm import Fault
 from tests.helpers.models import VOCAB_SIZE, make_tiny_llama
@@ -202,3 +208,54 @@ def test_bad_arguments_are_refused_with_what_to_do(remote, other_llama):
         remote.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=3, repetition_penalty=1.2)
     with pytest.raises(BadRequestError, match="prompt_lookup_num_tokens and max_matching_ngram_size must be >= 1"):
         remote.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=0)
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+
+def test_the_api_decodes_speculatively_and_reports_it_in_its_metrics(remote, tiny_llama_local, other_llama):
+    """`swarmlm api --speculative`: the backend's generations are the local model's greedy tokens, several a round
+    trip, and /metrics counts rounds, drafts and kept drafts."""
+    for drafter, kept_some in (
+        (lambda: AssistantDrafter(tiny_llama_local, 4, adapt=True), True),
+        (lambda: AssistantDrafter(other_llama, 4, adapt=True), False),
+        (lambda: NgramDrafter(4), False),
+    ):
+        backend = SwarmBackend(remote, _Tokenizer(), "tiny", drafter=drafter)
+        prompt = torch.randint(3, VOCAB_SIZE, (1, 6), generator=torch.Generator().manual_seed(21))
+        expected = tiny_llama_local.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        tokens = backend.tokens(prompt[0].tolist(), 12, Sampling(temperature=0.0))
+        assert list(tokens) == expected[0, 6:].tolist()
+        totals = backend.speculative
+        assert totals.tokens == 12 and totals.drafted > 0 and (totals.accepted > 0) >= kept_some
+        metrics = ApiMetrics(lambda: 0, totals).render().decode()
+        assert f"swarmlm_api_speculative_tokens_total {float(totals.tokens)}" in metrics
+        assert f"swarmlm_api_speculative_accepted_total {float(totals.accepted)}" in metrics
+
+
+def test_concurrent_speculative_sessions_on_one_peer_stay_exact(fake_swarm, tiny_llama_local):
+    """Two generations verifying drafts at the same time on one peer, which may batch their steps of several tokens
+    (peer/batching.py; tests/peer/test_batching.py batches them for certain): each output is the local model's."""
+    peer = fake_swarm.add_peer(0, 4)
+    clients = [fake_swarm.client() for _ in range(2)]
+    prompts = [torch.randint(3, VOCAB_SIZE, (1, 5), generator=torch.Generator().manual_seed(30 + i)) for i in range(2)]
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        results[i] = clients[i].generate(
+            prompts[i], max_new_tokens=24, assistant_model=copy.deepcopy(tiny_llama_local), pad_token_id=0
+        )
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        for client in clients:
+            client.shutdown()
+    for prompt, got in zip(prompts, results):
+        assert got.tolist() == _plain(tiny_llama_local, prompt, max_new_tokens=24).tolist()
+    assert peer.servicer.streams.batcher.batches > 0  # the steps went through the batcher

@@ -848,6 +848,22 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/integration/test_forwarding.py::test_the_middle_peer_of_a_forwarding_route_dies_and_the_outputs_do_not_change",
         ),
     ),
+    Mutation(
+        "speculative-rollback-one-short",
+        "client/speculative.py",
+        "        sent = ids.shape[1] + new.shape[1] - 1\n",
+        "        sent = ids.shape[1] + new.shape[1]  # MUTATION\n",
+        "speculative decoding cuts the peers' caches back one token too few after refused drafts",
+        ("tests/client/test_speculative.py",),
+    ),
+    Mutation(
+        "speculative-accepts-every-draft",
+        "client/speculative.py",
+        "            kept = (tokens[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)\n",
+        "            kept = torch.full((batch,), k, dtype=torch.long)  # MUTATION\n",
+        "speculative decoding keeps every draft, whatever the swarm's own choice",
+        ("tests/client/test_speculative.py",),
+    ),
 )
 
 

@@ -69,7 +69,14 @@ def test_ngram_drafts_are_what_followed_the_earliest_match_of_the_last_tokens():
     mask = torch.tensor([[0, 0, *[1] * 11], [0, *[1] * 12]])
     # row 0: "5 6" first came before 7 8 9; row 1: "4 9" never came before, nor did 9
     assert drafter.propose(ids, mask, 3) == [[7, 8, 9], []]
-    assert drafter.propose(ids[:1, :-1], mask[:1, :-1], 2) == [[6, 7]]  # "6 5" is new; "5" first came before 6 7
+    assert drafter.propose(ids[:1, :-1], mask[:1, :-1], 2) == [[]]  # "6 5" is new, and one token predicts little
+    assert NgramDrafter(3, max_ngram=1).propose(ids[:1, :-1], mask[:1, :-1], 2) == [[6, 7]]  # "5" came before 6 7
+    # the length: 1 fewer after a round that kept none, unchanged after one that kept some, 2 more (to 3) after all
+    lengths = []
+    for drafted, kept in ((3, 0), (2, 0), (1, 1), (3, 1), (3, 3), (3, 3)):
+        drafter.kept(ids, drafted, kept)
+        lengths.append(drafter.length())
+    assert lengths == [2, 1, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("assistant", ["same-weights", "other-weights"])
@@ -223,10 +230,10 @@ def test_the_api_decodes_speculatively_and_reports_it_in_its_metrics(remote, tin
         (lambda: NgramDrafter(4), False),
     ):
         backend = SwarmBackend(remote, _Tokenizer(), "tiny", drafter=drafter)
-        prompt = torch.randint(3, VOCAB_SIZE, (1, 6), generator=torch.Generator().manual_seed(21))
+        prompt = _repetitive(1, seed=21)  # n-grams to draft from
         expected = tiny_llama_local.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
         tokens = backend.tokens(prompt[0].tolist(), 12, Sampling(temperature=0.0))
-        assert list(tokens) == expected[0, 6:].tolist()
+        assert list(tokens) == expected[0, prompt.shape[1] :].tolist()
         totals = backend.speculative
         assert totals.tokens == 12 and totals.drafted > 0 and (totals.accepted > 0) >= kept_some
         metrics = ApiMetrics(lambda: 0, totals).render().decode()

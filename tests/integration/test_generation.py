@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from client import AutoDistributedModelForCausalLM
+from protocol.errors import BadRequestError
 from protocol.records import prefix_for_model
 from tests.helpers.generation import ATOL, assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, make_tiny
@@ -105,6 +106,21 @@ def test_seeded_sampling_is_identical(served):
     expected = generate_with_logits(local, ids, **options)
     torch.manual_seed(123)
     assert_same_generation(generate_with_logits(remote, ids, **options), expected)
+
+
+def test_speculative_decoding_is_plain_greedy(served, request):
+    """Drafts from the context and from the local model itself (every draft kept): the same tokens as plain greedy
+    decoding, on every family; Mistral's sliding window allows it within its 16 tokens only, and says so beyond."""
+    remote, local = served
+    ids = _ids(1, 6, seed=6)
+    new = 8 if "mistral" in request.node.callspec.id else 16
+    expected = local.generate(ids, max_new_tokens=new, do_sample=False)
+    assert remote.generate(ids, max_new_tokens=new, prompt_lookup_num_tokens=3).tolist() == expected.tolist()
+    assert remote.generate(ids, max_new_tokens=new, assistant_model=local).tolist() == expected.tolist()
+    assert remote.speculative_stats.accepted == remote.speculative_stats.drafted > 0
+    if "mistral" in request.node.callspec.id:
+        with pytest.raises(BadRequestError, match="sliding-window layers keep only the last 16 tokens"):
+            remote.generate(ids, max_new_tokens=16, prompt_lookup_num_tokens=3)
 
 
 def test_generate_calls_share_one_session(served):

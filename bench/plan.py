@@ -6,11 +6,24 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-SCENARIOS = ("decode", "prefill", "train", "wire", "concurrency", "api", "startup", "wan", "train_swarm")
+SCENARIOS = (
+    "decode",
+    "prefill",
+    "train",
+    "wire",
+    "concurrency",
+    "api",
+    "startup",
+    "wan",
+    "speculative",
+    "train_swarm",
+)
 """Every scenario, in the order they run (startup and memory are measured while the peers start)."""
-QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("train_swarm", "wan"))
+QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("train_swarm", "wan", "speculative"))
 """What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores."""
-MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup", "wan")
+MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup", "wan", "speculative")
+DELAYED_SCENARIOS = ("wan", "speculative")
+"""Scenarios run on a split whose peers are behind delaying proxies (bench/proxy.py)."""
 """Scenarios that need a swarm of peers serving a model."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,12 +59,21 @@ class Plan:
     """Numbers of clients generating at the same time against the same peers."""
     concurrency_steps: int = 32
     """Greedy steps per client in the concurrency scenario."""
+    concurrency_one_peer: bool = True
+    """Also run the concurrency scenario against one peer serving every block: what it measures there is
+    batching itself, where 3 peers and the client contend for the cores of one machine."""
     wan_delays_ms: tuple[int, ...] = (0, 10, 25, 50)
     """One-way delays of the wan scenario (each peer behind a delaying proxy)."""
     wan_steps: int = 16
     """Decode steps per run of the wan scenario."""
     wan_prefill: int = 128
     """Prompt tokens of the wan scenario's prefill."""
+    speculative_delays_ms: tuple[int, ...] = (0, 25, 50)
+    """One-way delays of the speculative scenario."""
+    speculative_tokens: int = 64
+    """New tokens per generation of the speculative scenario."""
+    prompt_lookup_tokens: int = 8
+    """prompt_lookup_num_tokens of the speculative scenario (drafts per round trip at most)."""
     wire_calls: int = 100
     """Echo calls per payload and transport in one repeat of the wire scenario."""
     train_swarm_steps: int = 30
@@ -88,6 +110,8 @@ class Plan:
             "wire_calls",
             "train_swarm_steps",
             "peer_threads",
+            "speculative_tokens",
+            "prompt_lookup_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,6 +147,7 @@ def preset(*, quick: bool, device: str) -> Plan:
             train_seq=128,
             concurrency_clients=(1, 2, 4, 8),
             concurrency_steps=8,
+            concurrency_one_peer=False,
             wire_calls=30,
             quick=True,
             memory_overhead_mib=1024.0 if gpu else 450.0,

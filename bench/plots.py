@@ -23,6 +23,9 @@ from bench.stats import Band, Row, Target
 # Scenarios whose variant ends with the series ("3 peers, 10 ms one-way, peer to peer"): bars grouped per delay.
 SERIES: dict[str, Callable[[Row], tuple[str, str]]] = {
     "wan": lambda row: tuple(reversed(row.variant.rsplit(", ", 1))) if ", " in row.variant else (row.config, ""),
+    "speculative": lambda row: (
+        tuple(reversed(row.variant.rsplit(", ", 1))) if ", " in row.variant else (row.config, "")
+    ),
 }
 # Scenarios whose metrics are one bar or two each: one panel for all their ratios, a bar per metric and setting.
 ONE_PANEL = {"train_swarm"}

@@ -32,6 +32,7 @@ TITLES = {
     "api": "OpenAI-compatible API vs the Python client",
     "startup": "Peer startup and memory",
     "wan": "A wide-area network, emulated: per-token latency vs its floor",
+    "speculative": "Speculative decoding (n-gram drafts) vs plain greedy, over an emulated wide-area network",
     "train_swarm": "Training with the swarm (peers + trainers) vs local",
 }
 

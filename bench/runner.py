@@ -16,8 +16,8 @@ from pathlib import Path
 from bench import models
 from bench.harness import ModelRun
 from bench.load import OutsideLoad
-from bench.plan import Plan
-from bench.scenarios import api, concurrency, decode, prefill, startup, train, train_swarm, wan, wire
+from bench.plan import DELAYED_SCENARIOS, Plan
+from bench.scenarios import api, concurrency, decode, prefill, speculative, startup, train, train_swarm, wan, wire
 from bench.stats import Row
 from bench.train_runs import TRAIN_MODEL
 from swarm.progress import progress
@@ -73,17 +73,20 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
     if "startup" in wanted:
         out.attempt(f"{model.name}/memory probe", lambda: probe.update(startup.whole_model_probe(model, plan)))
     largest = max(plan.peer_counts)
-    # decode runs on every split; the other scenarios on the largest one (3 peers by default)
-    counts = sorted(set(plan.peer_counts) if "decode" in wanted else {largest}, reverse=True)
+    # decode runs on every split; the other scenarios on the largest one (3 peers by default), and concurrency
+    # also on one peer serving every block
+    one_peer = "concurrency" in wanted and plan.concurrency_one_peer and largest > 1
+    counts = sorted((set(plan.peer_counts) if "decode" in wanted else {largest}) | ({1} if one_peer else set()))
+    counts.reverse()
     if not wanted & {"decode", "prefill", "train", "concurrency", "api", "startup"}:
-        counts = []  # only the wan scenario: it starts a split of its own
+        counts = []  # only the scenarios behind proxies: they start a split of their own
     with ModelRun(model, plan, log_dir) as model_run:
         for count in counts:
             name = f"{model.name}/{count} peers"
             full = count == largest
             try:
                 with model_run.split(count) as split:
-                    if "decode" in wanted:
+                    if "decode" in wanted and count in plan.peer_counts:
                         out.attempt(f"{name}/decode", lambda: decode.run(model_run, split))
                         model_run.note_memory(split, "after decode")
                     for scenario, module in (
@@ -92,7 +95,7 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                         ("concurrency", concurrency),
                         ("api", api),
                     ):
-                        if scenario in wanted and full:
+                        if scenario in wanted and (full or (scenario == "concurrency" and count == 1 and one_peer)):
                             out.attempt(f"{name}/{scenario}", lambda: module.run(model_run, split))
                             model_run.note_memory(split, f"after {scenario}")
             except Exception as exc:
@@ -101,11 +104,13 @@ def _model_scenarios(plan: Plan, model: models.BenchModel, log_dir: Path, out: _
                 continue
             if "startup" in wanted and full and probe:
                 out.attempt(f"{name}/startup", lambda: startup.run(model_run, split, probe))
-        if "wan" in wanted:
+        if wanted & set(DELAYED_SCENARIOS):
             name = f"{model.name}/{largest} peers behind delaying proxies"
             try:
                 with model_run.split(largest, delayed=True) as split:
-                    out.attempt(f"{name}/wan", lambda: wan.run(model_run, split))
+                    for scenario, module in (("wan", wan), ("speculative", speculative)):
+                        if scenario in wanted:
+                            out.attempt(f"{name}/{scenario}", lambda: module.run(model_run, split))
             except Exception as exc:
                 logger.error("%s: the swarm failed:\n%s", name, traceback.format_exc())
                 out.errors.append(f"{name}: {type(exc).__name__}: {exc} (logs in {log_dir})")

@@ -6,6 +6,9 @@ sessions sharing one gRPC channel per peer, and the LM heads of clients whose st
 as one batch (client/heads.py). Peers batch the decode steps that reach them together (peer/batching.py).
 Reported: aggregate decode tokens/s and per-token latency (p50, p95), each vs one client alone, and the aggregate
 vs the local Hugging Face model generating the same prompts as one batch in this process.
+
+It runs against the largest split (3 peers) and, outside --quick, against one peer serving every block too: on a
+machine of few cores, 3 peers and the client contend for the cores, and one peer measures batching itself.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ TARGETS = {
     "p95": Target("ratio", "<=", 2.5, "<= 2.5x 1 client"),
     "local": Target("ratio", ">=", 0.6, ">= 0.6x local batch 8"),
 }
+# of 8 clients on the default model, one peer serving every block: batching itself (issue 26)
+ONE_PEER_TARGETS = {**TARGETS, "local": Target("ratio", ">=", 0.7, ">= 0.7x local batch 8")}
 
 
 def _greedy(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -86,8 +91,8 @@ async def _batch_counters(client) -> tuple[int, int]:
 
 
 def _targets(model_name: str, split: Split, n: int) -> dict[str, Target | None]:
-    on = model_name == "default" and split.count == 3 and n == 8
-    return {name: target if on else None for name, target in TARGETS.items()}
+    targets = {3: TARGETS, 1: ONE_PEER_TARGETS}.get(split.count) if model_name == "default" and n == 8 else None
+    return {name: targets[name] if targets else None for name in TARGETS}
 
 
 def run(model_run: ModelRun, split: Split) -> list[Row]:
@@ -131,7 +136,7 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     base = min(measured)
     rows = []
     for n, (aggregate, latencies, p95s) in measured.items():
-        variant = f"{split.count} peers, {n} client{'s' * (n > 1)}"
+        variant = f"{split.count} peer{'s' * (split.count > 1)}, {n} client{'s' * (n > 1)}"
         targets = _targets(model.name, split, n)
         common = dict(scenario="concurrency", config=model.name, variant=variant, reference_name=f"{base} client")
         rows.append(

@@ -257,15 +257,19 @@ class DecodeBatcher:
             self._runners.pop(blocks, None)
 
     def _take(self, blocks: tuple[int, int]) -> list[Member]:
-        """The waiting members of `blocks` that fit in one batch, oldest first (the rest wait for the next)."""
+        """The waiting members of `blocks` that fit in one batch, oldest first (the rest wait for the next): at most
+        `max_batch_tokens` tokens, and padded to the longest step at most twice their own tokens, so that a
+        prompt of 16 tokens does not make eight one-token steps compute 16 positions each."""
         with self._lock:
             waiting = [m for m in self._waiting.get(blocks, []) if not m.future.cancelled()]
-            taken, rows = [], 0
+            taken, tokens, rows, widest = [], 0, 0, 0
             for member in waiting:
-                if taken and rows + member.rows > self.max_batch_tokens:
+                batch, new = member.hidden.shape[:2]
+                padded = (rows + batch) * max(widest, new)
+                if taken and (tokens + member.rows > self.max_batch_tokens or padded > 2 * (tokens + member.rows)):
                     break
                 taken.append(member)
-                rows += member.rows
+                tokens, rows, widest = tokens + member.rows, rows + batch, max(widest, new)
             self._waiting[blocks] = waiting[len(taken) :]
         return taken
 

@@ -196,12 +196,43 @@ def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
         results = asyncio.run(main())
     finally:
         compute.close()
-    assert (batcher.batches, batcher.batched_steps) == (1, 3)
+    assert (batcher.batches, batcher.batched_steps) == (1, 3)  # 9 tokens, padded to 15: within twice
     with torch.inference_mode():
         for i, (h, p) in enumerate(zip(hidden, prefixes)):
             rewind_cache(solo[i], p)
             _close(results[i], llama(h, None, (p + torch.arange(h.shape[1]))[None], solo[i], p))
             assert batched[i].get_seq_length() == p + h.shape[1]
+
+
+def test_a_long_step_waits_rather_than_padding_short_ones_to_its_length(llama):
+    """Eight one-token steps, then a step of 16 tokens: padding the eight to 16 positions would compute 144 for 24,
+    so the long step goes in a batch of its own."""
+    lengths = [4, 6, 3, 5, 7, 2, 8, 9, 5]
+    _, batched = _sessions(llama, lengths, [1] * 9)
+    hidden = [torch.randn(1, 1, HIDDEN_SIZE) for _ in range(8)] + [torch.randn(1, 16, HIDDEN_SIZE)]
+    compute = ComputeQueue()
+    batcher = DecodeBatcher(compute, lambda: llama, max_batch_tokens=64)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        blocked = Blocked(compute)
+        await asyncio.sleep(0.05)
+        members = [
+            Member(f"s{i}", c, h, (p + torch.arange(h.shape[1]))[None], p, p, loop.create_future())
+            for i, (c, h, p) in enumerate(zip(batched, hidden, lengths))
+        ]
+        steps = [asyncio.ensure_future(batcher.step((0, 4), m)) for m in members]
+        await asyncio.sleep(0.05)
+        blocked.release.set()
+        await blocked.task
+        return await asyncio.gather(*steps)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        compute.close()
+    assert (batcher.batches, batcher.batched_steps) == (2, 9)
+    assert [r.shape[1] for r in results] == [1] * 8 + [16]
 
 
 def test_a_member_that_breaks_the_batch_fails_alone(llama):

@@ -40,7 +40,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the default model, fewer settings (~2 min on 2 cores)")
     mode.add_argument(
-        "--full", action="store_true", help="every scenario and model (the default, ~35 min, train_swarm ~18 of them)"
+        "--full",
+        action="store_true",
+        help="every scenario and model (the default, ~45 min: train_swarm ~18, speculative ~6 of them)",
     )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="where peers and the reference compute")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")

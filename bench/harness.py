@@ -173,13 +173,7 @@ class ModelRun:
                     *span,
                     split.peers[-1].startup_s,
                 )
-            split.client = AutoDistributedModelForCausalLM.from_pretrained(
-                str(self.model.path),
-                initial_peers=self.swarm.initial_peers,
-                dht_prefix=prefix,
-                dtype=self.client_dtype,
-                directory_refresh_s=3600.0,
-            )
+            split.client = self.connect(prefix)
             yield split
         finally:
             if split.client is not None:
@@ -196,6 +190,17 @@ class ModelRun:
             for proxy in split.proxies:
                 proxy.close()
             logger.info("%s: stopped the %d-peer split in %.1fs", self.model.name, count, time.monotonic() - began)
+
+    def connect(self, prefix: str, **options) -> DistributedModelForCausalLM:
+        """A client of the model's peers under `prefix` (`options`: ClientConfig fields); the caller shuts it down."""
+        return AutoDistributedModelForCausalLM.from_pretrained(
+            str(self.model.path),
+            initial_peers=self.swarm.initial_peers,
+            dht_prefix=prefix,
+            dtype=self.client_dtype,
+            directory_refresh_s=3600.0,
+            **options,
+        )
 
     def _stop_peers(self, names: list[str]) -> None:
         """SIGTERM the peers (they announce OFFLINE), then SIGKILL whatever is left of their process groups."""

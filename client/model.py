@@ -204,8 +204,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (client/inference_checks.py), generation starts again from the prompt, on the peers' caches as far as they
         were verified: the output is as if the liar had not been there (a streamer hears the new tokens again)."""
         prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        speculating = any(kwargs.get(name) is not None for name in speculative.SPECULATIVE_KWARGS)
-        if speculating and (args or prompt is None or prompt.dtype != torch.long):
+        if speculative.requested(kwargs) and (args or prompt is None or prompt.dtype != torch.long):
             raise BadRequestError("speculative decoding takes input_ids (token ids) and keyword arguments only")
         if self._session is not None:
             return self._generate_checked(prompt, inputs, args, kwargs)
@@ -224,7 +223,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         restart_at = prompt.shape[1] - 1 if covers else before  # its first forward must send a token at least
         for rewinds in itertools.count():
             try:
-                if any(kwargs.get(name) is not None for name in speculative.SPECULATIVE_KWARGS):
+                if speculative.requested(kwargs):
                     output = speculative.generate(self, prompt, kwargs)
                 else:
                     output = super().generate(inputs, *args, **kwargs)

@@ -31,6 +31,13 @@ from protocol.errors import BadRequestError
 logger = logging.getLogger(__name__)
 
 SPECULATIVE_KWARGS = ("prompt_lookup_num_tokens", "assistant_model")
+
+
+def requested(kwargs: dict) -> bool:
+    """Whether generate()'s arguments ask for speculative decoding."""
+    return any(kwargs.get(name) is not None for name in SPECULATIVE_KWARGS)
+
+
 # generate() arguments that speculative decoding takes (the rest of transformers' assisted-generation arguments
 # have no meaning here, and any other sampling control would change the distribution it must keep)
 _TAKEN = {

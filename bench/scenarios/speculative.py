@@ -18,7 +18,6 @@ import torch
 
 from bench.harness import ModelRun, Split
 from bench.stats import Row, Summary, Target
-from client.model import AutoDistributedModelForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +74,7 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     if any(p is None for p in prompts.values()):
         logger.info("speculative: %s has no tokenizer, so no text to predict; skipped", model.name)
         return []
-    client = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model.path),
-        initial_peers=model_run.swarm.initial_peers,
-        dht_prefix=split.prefix,
-        dtype=split.client.dtype,
-        directory_refresh_s=3600.0,
-        forward_steps=True,
-    )
+    client = model_run.connect(split.prefix, forward_steps=True)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     new_tokens, lookup = plan.speculative_tokens, plan.prompt_lookup_tokens
     rows = []

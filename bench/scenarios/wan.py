@@ -17,7 +17,6 @@ import torch
 from bench.harness import ModelRun, Split
 from bench.scenarios.decode import decode_swarm, prompt_ids
 from bench.stats import Row, Summary, Target
-from client.model import AutoDistributedModelForCausalLM
 
 TARGET = Target("ratio", "<=", 1.15, "<= 1.15x the floor")
 
@@ -33,22 +32,8 @@ def run(model_run: ModelRun, split: Split) -> list[Row]:
     plan, model = model_run.plan, model_run.model
     if not split.proxies:
         raise ValueError("the wan scenario needs a split whose peers are behind proxies (split(delayed=True))")
-    client_driven = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model.path),
-        initial_peers=model_run.swarm.initial_peers,
-        dht_prefix=split.prefix,
-        dtype=split.client.dtype,
-        directory_refresh_s=3600.0,
-        forward_steps=False,
-    )
-    peer_to_peer = AutoDistributedModelForCausalLM.from_pretrained(
-        str(model.path),
-        initial_peers=model_run.swarm.initial_peers,
-        dht_prefix=split.prefix,
-        dtype=split.client.dtype,
-        directory_refresh_s=3600.0,
-        forward_steps=True,
-    )
+    client_driven = model_run.connect(split.prefix, forward_steps=False)
+    peer_to_peer = model_run.connect(split.prefix, forward_steps=True)
     clients = {"peer to peer": (peer_to_peer, split.count + 1), "client-driven": (client_driven, 2 * split.count)}
     prompt = prompt_ids(model.config.vocab_size, plan.decode_prompt)
     long_prompt = prompt_ids(model.config.vocab_size, plan.wan_prefill, seed=1)

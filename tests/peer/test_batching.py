@@ -169,14 +169,11 @@ def test_the_batcher_batches_what_waits_skips_the_cancelled_and_keeps_to_its_bud
             _close(results[i], llama(hidden[i], None, torch.tensor([[lengths[i]]]), solo[i], lengths[i]))
 
 
-def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
-    """Verification steps of 3, 1 and 5 tokens wait together and go as one batch; the second builds on 9 of its 11
-    tokens (the drafts its client refused), so its cache is cut back first, as a step computed alone would be."""
-    lengths, prefixes, new = [5, 11, 8], [5, 9, 8], [3, 1, 5]
-    solo, batched = _sessions(llama, lengths, [1, 1, 1])
-    hidden = [torch.randn(1, n, HIDDEN_SIZE) for n in new]
+def _waiting_together(span, caches, hidden, prefixes, held):
+    """Steps `hidden[i]` of sessions whose caches hold `held[i]` tokens and that build on `prefixes[i]`, submitted
+    while the compute thread is busy, so that they wait together: (the batcher, each step's output)."""
     compute = ComputeQueue()
-    batcher = DecodeBatcher(compute, lambda: llama, max_batch_tokens=64)
+    batcher = DecodeBatcher(compute, lambda: span, max_batch_tokens=64)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -184,7 +181,7 @@ def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
         await asyncio.sleep(0.05)
         members = [
             Member(f"s{i}", c, h, (p + torch.arange(h.shape[1]))[None], p, length, loop.create_future())
-            for i, (c, h, p, length) in enumerate(zip(batched, hidden, prefixes, lengths))
+            for i, (c, h, p, length) in enumerate(zip(caches, hidden, prefixes, held))
         ]
         steps = [asyncio.ensure_future(batcher.step((0, 4), m)) for m in members]
         await asyncio.sleep(0.05)
@@ -193,9 +190,18 @@ def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
         return await asyncio.gather(*steps)
 
     try:
-        results = asyncio.run(main())
+        return batcher, asyncio.run(main())
     finally:
         compute.close()
+
+
+def test_the_batcher_batches_steps_of_several_tokens_and_a_branch(llama):
+    """Verification steps of 3, 1 and 5 tokens wait together and go as one batch; the second builds on 9 of its 11
+    tokens (the drafts its client refused), so its cache is cut back first, as a step computed alone would be."""
+    lengths, prefixes, new = [5, 11, 8], [5, 9, 8], [3, 1, 5]
+    solo, batched = _sessions(llama, lengths, [1, 1, 1])
+    hidden = [torch.randn(1, n, HIDDEN_SIZE) for n in new]
+    batcher, results = _waiting_together(llama, batched, hidden, prefixes, lengths)
     assert (batcher.batches, batcher.batched_steps) == (1, 3)  # 9 tokens, padded to 15: within twice
     with torch.inference_mode():
         for i, (h, p) in enumerate(zip(hidden, prefixes)):
@@ -210,27 +216,7 @@ def test_a_long_step_waits_rather_than_padding_short_ones_to_its_length(llama):
     lengths = [4, 6, 3, 5, 7, 2, 8, 9, 5]
     _, batched = _sessions(llama, lengths, [1] * 9)
     hidden = [torch.randn(1, 1, HIDDEN_SIZE) for _ in range(8)] + [torch.randn(1, 16, HIDDEN_SIZE)]
-    compute = ComputeQueue()
-    batcher = DecodeBatcher(compute, lambda: llama, max_batch_tokens=64)
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        blocked = Blocked(compute)
-        await asyncio.sleep(0.05)
-        members = [
-            Member(f"s{i}", c, h, (p + torch.arange(h.shape[1]))[None], p, p, loop.create_future())
-            for i, (c, h, p) in enumerate(zip(batched, hidden, lengths))
-        ]
-        steps = [asyncio.ensure_future(batcher.step((0, 4), m)) for m in members]
-        await asyncio.sleep(0.05)
-        blocked.release.set()
-        await blocked.task
-        return await asyncio.gather(*steps)
-
-    try:
-        results = asyncio.run(main())
-    finally:
-        compute.close()
+    batcher, results = _waiting_together(llama, batched, hidden, lengths, lengths)
     assert (batcher.batches, batcher.batched_steps) == (2, 9)
     assert [r.shape[1] for r in results] == [1] * 8 + [16]
 

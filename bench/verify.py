@@ -92,6 +92,7 @@ def measure(model: str, repeats: int, batch: int, seq: int, fractions: tuple[flo
         "mismatches": stats.mismatches,
         "unverifiable": stats.unverifiable,
         "caught": stats.caught,
+        "outvoted": stats.outvoted,
         "seconds": {str(f): s for f, s in seconds.items()},
     }
 

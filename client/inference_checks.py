@@ -6,10 +6,11 @@ peers over the same blocks computes the span's whole input history in one forwar
 steps that decoded it. So, with probability `ClientConfig.verify_inference` after a step, one span of the route
 (drawn uniformly among those with positions not yet verified) is checked: the other route's outputs are compared
 with the span's answers at every position, with client/verify.py's per-element tolerance, uniformly drawn checkers
-and two-against-one vote. A peer outvoted two to one is banned for an hour; with no third route, or no majority,
-nobody is.
+and two-against-one vote. A peer outvoted two to one is banned for an hour only where a fourth route confirms
+the majority; otherwise it is set aside for the session, not banned. With no third route, or no majority, nobody
+is outvoted.
 
-Decoding does not wait for a check: one runs at a time, beside the steps. When it caught a liar, the session's
+Decoding does not wait for a check: one runs at a time, beside the steps. When it outvoted a peer, the session's
 next step rewinds (InferenceSession.rewind): every span's cache is cut back to the positions the liar's answers had
 been verified up to, the liar's span is routed to other peers and its history replayed there, and the step raises
 OutputRewoundError naming that position. `generate()` then starts again from its prompt on the caches kept

@@ -7,8 +7,8 @@ follows). A peer fails when it cannot be reached, or answers with an error or wi
 bad input fails immediately). Routes are planned on a cached directory (client/routing.py) and sent where each
 peer's ping answered (client/dialing.py).
 
-A random share of forward and backward hops (`verify_fraction`) is recomputed on other peers, and a peer
-outvoted two to one is banned (client/verify.py).
+A random share of forward and backward hops (`verify_fraction`) is recomputed on other peers: the answer of a
+peer outvoted two to one is replaced, and the peer banned where a fourth route confirms it (client/verify.py).
 """
 
 from __future__ import annotations
@@ -165,9 +165,17 @@ class RemoteSequence:
         return self._snapshot
 
     async def plan(
-        self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0, refresh: bool = False
+        self,
+        start: int,
+        end: int,
+        *,
+        inference: bool,
+        min_cache_tokens: int = 0,
+        refresh: bool = False,
+        avoid: frozenset[str] = frozenset(),
     ) -> list[RouteHop]:
-        """A route for blocks [start, end); waits up to `wait_for_peers_s` for the swarm to cover them."""
+        """A route for blocks [start, end), not through `avoid`; waits up to `wait_for_peers_s` for the swarm to
+        cover them."""
         deadline = time.monotonic() + self.config.wait_for_peers_s
         delay = self.config.retry_delay_s
         waiting_for = ""
@@ -179,7 +187,7 @@ class RemoteSequence:
                 await self.dialer.measure_rtts(
                     snapshot, only=None if inference else self._serving(snapshot, start, end)
                 )
-                banned = self.bans.banned(snapshot.expirations) | self.avoid
+                banned = self.bans.banned(snapshot.expirations) | self.avoid | avoid
                 snapshot = self.speeds.capped(snapshot)
                 try:
                     hops = self._route(
@@ -488,7 +496,7 @@ class RemoteSequence:
     ) -> bool:
         """Whether `hop`'s answers to an inference session stand: its `outputs` at every position of the session's
         `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). False: its peer
-        was outvoted two to one, and is banned."""
+        was outvoted two to one (and banned if a fourth route confirmed it)."""
 
         async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
             return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))

@@ -7,8 +7,9 @@ Each span remembers every input it was sent. When its peer fails, the span is ro
 and the step goes on; the outputs are the same as without the failure. A peer whose answer is wrong (kind,
 shape, dtype, NaN/inf, position, step id: client/checks.py) has failed just as one that died. How many
 failures a step survives, and the waits between its tries, are client/retry.py's rule. Each span also keeps its
-answers, which a share of steps has other peers check (client/inference_checks.py): a peer caught lying is banned
-and the session rewinds to what was verified.
+answers, which a share of steps has other peers check (client/inference_checks.py): a peer they outvote is routed
+around for the rest of the session (and banned where a fourth peer confirms the verdict), and the session rewinds
+to what was verified.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class InferenceSession:
         self.recovery_s = 0.0  # time spent re-routing and replaying after failures
         self.hop_timings: dict[str, HopTimings] = {}  # peer id -> its answered steps' client-side time
         self.checks = InferenceChecks(sequence.config.verify_inference, sequence.spot_checks.rng)
+        self.set_aside: set[str] = set()  # peers this session's checks outvoted: not routed to again, banned or not
 
     @property
     def cache_tokens(self) -> int:
@@ -149,7 +151,12 @@ class InferenceSession:
 
     async def _open_route(self, start: int, end: int, refresh: bool) -> list[SpanSession]:
         route = await self.sequence.plan(
-            start, end, inference=True, min_cache_tokens=self.cache_tokens, refresh=refresh
+            start,
+            end,
+            inference=True,
+            min_cache_tokens=self.cache_tokens,
+            refresh=refresh,
+            avoid=frozenset(self.set_aside),
         )
         opened: list[SpanSession] = []
         try:
@@ -444,15 +451,16 @@ class InferenceSession:
             self.mask = self.mask[:, :position]
 
     async def rewind(self, liar: SpanSession) -> None:
-        """`liar`'s peer was caught computing wrong results (and banned): cut the session back to the positions its
-        answers were verified up to, route its span to other peers, and raise OutputRewoundError."""
+        """`liar`'s peer was outvoted by other peers' results: cut the session back to the positions its answers
+        were verified up to, route its span to other peers (never to it again), and raise OutputRewoundError."""
         position = liar.verified
+        self.set_aside.add(liar.hop.peer_id)
         self.truncate(position)
         if liar in self.spans:
             await self._recover(self.spans.index(liar), self.sequence.attempts(count=1))
         raise OutputRewoundError(
-            f"peer {describe(liar.hop)} was caught computing wrong results and is banned; the inference session is "
-            f"rewound to position {position}: send the tokens from there on again",
+            f"peer {describe(liar.hop)} computed wrong results, outvoted by other peers computing its blocks, and this "
+            f"session no longer uses it; it is rewound to position {position}: send the tokens from there on again",
             position=position,
         )
 

@@ -7,12 +7,18 @@ peer A, its answer checked) is recomputed on peers other than A:
 1. a route over the same blocks that avoids A (one peer, or several whose spans cover the blocks). With none,
    the hop is counted as unverifiable and A's answer is used;
 2. if the two answers agree within tolerance, A's answer is used, unchanged;
-3. if not, a third route that avoids both breaks the tie. Whoever disagrees with the other two is banned for
-   `WRONG_RESULT_BAN_S`, and a WARNING names all the peers and the differences. The majority's answer is used. A
-   side computed by several peers is not banned, because nothing says which of them lied;
-4. with no third route, or three answers that do not agree two against one, nobody is banned (nobody can be
+3. if not, a third route that avoids both breaks the tie. Whoever disagrees with the other two is outvoted, and
+   the majority's answer is used. A side computed by several peers is never banned, because nothing says which
+   of them lied;
+4. an outvoted peer is banned (for `WRONG_RESULT_BAN_S`) only when a fourth route, avoiding all three, confirms
+   the majority: three against one. Two colluding liars drawn to check an honest answer can outvote it, but
+   never get it banned. With no fourth route, the outvoted peer is set aside (`SpotCheckStats.outvoted`; an
+   inference session routes around it) but not banned; if the fourth sides with it, two against two, nobody is;
+5. with no third route, or three answers that do not agree two against one, nobody is banned (nobody can be
    told a liar). The mismatch is logged as unresolved, and A's answer is kept, as it would be without the
    check. Raising instead would ban A through the retry path, which is as likely to punish the honest one.
+
+Every verdict is logged as a WARNING naming all the peers and the differences.
 
 Tolerance, per element: a and b agree when every  |a_i - b_i| <= rtol * (m_i + median of m over i's row),  where
 m = max(|a|, |b|) and a row is the last dimension (one token's hidden state), with rtol by the dtype the hops
@@ -45,7 +51,7 @@ from client.routing import RouteHop
 logger = logging.getLogger(__name__)
 
 WRONG_RESULT_BAN_S = 3600.0
-"""How long a peer outvoted by two others stays banned: a wrong result is no accident of the network."""
+"""How long a peer outvoted three to one stays banned: a wrong result is no accident of the network."""
 
 RTOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """Relative tolerance by compute dtype (see the module docstring); other dtypes get float32's."""
@@ -104,9 +110,11 @@ class SpotCheckStats:
     unverifiable: int = 0
     """Hops drawn for a check that no other peer could recompute."""
     unresolved: int = 0
-    """Mismatches without a two-against-one majority: nobody was banned."""
+    """Mismatches without a two-against-one majority, or two against two after a fourth route: nobody was banned."""
+    outvoted: list[str] = field(default_factory=list)
+    """Peers outvoted two to one that no fourth route could confirm as wrong, in order: set aside, not banned."""
     caught: list[str] = field(default_factory=list)
-    """Peers banned for a wrong result, in order."""
+    """Peers banned for a wrong result (outvoted three to one), in order."""
 
 
 class SpotChecker:
@@ -166,12 +174,11 @@ class SpotChecker:
             f"{difference(first.value, third.value)[0]:.3g} between {_who(first)} and {_who(third)}, "
             f"{difference(second.value, third.value)[0]:.3g} between {_who(second)} and {_who(third)}"
         )
-        if second_third and not first_third:
-            self._outvoted(first, blocks, diffs)
-            return second
-        if first_third and not second_third:
-            self._outvoted(second, blocks, diffs)
-            return first
+        if second_third != first_third:  # two against one
+            outvoted, majority = (first, second) if second_third else (second, first)
+            if await self._confirm(outvoted, majority, third, blocks, diffs, rtol, recompute):
+                return majority
+            return first  # two against two: as unresolved
         self.stats.unresolved += 1
         logger.warning(
             "spot check: %s, no two-against-one majority (%s; rtol %g); nobody banned, %s's answer kept",
@@ -182,26 +189,63 @@ class SpotChecker:
         )
         return first
 
-    def _outvoted(self, liar: Computed, blocks: str, diffs: str) -> None:
-        if len(set(liar.peers)) != 1:
+    async def _confirm(
+        self, outvoted: Computed, majority: Computed, third: Computed, blocks: str, diffs: str, rtol: float, recompute
+    ) -> bool:
+        """`outvoted` disagreed with `majority` and `third`, which agree: ban its peer if a fourth route confirms
+        them (three against one), else set it aside. False if the fourth sides with `outvoted`: two against two,
+        nobody banned and the first answer kept."""
+        if len(set(outvoted.peers)) != 1:
             logger.warning(
                 "spot check: %s, a route of several peers (%s) was outvoted (%s); nobody banned, since "
                 "it is not known which of them lied",
                 blocks,
-                _who(liar),
+                _who(outvoted),
                 diffs,
             )
-            return
-        peer = liar.peers[0]
-        length_s = self.ban(peer, WRONG_RESULT_BAN_S)
-        self.stats.caught.append(peer)
+            return True
+        peer = outvoted.peers[0]
+        fourth = await recompute(frozenset(outvoted.peers + majority.peers + third.peers))
+        if fourth is not None:
+            rtol = max(rtol, rtol_for(*fourth.dtypes, fourth.value.dtype))
+        if fourth is not None and agree(fourth.value, majority.value, rtol):
+            length_s = self.ban(peer, WRONG_RESULT_BAN_S)
+            self.stats.caught.append(peer)
+            logger.warning(
+                "spot check: peer %s computed a wrong %s, outvoted three to one (%s; %s agrees with the "
+                "majority); banned for %.0fs",
+                peer,
+                blocks,
+                diffs,
+                _who(fourth),
+                length_s,
+            )
+            return True
+        if fourth is None or not agree(fourth.value, outvoted.value, rtol):
+            self.stats.outvoted.append(peer)
+            logger.warning(
+                "spot check: peer %s was outvoted two to one on %s (%s) and %s; the majority's answer used, "
+                "%s set aside but not banned (two colluding checkers could outvote an honest peer)",
+                peer,
+                blocks,
+                diffs,
+                "no fourth peer serves them" if fourth is None else f"a fourth, {_who(fourth)}, agrees with nobody",
+                peer,
+            )
+            return True
+        self.stats.unresolved += 1
         logger.warning(
-            "spot check: peer %s computed a wrong %s, outvoted two to one (%s); banned for %.0fs",
-            peer,
+            "spot check: %s, two against two: %s outvoted by %s and %s, but %s agrees with it (%s); "
+            "nobody banned, %s's answer kept",
             blocks,
+            peer,
+            _who(majority),
+            _who(third),
+            _who(fourth),
             diffs,
-            length_s,
+            peer,
         )
+        return False
 
 
 def _who(computed: Computed) -> str:

@@ -367,10 +367,29 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "spot-check-uses-outvoted-answer",
         "client/verify.py",
-        "            self._outvoted(first, blocks, diffs)\n            return second\n",
-        "            self._outvoted(first, blocks, diffs)\n            return first  # MUTATION\n",
-        "a spot check bans the peer outvoted two to one but keeps its wrong answer",
+        "                return majority\n",
+        "                return first  # MUTATION\n",
+        "a spot check outvotes (and bans) a peer but keeps its wrong answer",
         ("tests/client/test_verify.py", "tests/client/test_spot_checks.py"),
+    ),
+    Mutation(
+        "two-colluders-ban",
+        "client/verify.py",
+        "        if fourth is not None and agree(fourth.value, majority.value, rtol):\n",
+        "        if fourth is None or agree(fourth.value, majority.value, rtol):  # MUTATION\n",
+        "a peer outvoted two to one is banned with no fourth peer to confirm it: two colluders ban an honest one",
+        ("tests/client/test_verify.py",),
+    ),
+    Mutation(
+        "outvoted-peer-rerouted-to",
+        "client/session.py",
+        "        self.set_aside.add(liar.hop.peer_id)\n",
+        "        pass  # MUTATION\n",
+        "a session rewound after a check outvoted a peer (not banned) may route its span back to that peer",
+        (
+            "tests/client/test_inference_checks.py::"
+            "test_with_two_honest_peers_the_liar_is_only_set_aside_and_the_text_is_still_the_local_models",
+        ),
     ),
     # --- a hostile network ---
     Mutation(

@@ -52,8 +52,8 @@ def from_swarm_error(error: SwarmError) -> ApiError:
     if isinstance(error, OutputRewoundError):  # streamed tokens may be wrong (whole answers are generated again)
         return ApiError(
             503,
-            "a peer of the route was caught computing wrong results after this request's first tokens were sent; it "
-            "is banned now: send the request again",
+            "a peer of the route was caught computing wrong results after this request's first tokens were sent, "
+            "so those tokens may be wrong: send the request again",
             type="service_unavailable",
             code=error.code,
         )

@@ -1,10 +1,11 @@
 """Verified generation (client/inference_checks.py), on an in-memory swarm: a peer that adds noise to its inference
 answers (finite, of the right shape and dtype: nothing but another peer's recomputation tells) is caught by a check,
-banned, and generate() redoes the tokens after what was verified, so the text and every step's logits are the local
-model's; a checker that lies gets nobody honest banned.
+banned (three honest peers outvote it) or, with only two to outvote it, set aside for the session, and generate()
+redoes the tokens after what was verified, so the text and every step's logits are the local model's; a checker
+that lies gets nobody honest banned.
 
-Peers serve the tiny Llama as 0:2 and 2:4; the liar of 2:4 announces a far higher throughput than the two honest
-peers of 2:4, so that routes go to it. Checks run after every step (`verify_inference=1`), one at a time.
+Peers serve the tiny Llama as 0:2 and 2:4; the liar of 2:4 announces a far higher throughput than the honest peers
+of 2:4, so that routes go to it. Checks run after every step (`verify_inference=1`), one at a time.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ def _options(ids: torch.Tensor, padded: bool = True) -> dict:
     return options
 
 
-def _swarm(fake_swarm, route_faults: list[Fault], checker_faults: list[Fault] = ()):
+def _swarm(fake_swarm, route_faults: list[Fault], checker_faults: list[Fault] = (), spares: int = 2):
+    """The peer of 0:2, the routed peer of 2:4, a checker of 2:4 (with `checker_faults`), and `spares` more of 2:4."""
     first = fake_swarm.add_peer(0, 2)
     routed = fake_swarm.add_peer(2, 4, throughput=1e6, faults=route_faults)
     checker = fake_swarm.add_peer(2, 4, faults=list(checker_faults))
-    spare = fake_swarm.add_peer(2, 4)
-    return first, routed, checker, spare
+    return first, routed, checker, *(fake_swarm.add_peer(2, 4) for _ in range(spares))
 
 
 @pytest.mark.parametrize(
@@ -77,10 +78,33 @@ def test_a_peer_lying_on_inference_steps_is_caught_and_the_text_is_the_local_mod
         remote.shutdown()
 
 
+def test_with_two_honest_peers_the_liar_is_only_set_aside_and_the_text_is_still_the_local_models(
+    fake_swarm, tiny_llama_local
+):
+    """Two against one bans nobody (two colluders could be the two): the session routes around the outvoted peer,
+    the text is the local model's, and a later session may use it again (its checks then catch it again)."""
+    _, liar, *_ = _swarm(fake_swarm, [Fault("perturb", method="inference", after=LIE_FROM_STEP)], spares=1)
+    ids = _ids(1, 6, seed=35)
+    options = _options(ids)
+    expected = generate_with_logits(tiny_llama_local, ids, **options)
+    remote = fake_swarm.client(**CHECKED)
+    try:
+        with remote.inference_session(max_length=64) as session:
+            got = generate_with_logits(remote, ids, **options)
+            assert session.remote.checks.caught == 1 and session.remote.set_aside == {liar.peer_id}
+            assert liar.peer_id not in {s.hop.peer_id for s in session.remote.spans}
+        assert_same_generation(got, expected)
+        stats = remote.sequence.spot_checks.stats
+        assert stats.outvoted == [liar.peer_id] and stats.caught == []
+        assert remote.sequence.bans.banned() == set()
+    finally:
+        remote.shutdown()
+
+
 def test_a_checker_that_lies_gets_nobody_honest_banned_and_nothing_is_redone(fake_swarm, tiny_llama_local):
     """The routed peer is honest; one of the two others lies to checks (forward calls). Drawn as the checker, it
     disagrees with the routed peer, and the third peer outvotes it: it is banned, nobody else, and no token redone."""
-    first, routed, liar, spare = _swarm(fake_swarm, [], [Fault("perturb", method="forward")])
+    first, routed, liar, *spares = _swarm(fake_swarm, [], [Fault("perturb", method="forward")])
     ids = _ids(1, 6, seed=32)
     options = _options(ids)
     expected = generate_with_logits(tiny_llama_local, ids, **options)
@@ -91,7 +115,7 @@ def test_a_checker_that_lies_gets_nobody_honest_banned_and_nothing_is_redone(fak
             assert session.remote.checks.caught == 0 and session.remote.checks.started > 0
         assert_same_generation(got, expected)
         banned = remote.sequence.bans.banned()
-        assert not banned & {first.peer_id, routed.peer_id, spare.peer_id}
+        assert not banned & {first.peer_id, routed.peer_id, *(spare.peer_id for spare in spares)}
         assert (liar.peer_id in banned) == (liar.acted > 0), "a checker that lied is banned, and only then"
     finally:
         remote.shutdown()

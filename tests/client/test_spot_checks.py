@@ -1,12 +1,12 @@
 """A peer that computes slightly wrong results: spot checks find it, ban it, and the client's results stay exact.
 
-On an in-memory swarm (tests/helpers/fake_swarm.py): two honest peers and a corrupter serve all blocks. The corrupter
+On an in-memory swarm (tests/helpers/fake_swarm.py): three honest peers and a corrupter serve all blocks. The corrupter
 adds noise of 1e-2 x std to its answers (lie "perturb" of tests/helpers/liar.py), which stay finite and of the right
 shape and dtype, so client/checks.py lets them through. It announces a far higher throughput, so that every route
 goes to it first. Clients check every hop (verify_fraction=1, seeded).
 
 - With only honest answers, the results are bitwise those of a client that does not check, and nobody is banned.
-- A corrupter of forward or of backward is banned at its first wrong answer (two honest peers outvote it),
+- A corrupter of forward or of backward is banned at its first wrong answer (three honest peers outvote it),
   and every result, that first one included, matches the local model.
 """
 
@@ -24,7 +24,7 @@ MAX_PASSES = 5  # forward+backward passes within which the corrupter must be ban
 
 def _swarm(fake_swarm, corrupt_on: list[str] = ()):
     """(the honest peers' ids, the corrupter), all serving blocks 0:4."""
-    honest = [fake_swarm.add_peer(0, 4).peer_id for _ in range(2)]
+    honest = [fake_swarm.add_peer(0, 4).peer_id for _ in range(3)]
     faults = [Fault("perturb", method=method) for method in corrupt_on]
     return honest, fake_swarm.add_peer(0, 4, throughput=LIAR_THROUGHPUT, faults=faults)
 

@@ -1,4 +1,5 @@
-"""Spot checks (client/verify.py): the tolerance rule, the two-against-one vote, and recomputing a span's route.
+"""Spot checks (client/verify.py): the tolerance rule, the vote (two against one outvotes, three against one bans),
+and recomputing a span's route.
 
 The vote runs against recompute functions that return chosen answers (what other routes would have computed),
 and bans through a real BanList.
@@ -108,28 +109,65 @@ def test_a_span_nobody_else_serves_is_unverifiable():
     assert bans.banned() == set()
 
 
-def test_the_first_peer_outvoted_two_to_one_is_banned_long_and_the_majority_answer_used(caplog):
+def test_the_first_peer_outvoted_three_to_one_is_banned_long_and_the_majority_answer_used(caplog):
+    checker, bans = _checker()
+    honest = _hidden()
+    swarm = Swarm({"b": honest, "c": honest.clone(), "d": honest.clone()})
+    with caplog.at_level(logging.WARNING, logger="client.verify"):
+        chosen = _check(checker, Computed(_perturbed(honest), ("a",)), swarm)
+    assert chosen.peers == ("b",) and torch.equal(chosen.value, honest)
+    assert swarm.asked == [{"a"}, {"a", "b"}, {"a", "b", "c"}], "each new route must avoid every peer asked so far"
+    assert bans.banned() == {"a"} and checker.stats.caught == ["a"] and checker.stats.outvoted == []
+    bans.clock.now += WRONG_RESULT_BAN_S - 1
+    assert bans.banned() == {"a"}, "a wrong result must cost more than a failure's ban"
+    assert (checker.stats.verified, checker.stats.mismatches, checker.stats.unresolved) == (1, 1, 0)
+    warning = " ".join(record.getMessage() for record in caplog.records)
+    assert all(peer in warning for peer in "abcd") and "max |difference|" in warning
+
+
+def test_outvoted_two_to_one_with_no_fourth_peer_the_majority_answer_is_used_but_nobody_banned(caplog):
     checker, bans = _checker()
     honest = _hidden()
     swarm = Swarm({"b": honest, "c": honest.clone()})
     with caplog.at_level(logging.WARNING, logger="client.verify"):
         chosen = _check(checker, Computed(_perturbed(honest), ("a",)), swarm)
     assert chosen.peers == ("b",) and torch.equal(chosen.value, honest)
-    assert swarm.asked == [{"a"}, {"a", "b"}], "the tie-break must avoid both peers that disagree"
-    assert bans.banned() == {"a"} and checker.stats.caught == ["a"]
-    bans.clock.now += WRONG_RESULT_BAN_S - 1
-    assert bans.banned() == {"a"}, "a wrong result must cost more than a failure's ban"
-    assert (checker.stats.verified, checker.stats.mismatches, checker.stats.unresolved) == (1, 1, 0)
-    warning = " ".join(record.getMessage() for record in caplog.records)
-    assert all(peer in warning for peer in "abc") and "max |difference|" in warning
+    assert swarm.asked == [{"a"}, {"a", "b"}, {"a", "b", "c"}]
+    assert bans.banned() == set() and checker.stats.caught == [] and checker.stats.outvoted == ["a"]
+    assert "no fourth peer" in caplog.text and "not banned" in caplog.text
 
 
-def test_a_lying_checker_is_banned_and_the_first_answer_kept():
+def test_two_colluding_checkers_never_get_an_honest_peer_banned():
+    """Two liars that tell the same lie, drawn as both checkers: two against one, but a fourth (honest) peer sides
+    with the first, and without one the first is only set aside. Its answer is kept when the fourth backs it."""
+    honest = _hidden()
+    lie = _perturbed(honest)
+    checker, bans = _checker()
+    first = Computed(honest, ("a",))
+    assert _check(checker, first, Swarm({"b": lie, "c": lie.clone(), "d": honest.clone()})) is first
+    assert bans.banned() == set() and checker.stats.unresolved == 1 and checker.stats.outvoted == []
+    checker, bans = _checker()
+    assert _check(checker, first, Swarm({"b": lie, "c": lie.clone()})).peers == ("b",)
+    assert bans.banned() == set() and checker.stats.outvoted == ["a"]
+
+
+def test_a_fourth_answer_that_agrees_with_nobody_confirms_nothing():
+    checker, bans = _checker()
+    honest = _hidden()
+    swarm = Swarm({"b": honest, "c": honest.clone(), "d": _perturbed(honest, seed=5)})
+    assert _check(checker, Computed(_perturbed(honest), ("a",)), swarm).peers == ("b",)
+    assert bans.banned() == set() and checker.stats.outvoted == ["a"] and checker.stats.caught == []
+
+
+def test_a_lying_checker_is_banned_three_to_one_and_the_first_answer_kept():
     checker, bans = _checker()
     honest = _hidden()
     first = Computed(honest, ("a",))
-    assert _check(checker, first, Swarm({"b": _perturbed(honest), "c": honest.clone()})) is first
+    assert _check(checker, first, Swarm({"b": _perturbed(honest), "c": honest.clone(), "d": honest.clone()})) is first
     assert bans.banned() == {"b"} and checker.stats.caught == ["b"]
+    checker, bans = _checker()
+    assert _check(checker, first, Swarm({"b": _perturbed(honest), "c": honest.clone()})) is first
+    assert bans.banned() == set() and checker.stats.outvoted == ["b"]
 
 
 def test_without_a_third_peer_nobody_is_banned_and_the_first_answer_kept(caplog):

@@ -227,8 +227,8 @@ class PeerServicer:
         return await _unary(context, work)
 
     async def state(self, request: pb.StateRequest, context) -> None:
-        """Stream the span's current weights, each tensor cut along its first dimension into pieces
-        (peer/state_stream.py: one caller at a time, a piece at a time)."""
+        """Stream the span's current weights (or a LoRA run's adapters), each tensor cut along its first dimension
+        into pieces (peer/state_stream.py: one caller at a time, a piece at a time)."""
         try:
             blocks = self.served.blocks(request.span)
             span = self.served.span
@@ -240,6 +240,13 @@ class PeerServicer:
 
             training = self.training
             weights_of = training.weights if training is not None else (lambda: lora.layer_state(span))
+            if request.adapters:
+                if training is None:
+                    raise BadRequestError(
+                        "this peer trains no run, so it has no LoRA adapters: export without --adapter-only"
+                    )
+                training.require_adapters()
+                weights_of = training.adapters
             epoch_of = (lambda: training.epoch) if training is not None else (lambda: 0)
             await self.state_streams.stream(weights_of, context.write, epoch_of)
         except TimeoutError:  # the caller stopped reading: nothing to tell it

@@ -424,10 +424,12 @@ class InfoResponse(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ..., applied_round: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("span",)
+    __slots__ = ("span", "adapters")
     SPAN_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     span: Span
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ...) -> None: ...
+    adapters: bool
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., adapters: _Optional[bool] = ...) -> None: ...
 
 class StatePart(_message.Message):
     __slots__ = ("name", "tensor", "last", "payload")

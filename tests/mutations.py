@@ -365,6 +365,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",),
     ),
     Mutation(
+        "adapter-export-gets-merged-weights",
+        "peer/handler.py",
+        "                weights_of = training.adapters\n",
+        "                pass  # MUTATION\n",
+        "a peer asked for its LoRA adapters sends its merged weights instead",
+        (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",),
+    ),
+    Mutation(
         "spot-check-uses-outvoted-answer",
         "client/verify.py",
         "                return majority\n",

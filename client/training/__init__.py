@@ -7,6 +7,7 @@
 - documents, stream, data: training batches from text, JSON lines or Parquet files (default: Shakespeare),
   streamed, a data shard per trainer, shuffled in windows, resumable exactly, prefetched (data's docstring)
 - export: `swarmlm export`, the swarm's current weights as a Hugging Face checkpoint
+- adapters: `swarmlm export --adapter-only`, a LoRA run's adapters as a peft adapter folder
 - cli: `swarmlm train`
 
 May import protocol, swarm and the client's core (model, sequence, config, ...); not client.demo or client.api.

@@ -1,4 +1,5 @@
-"""`swarmlm export`: the swarm's current weights as a plain Hugging Face checkpoint.
+"""`swarmlm export`: the swarm's current weights as a plain Hugging Face checkpoint (client/training/adapters.py
+writes a LoRA run's adapters alone, with --adapter-only).
 
 Each span comes from one peer that serves it (LoRA adapters merged in by the peer); the embeddings, norm and
 head come from a trainer's `--save` folder, or from the original checkpoint when there is none.
@@ -51,14 +52,16 @@ async def fetch_peer_weights(
     start: int,
     end: int,
     expected: Mapping[str, tuple[int, ...]] | None = None,
+    adapters: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name.
+    """The current weights of the span [start, end) that the peer at `endpoint` serves, by checkpoint name (with
+    `adapters`, its LoRA run's adapters instead).
 
     With `expected` (the checkpoint's shapes), the stream is read only as far as those tensors go: a name or a
     shape that is not the checkpoint's, or rows beyond a tensor's, is the peer's fault (PeerFaultError), so a peer
     cannot make its reader hold more than the span's weights.
     """
-    request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end))
+    request = pb.StateRequest(span=pb.Span(model=prefix, start=start, end=end), adapters=adapters)
     pieces: dict[str, list[torch.Tensor]] = {}
     rows: dict[str, int] = {}
     try:
@@ -78,7 +81,7 @@ async def fetch_peer_weights(
 def _check_piece(endpoint: str, name: str, piece: torch.Tensor, expected: Mapping, rows: int) -> None:
     shape = expected.get(name)
     if shape is None:
-        raise PeerFaultError(f"peer {endpoint} sent a tensor {name!r} that the checkpoint's blocks do not have")
+        raise PeerFaultError(f"peer {endpoint} sent a tensor {name!r} that the blocks it serves do not have")
     whole = tuple(shape[:1]) if shape else (1,)
     if tuple(piece.shape[1:]) != tuple(shape[1:]) or (piece.dim() == 0) != (len(shape) == 0) or rows > whole[0]:
         raise PeerFaultError(
@@ -120,10 +123,14 @@ async def check_stages_agree(sequence: RemoteSequence, run_id: str) -> int:
 
 
 async def fetch_span_weights(
-    sequence: RemoteSequence, start: int, end: int, shapes: Mapping[str, tuple[int, ...]] | None = None
+    sequence: RemoteSequence,
+    start: int,
+    end: int,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    adapters: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Weights of blocks [start, end) from peers of the sequence's run, one peer per span it covers; with `shapes`
-    (the checkpoint's), each peer's stream is held to them."""
+    """Weights of blocks [start, end) (or, with `adapters`, a LoRA run's adapters) from peers of the sequence's run,
+    one peer per span it covers; with `shapes` (the checkpoint's), each peer's stream is held to them."""
     tensors: dict[str, torch.Tensor] = {}
     route = await sequence.plan(start, end, inference=False, refresh=True)
     snapshot = await sequence.snapshot()
@@ -134,7 +141,7 @@ async def fetch_span_weights(
             blocks = tuple(f"model.layers.{i}." for i in range(info.start_block, info.end_block))
             expected = {name: shape for name, shape in shapes.items() if name.startswith(blocks)}
         weights = await fetch_peer_weights(
-            sequence.pool, hop.endpoint, sequence.prefix, info.start_block, info.end_block, expected
+            sequence.pool, hop.endpoint, sequence.prefix, info.start_block, info.end_block, expected, adapters
         )
         wanted = {f"model.layers.{i}." for i in range(hop.start, hop.end)}
         tensors.update({name: t for name, t in weights.items() if any(name.startswith(w) for w in wanted)})
@@ -185,15 +192,7 @@ def export_model(
         stop_dht(dht)
         loop.close()
     if trainer_dir is not None:
-        local = load_file(str(Path(trainer_dir) / TRAINER_FILE))
-        saved = Path(trainer_dir) / OPTIMIZER_FILE
-        if epoch is not None and saved.exists():
-            trainer_epoch = int(torch.load(saved, weights_only=True)["epoch"])
-            if trainer_epoch != epoch:
-                raise TrainingFaultError(
-                    f"the trainer's save in {trainer_dir} is at update {trainer_epoch}, the run's stages at {epoch}: "
-                    f"they would not make one model; export with the trainer's save of that update"
-                )
+        local = load_trainer_save(Path(trainer_dir), epoch)
     else:
         local = load_tensors(path, lambda name: not name.startswith("model.layers."), dtype=None)
     tensors.update(local)
@@ -214,6 +213,23 @@ def export_model(
     return out
 
 
+def load_trainer_save(trainer_dir: Path, epoch: int | None) -> dict[str, torch.Tensor]:
+    """A trainer's `--save` tensors (embeddings, norm, head), checked to be at the run's update `epoch` if given.
+
+    Raises:
+        TrainingFaultError: the save is of another update than the stages'.
+    """
+    saved = trainer_dir / OPTIMIZER_FILE
+    if epoch is not None and saved.exists():
+        trainer_epoch = int(torch.load(saved, weights_only=True)["epoch"])
+        if trainer_epoch != epoch:
+            raise TrainingFaultError(
+                f"the trainer's save in {trainer_dir} is at update {trainer_epoch}, the run's stages at {epoch}: "
+                f"they would not make one model; export with the trainer's save of that update"
+            )
+    return load_file(str(trainer_dir / TRAINER_FILE))
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Save the swarm's current weights as a Hugging Face checkpoint.")
     p.add_argument("model", help="the checkpoint folder the peers were started with")
@@ -223,6 +239,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="take blocks from peers of this training run (default: any peer)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="write a LoRA run's adapters (with --trainer-dir, its embeddings and head too) as a peft adapter folder, "
+        "not the whole model; needs --run-id",
+    )
     return p
 
 
@@ -231,16 +253,31 @@ def run(args: argparse.Namespace) -> int:
         swarm_key = load_optional(args.swarm_key)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if args.adapter_only and args.run_id is None:
+        raise SystemExit("error: --adapter-only needs --run-id: adapters belong to a LoRA training run")
     try:
-        out = export_model(
-            args.model,
-            args.initial_peers,
-            args.out,
-            trainer_dir=args.trainer_dir,
-            run_id=args.run_id,
-            dht_prefix=args.dht_prefix,
-            swarm_key=swarm_key,
-        )
+        if args.adapter_only:
+            from client.training.adapters import export_adapter
+
+            out = export_adapter(
+                args.model,
+                args.initial_peers,
+                args.out,
+                run_id=args.run_id,
+                trainer_dir=args.trainer_dir,
+                dht_prefix=args.dht_prefix,
+                swarm_key=swarm_key,
+            )
+        else:
+            out = export_model(
+                args.model,
+                args.initial_peers,
+                args.out,
+                trainer_dir=args.trainer_dir,
+                run_id=args.run_id,
+                dht_prefix=args.dht_prefix,
+                swarm_key=swarm_key,
+            )
     except (SwarmError, ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 1

@@ -59,7 +59,7 @@ class SpanTraining:
         if recipe.train_mode == TrainMode.LORA:
             from peer.lora import LoraSettings, add_lora  # peft is needed only for LoRA
 
-            params = add_lora(span, LoraSettings(rank=recipe.lora_rank, alpha=2.0 * recipe.lora_rank), seed=0)
+            params = add_lora(span, LoraSettings(rank=recipe.lora_rank, alpha=recipe.lora_alpha), seed=0)
             named = [(f"adapter.{i}", p) for i, p in enumerate(params)]
         else:
             named = sorted(span.layers.named_parameters())
@@ -356,6 +356,21 @@ class SpanTraining:
         if self.recipe.train_mode == TrainMode.LORA:
             return lora.merged_layer_state(self.span)
         return lora.layer_state(self.span)
+
+    def require_adapters(self) -> None:
+        """Raises BadRequestError unless this run trains LoRA adapters."""
+        if self.recipe.train_mode != TrainMode.LORA:
+            raise BadRequestError(
+                f"run {self.run_id!r} trains full weights ({self.recipe.train_mode}), not LoRA adapters: "
+                "export it without --adapter-only"
+            )
+
+    def adapters(self) -> dict[str, torch.Tensor]:
+        """A LoRA run's adapters, unmerged, named as peer/lora.py names them (`swarmlm export --adapter-only`)."""
+        from peer import lora
+
+        self.require_adapters()
+        return lora.adapter_state(self.span)
 
     def save(self) -> None:
         if self.saved_as is None:

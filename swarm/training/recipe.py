@@ -139,6 +139,11 @@ class RunRecipe:
     master_dtype: str = "float32"
     """dtype of master weights, gradient accumulators and optimizer state, whatever the compute dtype."""
 
+    @property
+    def lora_alpha(self) -> float:
+        """LoRA's scale numerator: an adapter adds (alpha / rank) * B @ A to its layer (2 x rank, a common choice)."""
+        return 2.0 * self.lora_rank
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))

@@ -14,11 +14,13 @@ import threading
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM, SwarmTrainer, TrainConfig
 from client.sequence import TrainingTag
+from client.training.adapters import ADAPTER_FILE, export_adapter
 from client.training.export import TRAINER_FILE, export_model, fetch_peer_weights
 from client.training.local import LocalTrainer
 from protocol.errors import BadRequestError, StaleEpochError
@@ -125,6 +127,11 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
             timeout_s=120,
         )
         assert exported.returncode == 0, exported.stderr[-3000:]
+        refused = swarm.run(
+            "export", str(model_path), "--initial-peers", *swarm.initial_peers, "--run-id", "exact", "--adapter-only",
+            "--out", str(tmp_path / "adapter"), timeout_s=120,
+        )  # fmt: skip
+        assert refused.returncode == 1 and "trains full weights" in refused.stderr, refused.stderr[-3000:]
         # the run's trainer left cleanly: the next one starts at once from the checkpoint, waiting for no state
         again = swarm.run(
             "train", str(model_path), "--initial-peers", *swarm.initial_peers, *train_flags("exact", 1), timeout_s=120
@@ -305,9 +312,18 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
                 str(model_path), swarm.initial_peers, tmp_path / "exported", trainer_dir=trainer_dir, run_id="lora"
             )
             exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            # the adapters alone, as peft saves them: on the original checkpoint, they compute the same model
+            adapter = export_adapter(
+                str(model_path), swarm.initial_peers, tmp_path / "adapter", run_id="lora", trainer_dir=trainer_dir
+            )
+            saved = load_file(adapter / ADAPTER_FILE)
+            assert all(".lora_" in name or "layers" not in name for name in saved), sorted(saved)[:5]
+            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            adapted = PeftModel.from_pretrained(base, adapter).eval()
             ids = torch.randint(3, VOCAB_SIZE, (2, 16), generator=generator)
             with torch.no_grad():
                 torch.testing.assert_close(model(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
+                torch.testing.assert_close(adapted(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
                 prompt = ids[:1, :6]
                 assert torch.equal(
                     model.generate(prompt, max_new_tokens=8, do_sample=False),

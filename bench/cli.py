@@ -42,7 +42,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     mode.add_argument(
         "--full",
         action="store_true",
-        help="every scenario and model (the default, ~45 min: train_swarm ~18, speculative ~6 of them)",
+        help="every scenario and model (the default, ~47 min: train_swarm ~20, speculative ~6 of them)",
     )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="where peers and the reference compute")
     p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: float32 on cpu, bfloat16 on cuda)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.records import check_run_id
-from protocol.vocab import StrEnum, choices
+from protocol.vocab import StrEnum, WireDType, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides
 from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
@@ -55,7 +55,7 @@ class ClientConfig:
     0 turns spot checks off. Training runs are not checked."""
     verify_inference: float = 0.05
     """Probability, after each inference step, that one span's answers so far are checked by other peers in the
-    background (client/inference_checks.py): a liar caught is banned and generation redone without it. 0 turns
+    background (client/inference_checks.py): a peer they outvote is left out and generation redone without it. 0 turns
     the checks off, 1 checks as often as they can run (one at a time)."""
     verify_seed: int | None = None
     """Seed of the spot checks' draws and routes (None: a fresh one per client)."""
@@ -65,6 +65,10 @@ class ClientConfig:
     always driven by the client."""
     forward_min_rtt_s: float = 0.005
     """With forward_steps AUTO, the round trip to a peer from which pushing steps to it pays."""
+    wire_dtype: WireDType = WireDType.NONE
+    """How hidden states and gradients travel between this client and the peers, both ways, and from peer to peer
+    on pushed steps (WireDType: none, float16, bfloat16, int8). Lossy but `none`: results then differ from
+    the local model's by the rounding (docs/training.md#compressed-activations)."""
     min_session_lifetime_s: float = 60.0
     """A peer that ends an inference session at its `--session-lifetime-s` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
@@ -93,6 +97,9 @@ class ClientConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "forward_steps", _forward_steps(self.forward_steps))
+        if self.wire_dtype not in choices(WireDType):
+            raise ValueError(f"wire_dtype must be one of {choices(WireDType)}, got {self.wire_dtype!r}")
+        object.__setattr__(self, "wire_dtype", WireDType(self.wire_dtype))
         for name in ("verify_fraction", "verify_inference"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")

@@ -98,6 +98,8 @@ class RemoteSequence:
         self.run_id = run_id  # when set, only peers that train this run are used
         # peers not to route to whatever their record says (a trainer's stage members that are behind or fenced)
         self.avoid: frozenset[str] = frozenset()
+        # how tensors travel to and from the peers (pb.Compression)
+        self.compression = pb.Compression.Value(config.wire_dtype.upper())
         # the model's, to check inputs as the peers will (None: not checked here)
         self.hidden_size, self.max_positions = hidden_size, max_positions
         self._p2p: hivemind.P2P | None = None
@@ -265,10 +267,11 @@ class RemoteSequence:
         request = packer.pack(
             pb.ForwardRequest(
                 span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-                hidden_states=packer.tensor(hidden.to(dtype)),
+                hidden_states=packer.tensor(hidden.to(dtype), self.compression),
                 attention_mask=packer.optional(mask),
                 position_ids=packer.optional(positions),
                 backward_id=backward_id,
+                output_compression=self.compression,
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
@@ -293,11 +296,12 @@ class RemoteSequence:
                 run_id=run_id,
                 epoch=epoch,
                 span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
-                hidden_states=packer.tensor(inputs.to(dtype)),
-                grad_outputs=packer.tensor(grad.to(dtype)),
+                hidden_states=packer.tensor(inputs.to(dtype), self.compression),
+                grad_outputs=packer.tensor(grad.to(dtype), self.compression),
                 attention_mask=packer.optional(mask),
                 position_ids=packer.optional(positions),
                 backward_id=backward_id,
+                output_compression=self.compression,
                 micro_batch=pb.MicroBatch(
                     trainer=training.micro_batch[0], index=training.micro_batch[1], samples=training.micro_batch[2]
                 )

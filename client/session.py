@@ -220,11 +220,12 @@ class InferenceSession:
             pb.InferenceRequest(
                 step=pb.InferenceStep(
                     session_id=chain[0].session_id,
-                    hidden_states=packer.tensor(hidden.to(dtype)),
+                    hidden_states=packer.tensor(hidden.to(dtype), self.sequence.compression),
                     attention_mask=packer.optional(mask),
                     position_ids=packer.optional(positions),
                     prefix_length=prefix_length,
                     step_id=ids[0],
+                    output_compression=self.sequence.compression,
                     next=[
                         pb.NextHop(endpoint=s.hop.endpoint, session_id=s.session_id, push_token=s.push_token, step_id=i)
                         for s, i in zip(chain[1:], ids[1:])

@@ -137,7 +137,7 @@ class Forwarder:
                 push_token=hop.push_token,
                 step=pb.InferenceStep(
                     session_id=hop.session_id,
-                    hidden_states=packer.tensor(output),
+                    hidden_states=packer.tensor(output, step.output_compression),  # as the client would send it
                     attention_mask=packer.optional(mask),
                     position_ids=packer.optional(positions),
                     prefix_length=step.prefix_length,

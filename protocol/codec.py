@@ -1,4 +1,10 @@
-"""Tensor <-> protobuf `Tensor` codec: shape, dtype (bfloat16 included), optional float16 compression."""
+"""Tensor <-> protobuf `Tensor` codec: shape, dtype (bfloat16 included), optional compression of floating tensors.
+
+Compression (what a sender asks for with `output_compression`, or applies to its own inputs) turns float32 and
+float64 tensors into float16 or bfloat16 (2 bytes a value), or into blockwise 8-bit codes (INT8: 1 byte a value
+plus 4 per block of 64, as SWARM parallelism sends activations): lossy by design, opt-in, and restored to the
+original dtype on receipt.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-_FLOAT16_MAX = torch.finfo(torch.float16).max
 
 # Received bytes are read-only, and torch says so when a tensor views them; they are private to the one
 # request that carried them, so the warning is silenced, for calls from this module only.
@@ -45,33 +50,81 @@ def parse_dtype(name: str) -> torch.dtype:
         raise BadRequestError(f"unknown tensor dtype {name!r}; supported: {sorted(DTYPES)}") from None
 
 
-def wire_form(tensor: torch.Tensor, compression: int = pb.NONE) -> tuple[torch.Tensor, str, int]:
-    """The contiguous CPU tensor to send, its dtype's name and the compression applied.
+INT8_BLOCK = 64  # values per block of INT8 compression, each block scaled by its own max |x|
+_WIDE = (torch.float32, torch.float64)
+_ORIGINALS = {  # the dtypes each compression applies to (where it shrinks them)
+    pb.FLOAT16: _WIDE,
+    pb.BFLOAT16: _WIDE,
+    pb.INT8: (*_WIDE, torch.float16, torch.bfloat16),
+}
+_HALF = {pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16}
 
-    FLOAT16 compression applies to float32/float64 only (it would not shrink the rest).
+
+def wire_form(tensor: torch.Tensor, compression: int = pb.NONE) -> tuple[torch.Tensor, str, int]:
+    """The contiguous CPU tensor whose bytes to send, its original dtype's name and the compression applied.
+
+    Compression applies where it shrinks the tensor (`_ORIGINALS`), else it is sent as it is; INT8's is a flat
+    uint8 tensor of codes and scales (`int8_encode`), not of the original's shape.
     """
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     original = dtype_name(tensor.dtype)
-    if compression == pb.FLOAT16 and tensor.dtype in (torch.float32, torch.float64):
-        # clamp rather than overflow: inf would be rejected as bad input on the other side
-        tensor = tensor.clamp(-_FLOAT16_MAX, _FLOAT16_MAX).to(torch.float16)
-    else:
-        compression = pb.NONE
-    return tensor.contiguous(), original, compression
+    if tensor.dtype not in _ORIGINALS.get(compression, ()):
+        return tensor.contiguous(), original, pb.NONE
+    if compression == pb.INT8:
+        if not bool(torch.isfinite(tensor).all()):  # sent as it is: the receiver's checks must see the NaN or inf
+            return tensor.contiguous(), original, pb.NONE
+        return int8_encode(tensor), original, compression
+    limit = torch.finfo(_HALF[compression]).max
+    # clamp rather than overflow: inf would be rejected as bad input on the other side
+    return tensor.clamp(-limit, limit).to(_HALF[compression]).contiguous(), original, compression
+
+
+def int8_encode(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (floating) as INT8 compression's bytes: the codes of every block, then each block's float32 scale."""
+    flat = tensor.reshape(-1).float()
+    blocks = -(-flat.numel() // INT8_BLOCK)
+    padded = torch.zeros(blocks * INT8_BLOCK)
+    padded[: flat.numel()] = flat
+    padded = padded.view(blocks, INT8_BLOCK)
+    scales = padded.abs().amax(dim=1)
+    codes = torch.round(padded * (127.0 / scales.clamp_min(torch.finfo(torch.float32).tiny)).unsqueeze(1))
+    codes = codes.clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes.reshape(-1).view(torch.uint8), scales.view(torch.uint8)])
+
+
+def int8_nbytes(numel: int) -> int:
+    blocks = -(-numel // INT8_BLOCK)
+    return blocks * (INT8_BLOCK + 4)
+
+
+def int8_decode(data: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` whose INT8 bytes `data` (uint8) holds.
+
+    Raises:
+        BadRequestError: a block's scale is negative or not finite.
+    """
+    numel = math.prod(shape)
+    blocks = -(-numel // INT8_BLOCK)
+    codes = data[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
+    scales = data[blocks * INT8_BLOCK :].clone().view(torch.float32)  # clone: the scales may sit unaligned
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise BadRequestError(f"{name}: INT8 compression with a scale that is negative or not finite")
+    values = codes.float() * (scales / 127.0).unsqueeze(1)
+    return values.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
 def encode_tensor(tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
     """A `Tensor` message holding the bytes itself (`packing.Packer` sends large ones with fewer copies)."""
+    shape = list(tensor.shape)
     tensor, original, compression = wire_form(tensor, compression)
     data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(shape=list(tensor.shape), dtype=original, data=data, compression=compression)
+    return pb.Tensor(shape=shape, dtype=original, data=data, compression=compression)
 
 
 MAX_NDIM = 8  # our tensors have at most 3 dimensions; more is a malformed message
 MAX_ELEMENTS = 1 << 40  # product of the nonzero dimensions: far past any message, far below int64 overflow
-_FLOAT16_ORIGINALS = (torch.float32, torch.float64)  # what `wire_form` compresses
 
 
 @dataclass(frozen=True)
@@ -90,17 +143,18 @@ def layout(message: pb.Tensor, name: str = "tensor") -> Layout:
     Raises:
         BadRequestError: naming `name` and what is wrong.
     """
-    if message.compression not in (pb.NONE, pb.FLOAT16):
+    if message.compression != pb.NONE and message.compression not in _ORIGINALS:
         raise BadRequestError(f"{name}: unknown compression {message.compression}")
     dtype = parse_dtype(message.dtype)
     wire_dtype = dtype
-    if message.compression == pb.FLOAT16:
-        if dtype not in _FLOAT16_ORIGINALS:
+    if message.compression != pb.NONE:
+        if dtype not in _ORIGINALS[message.compression]:
+            allowed = ", ".join(DTYPE_NAMES[d] for d in _ORIGINALS[message.compression])
             raise BadRequestError(
-                f"{name}: FLOAT16 compression applies to float32 and float64 tensors, "
-                f"not {message.dtype}; send it uncompressed"
+                f"{name}: {pb.Compression.Name(message.compression)} compression applies to {allowed} "
+                f"tensors, not {message.dtype}; send it uncompressed"
             )
-        wire_dtype = torch.float16
+        wire_dtype = _HALF.get(message.compression, torch.uint8)
     if len(message.shape) > MAX_NDIM:
         raise BadRequestError(f"{name}: {len(message.shape)} dimensions, at most {MAX_NDIM} are accepted")
     shape = tuple(message.shape)
@@ -108,6 +162,8 @@ def layout(message: pb.Tensor, name: str = "tensor") -> Layout:
         raise BadRequestError(f"{name}: negative dimension in shape {list(shape)}")
     if math.prod(dim or 1 for dim in shape) > MAX_ELEMENTS:
         raise BadRequestError(f"{name}: shape {list(shape)} is too large to be a tensor")
+    if message.compression == pb.INT8:
+        return Layout(dtype, wire_dtype, shape, int8_nbytes(math.prod(shape)))
     itemsize = torch.empty((), dtype=wire_dtype).element_size()
     return Layout(dtype, wire_dtype, shape, math.prod(shape) * itemsize)
 
@@ -150,6 +206,8 @@ def decode_tensor(message: pb.Tensor, name: str = "tensor", payload: memoryview 
             tensor = tensor.clone()
     else:
         tensor = torch.frombuffer(bytearray(message.data), dtype=form.wire_dtype)
+    if message.compression == pb.INT8:
+        return int8_decode(tensor, form.shape, form.dtype, name)
     tensor = tensor.reshape(form.shape)
     return tensor.to(form.dtype) if form.wire_dtype != form.dtype else tensor
 

@@ -87,6 +87,7 @@ class Packer:
     def tensor(self, tensor: torch.Tensor, compression: int = pb.NONE) -> pb.Tensor:
         if tensor.numel() * tensor.element_size() < INLINE_BYTES:
             return codec.encode_tensor(tensor, compression)
+        shape = list(tensor.shape)
         tensor, dtype, compression = codec.wire_form(tensor, compression)
         pad = -self._size % ALIGN
         if pad:
@@ -95,7 +96,7 @@ class Packer:
         offset = self._size
         self._chunks.append(tensor.reshape(-1).view(torch.uint8).numpy())
         self._size += tensor.numel() * tensor.element_size()
-        return pb.Tensor(shape=list(tensor.shape), dtype=dtype, compression=compression, in_payload=True, offset=offset)
+        return pb.Tensor(shape=shape, dtype=dtype, compression=compression, in_payload=True, offset=offset)
 
     def optional(self, tensor: torch.Tensor | None, compression: int = pb.NONE) -> pb.Tensor | None:
         return None if tensor is None else self.tensor(tensor, compression)

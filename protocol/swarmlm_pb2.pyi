@@ -11,8 +11,12 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NONE: _ClassVar[Compression]
     FLOAT16: _ClassVar[Compression]
+    BFLOAT16: _ClassVar[Compression]
+    INT8: _ClassVar[Compression]
 NONE: Compression
 FLOAT16: Compression
+BFLOAT16: Compression
+INT8: Compression
 
 class Tensor(_message.Message):
     __slots__ = ("shape", "dtype", "data", "compression", "in_payload", "offset")

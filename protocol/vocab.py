@@ -48,3 +48,16 @@ class TrainMode(StrEnum):
     """Every weight of its span."""
     LORA = "lora"
     """LoRA adapters of its span's linear layers."""
+
+
+class WireDType(StrEnum):
+    """How a client's hidden states and gradients, and the peers' answers to it, travel (lossy but the first)."""
+
+    NONE = "none"
+    """As computed: exact."""
+    FLOAT16 = "float16"
+    """float32 sent as float16: half the bytes, 11 bits of mantissa, values clamped to +-65504."""
+    BFLOAT16 = "bfloat16"
+    """float32 sent as bfloat16: half the bytes, 8 bits of mantissa, float32's range."""
+    INT8 = "int8"
+    """Blockwise 8-bit (64 values per block, each scaled by its max |x|): a quarter of float32's bytes."""

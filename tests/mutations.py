@@ -373,6 +373,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{TRAIN}::test_lora_training_exports_what_the_swarm_serves",),
     ),
     Mutation(
+        "int8-scale-off",
+        "protocol/codec.py",
+        "    values = codes.float() * (scales / 127.0).unsqueeze(1)\n",
+        "    values = codes.float() * (scales / 128.0).unsqueeze(1)  # MUTATION\n",
+        "int8 compression decodes with a scale off by one code: every value 0.8% small",
+        ("tests/protocol/test_codec.py",),
+    ),
+    Mutation(
+        "wire-dtype-ignored",
+        "client/sequence.py",
+        "        self.compression = pb.Compression.Value(config.wire_dtype.upper())\n",
+        "        self.compression = pb.NONE  # MUTATION\n",
+        "a client asked to compress its activations sends them as computed",
+        ("tests/client/test_wire_dtype.py",),
+    ),
+    Mutation(
         "spot-check-uses-outvoted-answer",
         "client/verify.py",
         "                return majority\n",

@@ -7,6 +7,8 @@ trained on the bundled Shakespeare plays. Its parts run one after the other, eac
     1 trainer    2 training peers (0:2, 2:4) + one trainer vs --local on the same batches: final loss, tokens/s,
                  samples/s per stage
     2 trainers   2 peers per stage + two trainers (seeds 0, 1) vs --local with their joint batch of 16
+    wire dtype   the 1-trainer run again with activations and gradients sent as bfloat16, then as blockwise int8
+                 (`--wire-dtype`): final loss against --local (the loss effect of the compression)
     averaging    seconds per group all-reduce in those peers' logs vs two bare hivemind averagers of a stage's size
     pipelining   2 peers behind 20 ms one-way delay proxies: --max-in-flight 4 vs 1, tokens/s
     default      (full preset) tokens/s of the default model, seq 128, batch 4, vs --local
@@ -52,6 +54,9 @@ NOTES = {
     "exact": "same batches as the local run (seed 0): the swarm computes what one process would, to float32 rounding",
     "seeds": "trainer seeds 0 and 1 draw other batches than the local batch of 16 (seed 0): the curves agree in "
     "distribution, not step for step; the swarm's loss is the mean of both trainers'",
+    "wire": "same batches as the local run (seed 0); hidden states and gradients travel compressed both ways "
+    "(bfloat16: 2 bytes a value; int8: 1 byte plus 4 per block of 64), so the swarm's loss differs from the local "
+    "run's by the compression's effect only",
     "rates": f"tokens/s: median of the per-step figures of --log-json after the first {SKIP} steps; a swarm step "
     "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
     "stage": "samples/s of a stage: the updates its peer logged x its target batch / the trainer's summed step "
@@ -76,6 +81,7 @@ class TrainSwarm:
         self.plan, self.models_dir, self.cache_dir, self.out_dir = plan, models_dir, cache_dir, out_dir
         self.small = tr.TrainSettings(seq_len=64, batch_size=8, micro_batch_size=2, steps=plan.train_swarm_steps)
         self.rounds_s: list[float] = []
+        self.one_local: list[dict] | None = None  # the 1-trainer part's --local run, which `wire_dtypes` reuses
 
     def __enter__(self) -> TrainSwarm:
         self.model = tr.build_train_model(self.models_dir, self.cache_dir)
@@ -103,6 +109,7 @@ class TrainSwarm:
         parts = [
             ("1 trainer", self.one_trainer),
             ("2 trainers", self.two_trainers),
+            ("wire dtype", self.wire_dtypes),
             ("averaging", self.averaging),
             ("pipelining", self.pipelining),
         ]
@@ -156,6 +163,7 @@ class TrainSwarm:
     def one_trainer(self) -> list[Row]:
         s, prefix = self.small, "bench-train-one"
         local = self._train({"one-local": [str(self.model), "--local", "--run-id", "one", *s.args()]}, s)["one-local"]
+        self.one_local = local
         with self._peers(self.model, prefix, "one", SPANS, s.batch_size, s) as names:
             ours = self._train({"one-swarm": [*self._remote(self.model, prefix, "one"), *s.args()]}, s)["one-swarm"]
             updates = [tr.updates_applied(self.swarm.log(name).read_text(), "one") for name in names]
@@ -183,6 +191,30 @@ class TrainSwarm:
                     LOCAL,
                     extra={"updates": count, "trainer_seconds": seconds, "notes": [NOTES["stage"]]},
                 )
+            )
+        return rows
+
+    def wire_dtypes(self) -> list[Row]:
+        s, rows = self.small, []
+        local = self.one_local
+        if local is None:  # the 1-trainer part failed: its reference is computed here
+            local = self._train({"wire-local": [str(self.model), "--local", "--run-id", "w", *s.args()]}, s)[
+                "wire-local"
+            ]
+        for wire in ("bfloat16", "int8"):
+            prefix, run_id = f"bench-train-wire-{wire}", f"wire-{wire}"
+            with self._peers(self.model, prefix, run_id, SPANS, s.batch_size, s):
+                name = f"wire-{wire}"
+                ours = self._train(
+                    {name: [*self._remote(self.model, prefix, run_id), *s.args(), "--wire-dtype", wire]}, s
+                )[name]
+            curves = {
+                f"local, batch {s.batch_size}": [r["loss"] for r in local],
+                f"swarm, {wire} wire": [r["loss"] for r in ours],
+            }
+            variant = f"1 trainer, 2 peers, --wire-dtype {wire}, batch {s.batch_size}x{s.seq_len}, {len(ours)} steps"
+            rows.append(
+                self._fidelity(variant, [r["loss"] for r in ours], [r["loss"] for r in local], NOTES["wire"], curves)
             )
         return rows
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from client.config import TrainConfig
 from client.training.documents import Shard, Source, find_sources, sources_of
 from protocol.errors import SwarmError
+from protocol.vocab import WireDType, choices
 from swarm.training.settings import (
     add_averaging_arguments,
     add_recipe_arguments,
@@ -42,6 +43,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs to join through")
     p.add_argument("--swarm-key", metavar="FILE", help=SWARM_KEY_HELP)
     p.add_argument("--local", action="store_true", help="train the whole model in this process: the reference")
+    p.add_argument(
+        "--wire-dtype",
+        choices=choices(WireDType),
+        default=WireDType.NONE.value,
+        help="how activations and their gradients travel to and from the peers: as computed (none, exact), or "
+        "compressed to float16, bfloat16 (half the bytes) or blockwise int8 (a quarter); lossy, see docs/training.md",
+    )
     p.add_argument(
         "--data",
         metavar="PATH",
@@ -167,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --steps must be >= 1 and --seq-len >= 2, got {args.steps}, {args.seq_len}")
     if not args.local and not args.initial_peers:
         raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
+    if args.local and args.wire_dtype != WireDType.NONE:
+        raise SystemExit("error: --wire-dtype is how tensors travel to the peers; --local sends none")
     try:
         config = config_from_args(args)
         if args.local:
@@ -229,6 +239,7 @@ def _make_trainer(
         dht_prefix=args.dht_prefix,
         dtype=torch.float32,
         swarm_key=swarm_key,
+        wire_dtype=args.wire_dtype,
     )
     try:
         if resume is not None:

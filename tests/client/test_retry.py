@@ -140,7 +140,9 @@ class Routes:
     def __init__(self):
         self.refreshes: list[bool] = []
 
-    async def plan(self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0, refresh: bool = False):
+    async def plan(
+        self, start: int, end: int, *, inference: bool, min_cache_tokens: int = 0, refresh: bool = False, avoid=()
+    ):
         self.refreshes.append(refresh)
         peer = f"p{len(self.refreshes)}"
         return [RouteHop(peer, start, end, f"{peer}:1")]

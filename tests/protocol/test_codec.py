@@ -173,7 +173,7 @@ def test_optional_helpers():
 def test_decode_rejects_float16_compression_of_other_dtypes(dtype):
     """Only float32 and float64 are sent compressed (`wire_form`); 2 bytes per element read as int64 is a bug."""
     message = pb.Tensor(shape=[4], dtype=dtype, data=bytes(8), compression=pb.FLOAT16)
-    with pytest.raises(BadRequestError, match=f"FLOAT16 compression applies to float32 and float64 .*not {dtype}"):
+    with pytest.raises(BadRequestError, match=f"FLOAT16 compression applies to float32, float64 tensors, not {dtype}"):
         decode_tensor(message, "x")
 
 
@@ -200,3 +200,68 @@ def test_decode_rejects_huge_shapes_without_overflow(shape):
 
 def test_decode_of_an_empty_shape_with_a_large_dimension():
     assert decode_tensor(pb.Tensor(shape=[0, 1 << 20], dtype="float32")).shape == (0, 1 << 20)
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 7, 16), (1, 3, 200), (0,), ()], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bfloat16_and_int8_compression_restore_the_dtype_within_their_precision(shape, dtype):
+    tensor = sample(shape, torch.float32).to(dtype)
+    tensor.view(-1)[:1] *= 100  # an outlier: INT8's error is per block, so it costs only its own block
+    half = roundtrip(encode_tensor(tensor, pb.BFLOAT16))
+    assert half.dtype == dtype and torch.equal(half, tensor.to(torch.bfloat16).to(dtype))
+    message = encode_tensor(tensor, pb.INT8)
+    assert message.compression == pb.INT8 and len(message.data) == -(-tensor.numel() // 64) * 68
+    got = roundtrip(message)
+    assert got.dtype == dtype and got.shape == tensor.shape
+    flat, back = tensor.reshape(-1).double(), got.reshape(-1).double()
+    for start in range(0, flat.numel(), 64):  # within half a step of its block's scale
+        block = slice(start, start + 64)
+        step = flat[block].abs().max() / 127
+        assert bool(((flat[block] - back[block]).abs() <= step / 2 + 1e-6 * step).all())
+
+
+def test_int8_compression_in_a_payload_reads_unaligned_scales():
+    from protocol.packing import Packer, unpack
+
+    tensor = sample((3, 1000), torch.float32)  # 47 blocks of codes: the scales start at an odd multiple of 4
+    packer = Packer()
+    message = pb.ForwardRequest(hidden_states=packer.tensor(tensor, pb.INT8))
+    received = unpack(pb.ForwardRequest, packer.pack(message).SerializeToString())
+    got = decode_tensor(received.message.hidden_states, "hidden_states", received.payload)
+    torch.testing.assert_close(got, tensor, atol=float(tensor.abs().max()) / 127, rtol=0)
+
+
+def test_int8_compression_sends_a_non_finite_tensor_as_it_is():
+    tensor = torch.tensor([1.0, float("nan"), float("inf")])
+    message = encode_tensor(tensor, pb.INT8)
+    assert message.compression == pb.NONE
+    got = roundtrip(message)
+    assert got[0] == 1.0 and got[1].isnan() and got[2].isinf()
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0])
+def test_decode_rejects_int8_scales_that_are_not_finite_and_non_negative(scale):
+    data = bytes(64) + torch.tensor([scale], dtype=torch.float32).view(torch.uint8).numpy().tobytes()
+    with pytest.raises(BadRequestError, match="x: INT8 compression with a scale"):
+        decode_tensor(pb.Tensor(shape=[10], dtype="float32", data=data, compression=pb.INT8), "x")
+
+
+@pytest.mark.parametrize("compression", [pb.BFLOAT16, pb.INT8])
+def test_decode_rejects_other_compressions_of_other_dtypes_and_wrong_lengths(compression):
+    with pytest.raises(BadRequestError, match=r"compression applies to .*tensors, not int64"):
+        decode_tensor(pb.Tensor(shape=[4], dtype="int64", data=bytes(68), compression=compression), "x")
+    message = encode_tensor(torch.ones(100), compression)
+    message.data = message.data[:-1]
+    with pytest.raises(BadRequestError, match="bytes"):
+        decode_tensor(message, "x")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_compression_shrinks_half_precision_too(dtype):
+    tensor = sample((2, 7, 64), torch.float32).to(dtype)
+    message = encode_tensor(tensor, pb.INT8)
+    assert message.compression == pb.INT8 and len(message.data) < tensor.numel() * 2
+    got = roundtrip(message)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), tensor.float(), atol=float(tensor.abs().max()) / 100, rtol=0)
+    assert encode_tensor(tensor, pb.BFLOAT16).compression == pb.NONE  # nothing to gain

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import swarmlm_pb2 as pb
-from protocol.codec import DTYPES, decode_tensor
+from protocol.codec import DTYPES, decode_tensor, encode_tensor
 from protocol.errors import BadRequestError, InvalidRecordError, SwarmError
 from protocol.packing import INLINE_BYTES, Packer, field_spans, payload_field, unpack
 from protocol.records import ServerInfo, ServerState
@@ -100,10 +100,11 @@ def valid_messages(draw):
         sent["position_ids"] = draw(tensors(big=False))
     fields = {}
     for name, tensor in sent.items():
-        compression = draw(st.sampled_from([pb.NONE, pb.FLOAT16]))  # ignored for other dtypes, as by wire_form
+        # ignored for other dtypes, as by wire_form
+        compression = draw(st.sampled_from([pb.NONE, pb.FLOAT16, pb.BFLOAT16, pb.INT8]))
         fields[name] = packer.tensor(tensor, compression)
-        if fields[name].compression == pb.FLOAT16:
-            sent[name] = tensor.to(torch.float16).to(tensor.dtype)  # what arrives
+        if fields[name].compression != pb.NONE:
+            sent[name] = decode_tensor(encode_tensor(tensor, compression))  # what arrives
     if kind == "forward":
         cls, message = pb.ForwardRequest, pb.ForwardRequest(span=pb.Span(model="m", end=2), backward_id="b", **fields)
     elif kind == "backward":

@@ -236,14 +236,13 @@ class SpotChecker:
         self.stats.unresolved += 1
         logger.warning(
             "spot check: %s, two against two: %s outvoted by %s and %s, but %s agrees with it (%s); "
-            "nobody banned, %s's answer kept",
+            "nobody banned, the route's own answer kept",
             blocks,
             peer,
             _who(majority),
             _who(third),
             _who(fourth),
             diffs,
-            peer,
         )
         return False
 

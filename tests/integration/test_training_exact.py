@@ -98,12 +98,12 @@ class Run:
         self.trainer = self.model = None
         return state, head
 
-    def infos(self, span: tuple[int, int]) -> dict[str, tuple[pb.InfoResponse, str]]:
-        """Peer id -> (Info, endpoint) of every live peer of `span`."""
+    def infos(self, span: tuple[int, int], refresh: bool = True) -> dict[str, tuple[pb.InfoResponse, str]]:
+        """Peer id -> (Info, endpoint) of every live peer of `span` (`refresh`: as the directory says now)."""
         sequence = self.model.sequence
 
         async def ask():
-            snapshot = await sequence.snapshot(refresh=True)
+            snapshot = await sequence.snapshot(refresh=refresh)
             found = {}
             for pid, info in snapshot.online().items():
                 if (info.start_block, info.end_block) != span:
@@ -183,10 +183,12 @@ class Run:
     def when(self, span, test, done, timeout_s: float = 60.0, poll_s: float = 0.02):
         """(peer id, endpoint) of the first member of `span` whose Info passes `test`, while the step runs."""
         deadline = time.monotonic() + timeout_s
+        refresh = True  # the directory once, then only the members' Info: a round lasts a fraction of a second
         while not done.is_set() and time.monotonic() < deadline:
-            for pid, (info, endpoint) in self.infos(span).items():
+            for pid, (info, endpoint) in self.infos(span, refresh).items():
                 if test(info):
                     return pid, endpoint
+            refresh = False
             time.sleep(poll_s)
         return None
 
@@ -283,7 +285,7 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
                     run.peers[(2, 4)].remove(proc)
                     caught.append(found[0])
 
-            for _ in range(4):  # a round lasts a fraction of a second: until one was caught in it
+            for _ in range(6):  # a round lasts a fraction of a second: until one was caught in it
                 run.step(kill_in_round)
                 if caught:
                     break

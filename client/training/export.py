@@ -257,27 +257,18 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: --adapter-only needs --run-id: adapters belong to a LoRA training run")
     try:
         if args.adapter_only:
-            from client.training.adapters import export_adapter
-
-            out = export_adapter(
-                args.model,
-                args.initial_peers,
-                args.out,
-                run_id=args.run_id,
-                trainer_dir=args.trainer_dir,
-                dht_prefix=args.dht_prefix,
-                swarm_key=swarm_key,
-            )
+            from client.training.adapters import export_adapter as export
         else:
-            out = export_model(
-                args.model,
-                args.initial_peers,
-                args.out,
-                trainer_dir=args.trainer_dir,
-                run_id=args.run_id,
-                dht_prefix=args.dht_prefix,
-                swarm_key=swarm_key,
-            )
+            export = export_model
+        out = export(
+            args.model,
+            args.initial_peers,
+            args.out,
+            trainer_dir=args.trainer_dir,
+            run_id=args.run_id,
+            dht_prefix=args.dht_prefix,
+            swarm_key=swarm_key,
+        )
     except (SwarmError, ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 1

@@ -21,7 +21,7 @@ from client.config import TrainConfig
 from protocol.errors import TrainingFaultError
 from protocol.records import TrainingProgress
 from swarm.training.group import GroupMember, group_key
-from swarm.training.state import VerifiedState, state_digest
+from swarm.training.state import VerifiedState, majority_claim, state_digest
 from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -95,12 +95,17 @@ class CoTrainers:
 
     def wait_until_past(self, missed: int) -> None:
         """After update `missed` went on without this trainer: wait (bounded by the load-state timeout) until a
-        majority of the trainers vouches for a state past it."""
+        majority of the other trainers vouches for a state past it, or none is left."""
         deadline = time.monotonic() + self.config.averaging.load_state_timeout_s
-        claim = self.majority()
-        while (claim is None or claim[0] <= missed) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            members = self.group.members()
+            others = {pid: p for pid, p in members.items() if pid != self.trainer_id}
+            claim = majority_claim(others)
+            if claim is not None and claim[0] > missed:
+                return
+            if self.trainer_id in members and all(p.left for p in others.values()):
+                return  # every other trainer is gone: nobody will vouch for a state past it
             time.sleep(self.config.averaging.progress_period_s)
-            claim = self.majority()
 
     # --- one update ---
 

@@ -35,7 +35,13 @@ from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
 from client.training.stages import Span, Stages
 from client.training.update import Update
-from protocol.errors import BadRequestError, StaleEpochError, TrainingFaultError, UnauthorizedError
+from protocol.errors import (
+    BadRequestError,
+    StaleEpochError,
+    StateDownloadError,
+    TrainingFaultError,
+    UnauthorizedError,
+)
 from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
@@ -174,7 +180,17 @@ class SwarmTrainer:
         """After update `missed` went on without it: copy the state that a majority of the trainers vouches for
         once they have applied it."""
         self.trainers.wait_until_past(-1 if missed is None else missed)
-        verified = self.trainers.load_state(self.state())
+        try:
+            verified = self.trainers.load_state(self.state())
+        except StateDownloadError as exc:
+            if self.trainers.alive() - {self.trainer_id}:
+                raise
+            # the trainers that applied it are gone, and their parts with them: what is left is ours
+            logger.warning(
+                "%s; this trainer's embeddings and head go on from their own state (update %s)", exc, self.epoch
+            )
+            self.epoch = None  # the next step adopts the stages' update
+            return
         self._load_state(verified.epoch, verified.tensors)
 
     async def _step(self, batch: torch.Tensor) -> StepResult:
@@ -188,9 +204,11 @@ class SwarmTrainer:
             if await asyncio.to_thread(self.trainers.majority) is not None:  # other trainers: take their state
                 raise StaleEpochError(f"the stages are at update {epoch}; this trainer joins the others there")
             logger.warning(
-                "the run's stages have applied %d updates; this trainer's embeddings and head start from the "
-                "checkpoint (resume a trainer with --save to continue its own)",
+                "the run's stages have applied %d updates; this trainer's embeddings and head %s",
                 epoch,
+                "go on from their own state, which missed the updates of trainers now gone"
+                if self.steps_done
+                else "start from the checkpoint (resume a trainer with --save to continue its own)",
             )
         self.epoch = epoch
         self.trainers.publish(

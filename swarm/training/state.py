@@ -99,7 +99,8 @@ def load_verified_state(
 
     Raises:
         StateDownloadError: no majority claim, or no donor sent a state with the claimed digest, within `timeout_s`;
-            the message names every donor tried and why it was refused.
+            the message names every donor tried and why it was refused. At once when a read that holds this
+            member's own record holds no other live member: nobody is left to vouch for a state.
     """
     me = averager.member_id
     schema = [(t.shape, t.dtype) for t in like]
@@ -109,10 +110,18 @@ def load_verified_state(
     claim = None
     while True:
         try:
-            members = {peer: p for peer, p in read_members().items() if peer != me}
+            read = read_members()
         except DHTUnavailableError as exc:  # this node's DHT under load: the next pass reads again
             logger.warning("could not read the members of %s: %s", averager.prefix, exc)
-            members = {}
+            read = {}
+        members = {peer: p for peer, p in read.items() if peer != me}
+        if me in read and all(p.left for p in members.values()):
+            # a read that holds our own record is whole: every member that could vouch for a state is gone (their
+            # records lapsed or say they left), and waiting out the timeout would not bring one back
+            raise StateDownloadError(
+                f"no other member of group {averager.prefix} is left to copy a state from"
+                + (f"; donors tried: {_tried(tried)}" if tried else "")
+            )
         claim = majority_claim(members)
         for donor in donor_order(members, claim, me) if claim is not None else []:
             left = deadline - time.monotonic()
@@ -136,9 +145,13 @@ def load_verified_state(
         if time.monotonic() + retry_s >= deadline:
             break
         time.sleep(retry_s)
-    refused = "; ".join(f"{donor}: {why}" for donor, why in tried.items()) or "none"
+    refused = _tried(tried) or "none"
     found = f"the majority announces epoch {claim[0]}" if claim is not None else "no strict majority announces a state"
     raise StateDownloadError(
         f"no verified state of group {averager.prefix} within {timeout_s:g}s: {found}; donors tried: {refused}. "
         f"Check that the group's members are reachable, or raise the load-state timeout"
     )
+
+
+def _tried(tried: Mapping[str, str]) -> str:
+    return "; ".join(f"{donor}: {why}" for donor, why in tried.items())

@@ -123,3 +123,28 @@ def test_a_poisoned_donor_is_refused_and_the_honest_one_used(group, caplog):
         load_verified_state(joiner, joiner_progress.members, like=like, timeout_s=4)
     assert time.monotonic() - began < 4 + 5
     assert poisoner.member_id in str(error.value) and honest.member_id in str(error.value)
+
+
+def test_a_member_whose_only_donor_died_gives_up_once_the_donor_record_lapses(group):
+    """A trainer that fell behind the one other trainer, which then died (SIGKILL: no `left` record): it must not wait
+    out the whole load-state timeout for a donor that is gone (its caller then goes on with its own state)."""
+    behind, behind_progress = group(None)
+    served = Served()
+    served.tensors = HONEST
+    donor, _ = group(served)
+    donor.serve_state()
+    lapsing = GroupProgress(donor.dht, GROUP, ttl_s=3)  # the donor's record, left to lapse
+    dht_result(donor.dht, lapsing.publish(progress(7, state_digest(HONEST))), "publishing")
+    dht_result(behind.dht, behind_progress.publish(progress(6, D1)), "publishing")
+    deadline = time.monotonic() + 20
+    while len(behind_progress.members()) < 2:
+        assert time.monotonic() < deadline, "the members' progress never showed up"
+        time.sleep(0.2)
+    donor.serve_state(False)  # dead to downloads from now on, its record still fresh for a while
+
+    began = time.monotonic()
+    like = [torch.zeros(4, 3), torch.zeros(5)]
+    with pytest.raises(StateDownloadError, match=r"no other member of group .* is left") as error:
+        load_verified_state(behind, behind_progress.members, like=like, timeout_s=60)
+    assert time.monotonic() - began < 20
+    assert donor.member_id in str(error.value)  # the donor it tried while the record was fresh

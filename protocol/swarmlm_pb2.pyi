@@ -143,7 +143,7 @@ class CommitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., span: _Optional[_Union[Span, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., trainer: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason", "trainers")
+    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason", "trainers", "version")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IDLE: _ClassVar[RoundStatus.State]
@@ -152,12 +152,14 @@ class RoundStatus(_message.Message):
         AVERAGED: _ClassVar[RoundStatus.State]
         FAILED: _ClassVar[RoundStatus.State]
         FENCED: _ClassVar[RoundStatus.State]
+        APPLIED: _ClassVar[RoundStatus.State]
     IDLE: RoundStatus.State
     WAITING: RoundStatus.State
     AVERAGING: RoundStatus.State
     AVERAGED: RoundStatus.State
     FAILED: RoundStatus.State
     FENCED: RoundStatus.State
+    APPLIED: RoundStatus.State
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class RoundStatus(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRAINERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     state: RoundStatus.State
     round_id: str
@@ -174,7 +177,8 @@ class RoundStatus(_message.Message):
     samples: int
     reason: str
     trainers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ...) -> None: ...
+    version: int
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status",)

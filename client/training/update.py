@@ -6,6 +6,12 @@ averaged gradients' digest and squared norm; once every member of every stage ha
 trainer sends Apply with the clipping factor of the global norm, and each member applies it. A round that fails
 is a fault, never an update: a member that is gone is fenced, its micro-batches are sent to other members, and the
 update is committed again under a new version. A member that answers but cannot average is retried a few times.
+
+With several trainers, each decides on its own: whoever sees every stage averaged first sends Apply. A member's
+round is replaced only once every trainer has committed again (peer/training/commits.py), and a trainer decides
+only on rounds that follow its own latest commit; once any member has applied the update, the others follow that
+decision, whatever faults they saw: the members that no longer answer are left out of it, and micro-batches that a
+repair sent elsewhere meanwhile are not counted again.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Update:
         self.round_timeout_s = round_timeout_s
         self.trainers_alive = trainers_alive
         self.faults: list[str] = []  # what went wrong and was repaired, for the step's log line
+        self.version = 0  # of this trainer's latest commit
 
     def listed(self, span: Span) -> list[Member]:
         fenced = self.ledger.fenced()
@@ -100,11 +107,11 @@ class Update:
                 if not self.listed(span):
                     raise TrainingFaultError(f"stage {span[0]}:{span[1]} has no member left for update {self.epoch}")
             problems = await self._commit(version)
-            if not problems:
-                done, problems = await self._await_rounds()
-                if done is not None:
-                    return done
-            await self._repair(problems, version)
+            # after a commit that some member refused, one look: another trainer may have applied the update
+            done, polled = await self._await_rounds(wait=not problems)
+            if done is not None:
+                return done
+            await self._repair({**polled, **problems}, version)
         raise TrainingFaultError(
             f"update {self.epoch} of run {self.run_id!r} failed {MAX_VERSIONS} times; the last faults: "
             f"{'; '.join(self.faults[-3:])}"
@@ -113,6 +120,7 @@ class Update:
     async def _commit(self, version: int) -> dict[tuple[Span, str], str]:
         """Send this version's commit to every listed member; (span, member) -> why one did not take it."""
         problems: dict[tuple[Span, str], str] = {}
+        self.version = version
 
         async def send(span: Span, member: Member) -> None:
             try:
@@ -122,6 +130,8 @@ class Update:
                     self.stages.refused.add(member.peer_id)
                 problems[(span, member.peer_id)] = f"commit failed: {exc}"
                 return
+            if response.status.epoch != self.epoch:
+                return  # it applied this update already (the next look sees how), or fell behind (that look says)
             self._check_in(response.status)
             if response.status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):
                 problems[(span, member.peer_id)] = response.status.reason or pb.RoundStatus.State.Name(
@@ -131,8 +141,12 @@ class Update:
         await asyncio.gather(*(send(span, m) for span in self.members for m in self.listed(span)))
         return problems
 
-    async def _await_rounds(self) -> tuple[dict[Span, Averaged] | None, dict[tuple[Span, str], str]]:
-        deadline = time.monotonic() + self.round_timeout_s
+    async def _await_rounds(
+        self, *, wait: bool = True
+    ) -> tuple[dict[Span, Averaged] | None, dict[tuple[Span, str], str]]:
+        """(every stage's round once done, else None; (span, member) -> what is wrong there). Polls until done, a
+        problem, or the round timeout; one look only unless `wait`."""
+        deadline = time.monotonic() + (self.round_timeout_s if wait else 0.0)
         while True:
             statuses = {}
             for span in self.members:
@@ -154,8 +168,12 @@ class Update:
             done = self._all_averaged(statuses)
             if done is not None:
                 return done, {}
+            if any(
+                not isinstance(s, BaseException) and s.state == pb.RoundStatus.APPLIED for _, s in statuses.values()
+            ):
+                problems = self._undecided(statuses)  # the members that do not answer are out of it, not at fault
             if problems or time.monotonic() > deadline:
-                if not problems:
+                if not problems and wait:
                     problems = {key: "round not done in time" for key, (_, s) in statuses.items()}
                 return None, problems
             await asyncio.sleep(POLL_S)
@@ -169,11 +187,21 @@ class Update:
             )
 
     def _all_averaged(self, statuses) -> dict[Span, Averaged] | None:
+        """Every stage's round, when the update is decided: every member averaged the same round of this trainer's
+        latest commit, or some member anywhere applied the update (members that do not answer are then left out:
+        its Apply went, or goes, to every member of the round)."""
+        answered = [s for _, s in statuses.values() if not isinstance(s, BaseException)]
+        decided = any(s.state == pb.RoundStatus.APPLIED for s in answered)
         done = {}
         for span in self.members:
             mine = [statuses[(span, m.peer_id)] for m in self.listed(span)]
-            if any(isinstance(s, BaseException) or s.state != pb.RoundStatus.AVERAGED for _, s in mine):
+            if decided:
+                mine = [(m, s) for m, s in mine if not isinstance(s, BaseException)]
+            ready = (pb.RoundStatus.AVERAGED, pb.RoundStatus.APPLIED) if decided else (pb.RoundStatus.AVERAGED,)
+            if not mine or any(isinstance(s, BaseException) or s.state not in ready for _, s in mine):
                 return None
+            if not decided and any(s.version < self.version for _, s in mine):
+                return None  # a round this trainer asked to replace: another trainer's retry may replace it yet
             seen = {(s.round_id, s.grad_digest) for _, s in mine}
             if len(seen) != 1:
                 return None  # members averaged different things: not done (their rounds fail, or a retry fixes it)
@@ -182,6 +210,15 @@ class Update:
                 first.round_id, first.grad_digest, first.grad_sq_norm, first.samples, tuple(m for m, _ in mine)
             )
         return done
+
+    def _undecided(self, statuses) -> dict[tuple[Span, str], str]:
+        """Once some member applied the update, the members that keep the others from following it."""
+        return {
+            (span, pid): f"the update was applied, but this member is {pb.RoundStatus.State.Name(s.state)} "
+            f"(round {s.round_id[:12]})"
+            for (span, pid), (_, s) in statuses.items()
+            if not isinstance(s, BaseException) and s.state not in (pb.RoundStatus.AVERAGED, pb.RoundStatus.APPLIED)
+        }
 
     async def _repair(self, problems: dict[tuple[Span, str], str], version: int) -> None:
         """Fence the members that are gone (their micro-batches go to others); the others are tried again once the
@@ -200,7 +237,10 @@ class Update:
             # only a member that is gone is fenced: one that holds other micro-batches than a commit lists has seen a
             # commit that a later version corrects (a trainer moved micro-batches of a fenced member to it)
             if await self.stages.lost(pid):
-                await self.redo(span, pid)
+                try:
+                    await self.redo(span, pid)
+                except StaleEpochError as exc:  # the stage applied the update meanwhile: the next look follows it
+                    logger.warning("update %d moved on while this trainer repaired it: %s", self.epoch, exc)
         await asyncio.sleep(POLL_S * version)
 
     async def apply(self, done: dict[Span, Averaged], clip_scale: float) -> dict[Span, int]:
@@ -216,6 +256,7 @@ class Update:
                 grad_digest=averaged.grad_digest,
                 clip_scale=clip_scale,
             )
+            deadline = time.monotonic() + self.round_timeout_s
             while True:  # an Apply whose answer was lost is sent again: applying twice is answered, not redone
                 try:
                     return await self.stages.call(member, "apply", request, 60.0)
@@ -223,11 +264,18 @@ class Update:
                     if await self.stages.lost(member.peer_id, exc):
                         self.faults.append(f"stage {span[0]}:{span[1]} peer {member.peer_id[-8:]} gone at apply")
                         return None
+                    if time.monotonic() > deadline:  # it lives but cannot apply: it catches up from its group
+                        fault = f"stage {span[0]}:{span[1]} peer {member.peer_id[-8:]} did not apply: {exc}"
+                        self.faults.append(fault)
+                        logger.warning("update %d: %s", self.epoch, fault)
+                        return None
                     await asyncio.sleep(INFO_TIMEOUT_S / 5)
 
-        for span, averaged in done.items():
-            answers = await asyncio.gather(*(apply_one(span, averaged, m) for m in averaged.members))
-            answered = [a for a in answers if a is not None]
+        # every stage at once: a member that vanished at apply must not hold the other stages back
+        pairs = [(span, averaged, m) for span, averaged in done.items() for m in averaged.members]
+        answers = await asyncio.gather(*(apply_one(*pair) for pair in pairs))
+        for span in done:
+            answered = [a for (s, _, _), a in zip(pairs, answers) if s == span and a is not None]
             digests = {a.param_digest for a in answered}
             if len(digests) > 1:
                 fault = f"stage {span[0]}:{span[1]}: members differ after update {self.epoch} ({len(digests)} digests)"

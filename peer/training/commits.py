@@ -4,6 +4,11 @@ Each trainer of an update sends its own commit, naming every trainer of the upda
 with the micro-batches it holds from that trainer. The round starts once a commit from each named trainer is
 here; its id is a digest of what they say, so that members with different views never meet in one round. Plain
 data and pure functions: peer/training/span.py does the computing and the calls.
+
+A trainer that sees a fault commits again under its next version; the round follows the lowest of the trainers'
+latest versions, each trainer's commit up to it. So a round is replaced only once every trainer of the update has
+tried again: one that saw every stage averaged may already be applying it, and one trainer's late retry must not
+take that round away from the stages it has not reached yet.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from protocol.errors import BadRequestError
 
 MAX_TRAINERS = 64
 MAX_MEMBERS = 256
+MAX_VERSIONS_KEPT = 16  # per trainer: a trainer gives up an update after 10 (client/training/update.py)
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,8 @@ class RoundPlan:
     """What the commits of an update say, once complete."""
 
     round_id: str
+    version: int
+    """The commit version it follows: the lowest of the trainers' latest versions."""
     trainers: tuple[str, ...]
     """The trainers whose micro-batches it takes, sorted."""
     members: tuple[str, ...]
@@ -38,10 +46,11 @@ class Commits:
     """The commits received for the update at `epoch`."""
 
     epoch: int
-    by_trainer: dict[str, pb.CommitRequest] = field(default_factory=dict)
+    by_trainer: dict[str, dict[int, pb.CommitRequest]] = field(default_factory=dict)
+    """trainer -> version -> its commit"""
 
     def add(self, request: pb.CommitRequest) -> None:
-        """Keep `request` unless a later version of its trainer's commit is here.
+        """Keep `request` beside its trainer's other versions (the latest MAX_VERSIONS_KEPT).
 
         Raises:
             BadRequestError: a malformed commit (its sender not among its trainers, too many names, a member
@@ -54,9 +63,25 @@ class Commits:
         names = [m.peer_id for m in request.members]
         if len(set(names)) != len(names) or not all(names):
             raise BadRequestError("a commit names each member once, by peer id")
-        held = self.by_trainer.get(request.trainer)
-        if held is None or request.version >= held.version:
-            self.by_trainer[request.trainer] = request
+        versions = self.by_trainer.setdefault(request.trainer, {})
+        versions[request.version] = request
+        while len(versions) > MAX_VERSIONS_KEPT:
+            del versions[min(versions)]
+
+    def latest(self, trainer: str) -> pb.CommitRequest:
+        versions = self.by_trainer[trainer]
+        return versions[max(versions)]
+
+    def _at(self, trainer: str, version: int) -> pb.CommitRequest:
+        """The trainer's latest commit up to `version` (its earliest here, when every one here is later)."""
+        versions = self.by_trainer[trainer]
+        upto = [v for v in versions if v <= version]
+        return versions[max(upto) if upto else min(versions)]
+
+    def _followed(self, trainers: list[str]) -> tuple[int, dict[str, pb.CommitRequest]]:
+        """(the version the round follows, each trainer's commit up to it)."""
+        version = min(max(self.by_trainer[t]) for t in trainers)
+        return version, {t: self._at(t, version) for t in trainers}
 
     def plan(self, me: str) -> RoundPlan | None:
         """The round, once a commit of every trainer named is here and they name the same trainers; else None.
@@ -66,11 +91,12 @@ class Commits:
         trainers = self.trainers()
         if trainers is None:
             return None
+        version, followed = self._followed(trainers)
         members: set[str] = set()
         mine: dict[str, list[int]] = {t: [] for t in trainers}
         samples = 0
         for trainer in trainers:
-            commit = self.by_trainer[trainer]
+            commit = followed[trainer]
             for holding in commit.members:
                 members.add(holding.peer_id)
                 for held in holding.held:
@@ -81,23 +107,23 @@ class Commits:
                         mine[trainer] = sorted(held.indices)
         if me not in members:
             return None
-        # the id names what the round averages, and the latest attempt: a trainer that commits the same again under a
-        # new version does not restart a round under way, unless it is the first to try again after a failure
-        digest = hashlib.sha256(f"{self.epoch}|{max(self.by_trainer[t].version for t in trainers)}".encode())
+        # the id names what the round averages, and the attempt it follows: late parts of a failed round cannot join
+        # the next one
+        digest = hashlib.sha256(f"{self.epoch}|{version}".encode())
         for trainer in trainers:
-            for holding in sorted(self.by_trainer[trainer].members, key=lambda h: h.peer_id):
+            for holding in sorted(followed[trainer].members, key=lambda h: h.peer_id):
                 held = [(h.trainer, sorted(h.indices)) for h in holding.held]
                 digest.update(f"|{trainer}>{holding.peer_id}:{held}".encode())
-        return RoundPlan(digest.hexdigest(), tuple(trainers), tuple(sorted(members)), mine, samples)
+        return RoundPlan(digest.hexdigest(), version, tuple(trainers), tuple(sorted(members)), mine, samples)
 
     def trainers(self) -> list[str] | None:
         """The trainers of the update: a set of trainers each of whose commits names exactly that set (the largest
         such, by name on a tie); None until there is one. A trainer whose commit names others than they do (it was
         late to its trainers' rendezvous) is not in it: its micro-batches go to the next update."""
         agreeing = []
-        for commit in self.by_trainer.values():
-            named = tuple(sorted(commit.trainers))
-            if all(t in self.by_trainer and tuple(sorted(self.by_trainer[t].trainers)) == named for t in named):
+        for trainer in self.by_trainer:
+            named = tuple(sorted(self.latest(trainer).trainers))
+            if all(t in self.by_trainer and tuple(sorted(self.latest(t).trainers)) == named for t in named):
                 agreeing.append(named)
         return list(max(agreeing, key=lambda t: (len(t), t))) if agreeing else None
 
@@ -106,4 +132,5 @@ class Commits:
         trainers = self.trainers()
         if trainers is None:
             return False
-        return all(me not in {m.peer_id for m in self.by_trainer[t].members} for t in trainers)
+        _, followed = self._followed(trainers)
+        return all(me not in {m.peer_id for m in commit.members} for commit in followed.values())

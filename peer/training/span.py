@@ -189,6 +189,7 @@ class SpanTraining:
                 round_id=plan.round_id,
                 samples=plan.samples,
                 trainers=plan.trainers,
+                version=plan.version,
             )
             self._averaged = None
             self._round = asyncio.ensure_future(self._run_round(plan))
@@ -232,6 +233,7 @@ class SpanTraining:
                 grad_sq_norm=float(sum(float(t.pow(2).sum()) for t in averaged)),
                 samples=plan.samples,
                 trainers=plan.trainers,
+                version=plan.version,
             )
             logger.info(
                 "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
@@ -280,7 +282,9 @@ class SpanTraining:
             epoch=self.epoch, param_digest=await compute(self.digest), applied_samples=status.samples
         )
         self._last_apply = (request.epoch, request.round_id, response)
-        self.applied_round = status
+        self.applied_round = pb.RoundStatus()
+        self.applied_round.CopyFrom(status)
+        self.applied_round.state = pb.RoundStatus.APPLIED
         self.applied_samples = status.samples
         if self.config.save_every and self.epoch % self.config.save_every == 0:
             await compute(self.save)

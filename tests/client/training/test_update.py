@@ -55,3 +55,56 @@ def test_a_round_without_this_trainer_means_it_came_late():
     u._check_in(pb.RoundStatus(epoch=5))  # no round yet: fine
     with pytest.raises(StaleEpochError, match="committed without this trainer"):
         u._check_in(pb.RoundStatus(epoch=5, trainers=["U"]))
+
+
+def two_stages() -> Update:
+    stages = {(0, 2): [member("a1"), member("a2")], (2, 4): [member("b1", (2, 4)), member("b2", (2, 4))]}
+    u = update(Ledger(list(stages)), [])
+    u.members = {span: {m.peer_id: m for m in ms} for span, ms in stages.items()}
+    return u
+
+
+def round_status(state, round_id, version=1) -> pb.RoundStatus:
+    return pb.RoundStatus(
+        epoch=5, state=state, round_id=round_id, grad_digest="g" + round_id, grad_sq_norm=2.0, samples=8,
+        trainers=["T", "U"], version=version,
+    )  # fmt: skip
+
+
+def statuses(u: Update, answers: dict) -> dict:
+    return {(span, pid): (m, answers[pid]) for span, ms in u.members.items() for pid, m in ms.items()}
+
+
+AVERAGED, APPLIED = pb.RoundStatus.AVERAGED, pb.RoundStatus.APPLIED
+GONE = OSError("connection refused")
+
+
+def test_every_member_averaged_the_round_of_this_trainers_latest_commit():
+    u = two_stages()
+    u.version = 1
+    averaged = {"a1": round_status(AVERAGED, "r1"), "a2": round_status(AVERAGED, "r1")}
+    averaged |= {"b1": round_status(AVERAGED, "r2"), "b2": round_status(AVERAGED, "r2")}
+    done = u._all_averaged(statuses(u, averaged))
+    assert {span: (d.round_id, [m.peer_id for m in d.members]) for span, d in done.items()} == {
+        (0, 2): ("r1", ["a1", "a2"]),
+        (2, 4): ("r2", ["b1", "b2"]),
+    }
+    assert u._all_averaged(statuses(u, averaged | {"a2": GONE})) is None  # undecided: a member gone is a fault
+    u.version = 2  # this trainer asked to replace those rounds: another trainer's retry may do it yet
+    assert u._all_averaged(statuses(u, averaged)) is None
+
+
+def test_once_a_member_applied_the_update_the_others_follow_it_without_those_gone():
+    u = two_stages()
+    u.version = 3  # this trainer saw a fault and tried again; another trainer had applied already
+    answers = {"a1": round_status(APPLIED, "r1"), "a2": GONE}
+    answers |= {"b1": round_status(AVERAGED, "r2"), "b2": round_status(AVERAGED, "r2")}
+    done = u._all_averaged(statuses(u, answers))
+    assert [m.peer_id for m in done[(0, 2)].members] == ["a1"] and done[(0, 2)].round_id == "r1"
+    assert [m.peer_id for m in done[(2, 4)].members] == ["b1", "b2"]
+    # a member of another round (or one still averaging) keeps it from following, and is named
+    answers["b2"] = round_status(pb.RoundStatus.AVERAGING, "r3")
+    assert u._all_averaged(statuses(u, answers)) is None
+    assert list(u._undecided(statuses(u, answers))) == [((2, 4), "b2")]
+    # a stage none of whose members answers cannot be followed
+    assert u._all_averaged(statuses(u, answers | {"b1": GONE, "b2": GONE})) is None

@@ -34,18 +34,33 @@ def test_one_trainer_one_round():
     assert commits.plan("stranger") is None and commits.fenced("stranger") and not commits.fenced("p1")
 
 
-def test_the_round_waits_for_every_trainer_named_and_a_new_version_changes_its_id():
+def test_the_round_waits_for_every_trainer_named_and_changes_once_every_trainer_tried_again():
     commits = Commits(3)
     commits.add(commit("A", ["A", "B"], {"p1": [0], "p2": []}))
     assert commits.plan("p1") is None and not commits.fenced("p9")
     commits.add(commit("B", ["A", "B"], {"p1": [], "p2": [0, 1]}))
     first = commits.plan("p1")
-    assert first.mine == {"A": [0], "B": []} and first.samples == 6
+    assert first.mine == {"A": [0], "B": []} and first.samples == 6 and first.version == 1
+    # B alone tries again: A may be applying the first round already, which must stay
     commits.add(commit("B", ["A", "B"], {"p1": [0, 1]}, version=2))
+    assert commits.plan("p1") == first and not commits.fenced("p2")
+    commits.add(commit("A", ["A", "B"], {"p1": [0]}, version=2))
     second = commits.plan("p1")
-    assert second.round_id != first.round_id and second.mine == {"A": [0], "B": [0, 1]}
-    commits.add(commit("B", ["A", "B"], {"p2": [0]}, version=1))  # an older version does not come back
-    assert commits.plan("p1").round_id == second.round_id
+    assert second.round_id != first.round_id and second.version == 2 and second.mine == {"A": [0], "B": [0, 1]}
+    assert commits.fenced("p2")  # both trainers' commits of version 2 leave it out
+    commits.add(commit("A", ["A", "B"], {"p1": [0], "p2": []}, version=3))  # A alone again: no change
+    assert commits.plan("p1") == second
+    commits.add(commit("B", ["A", "B"], {"p2": [0]}, version=1))  # an older version, again: nothing changes
+    assert commits.plan("p1") == second
+
+
+def test_a_trainer_that_drops_a_gone_one_follows_its_own_latest_commit():
+    commits = Commits(3)
+    commits.add(commit("A", ["A", "B"], {"p1": [0]}))
+    commits.add(commit("B", ["A", "B"], {"p1": [1]}))
+    commits.add(commit("A", ["A"], {"p1": [0]}, version=2))  # B died: A's micro-batches alone
+    plan = commits.plan("p1")
+    assert plan.trainers == ("A",) and plan.version == 2 and plan.samples == 2
 
 
 def test_a_trainer_late_to_its_rendezvous_is_left_out_and_the_others_update():

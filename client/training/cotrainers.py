@@ -53,6 +53,7 @@ class CoTrainers:
         self.config = config
         self.trainer_id = dht.peer_id.to_base58()
         self.progress = TrainingProgress(epoch=0, samples=0)
+        self.attempt = 0  # past the last try of the trainers' rounds of the current update
         self._stop = threading.Event()
         self.group = GroupMember(
             dht,
@@ -132,10 +133,19 @@ class CoTrainers:
         try number. A trainer whose record lapses (it died; records outlive it by TRAINER_PROGRESS_TTL_S at most)
         is left out and the others go on."""
         trainers = await self.rendezvous(epoch, samples)
+        return await self.settle(epoch, sums, samples, trainers)
+
+    async def settle(
+        self, epoch: int, sums: list[torch.Tensor], samples: int, trainers: dict[str, int], attempt: int = 0
+    ) -> tuple[dict[str, int], list]:
+        """(the trainers that averaged, the mean gradients of the trainers' parts over their samples): rounds among
+        `trainers` from try `attempt` on, until all agree on one (`average`). Called again with the trainers still
+        there, and a later try number, when one died before the stages applied its micro-batches."""
+        trainers = dict(trainers)
         if len(trainers) == 1:
+            self.attempt = attempt
             return trainers, [s / samples for s in sums]
         deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
-        attempt = 0
         while True:
             mean, digest = await self._round(epoch, sums, trainers, attempt)
             self.publish(
@@ -149,6 +159,7 @@ class CoTrainers:
             )
             agreed, trainers, attempt = await self._agree(epoch, attempt, trainers, digest)
             if agreed:
+                self.attempt = attempt + 1  # the next settle of this update starts past every try of this one
                 return trainers, mean
             if time.monotonic() > deadline:
                 raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round")

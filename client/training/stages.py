@@ -151,8 +151,9 @@ class Stages:
             response = await self.call(member, "info", pb.InfoRequest(), INFO_TIMEOUT_S)
         except SwarmError as exc:
             return exc
-        if response.round.epoch == epoch + 1 and response.applied_round.epoch == epoch:
-            return response.applied_round
+        applied = response.applied_round
+        if response.round.epoch == epoch + 1 and applied.epoch == epoch and applied.round_id:
+            return applied
         return response.round
 
     def hop(self, member: Member) -> RouteHop:

@@ -34,7 +34,7 @@ from client.sequence import HopRecord, TakenBackward, TrainingTag
 from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
 from client.training.stages import Span, Stages
-from client.training.update import Update
+from client.training.update import Averaged, Update
 from protocol.errors import (
     BadRequestError,
     StaleEpochError,
@@ -245,6 +245,7 @@ class SwarmTrainer:
             trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
         )
         done = await update.average()
+        trainers, mean = await self._settle_with_stages(epoch, sums, batch.shape[0], trainers, mean, done)
         head_sq = float(sum(float(g.double().pow(2).sum()) for g in mean))
         total_norm = global_norm([*(d.grad_sq_norm for d in done.values()), head_sq])
         scale = clip_scale(total_norm, self.recipe.max_grad_norm)
@@ -277,6 +278,36 @@ class SwarmTrainer:
             f", {len(result.faults)} faults repaired" if result.faults else "",
         )
         return result
+
+    async def _settle_with_stages(
+        self,
+        epoch: int,
+        sums: list[torch.Tensor],
+        samples: int,
+        trainers: dict[str, int],
+        mean: list[torch.Tensor],
+        done: dict[Span, Averaged],
+    ) -> tuple[dict[str, int], list[torch.Tensor]]:
+        """(trainers, mean) of the trainers whose micro-batches the stages' rounds hold: a trainer that died after
+        the trainers' round and before its commits counted is left out of the stages' update, so its gradients of
+        the trainers' parts are taken out too, by averaging again among the others."""
+        held = {averaged.trainers for averaged in done.values()}
+        if len(held) != 1:
+            raise TrainingFaultError(f"the stages' rounds of update {epoch} hold different trainers: {sorted(held)}")
+        kept = held.pop()
+        if set(kept) == set(trainers):
+            return trainers, mean
+        if not set(kept) <= set(trainers) or self.trainer_id not in kept:
+            raise TrainingFaultError(f"the stages' rounds of update {epoch} hold trainers {kept}, not {list(trainers)}")
+        logger.warning(
+            "update %d: trainers %s died before the stages took their micro-batches; their parts' gradients are left "
+            "out too",
+            epoch,
+            [t[-8:] for t in trainers if t not in kept],
+        )
+        return await self.trainers.settle(
+            epoch, sums, samples, {t: trainers[t] for t in kept}, attempt=self.trainers.attempt
+        )
 
     async def _micro_batch(
         self,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from client.training.cotrainers import TRAINER_PROGRESS_TTL_S
 from client.training.ledger import Ledger
 from client.training.stages import INFO_TIMEOUT_S, Member, Span, Stages, refused
 from protocol import swarmlm_pb2 as pb
@@ -45,6 +46,8 @@ class Averaged:
     grad_sq_norm: float
     samples: int
     members: tuple[Member, ...]
+    trainers: tuple[str, ...]
+    """The trainers whose micro-batches it holds."""
 
 
 class Update:
@@ -72,6 +75,7 @@ class Update:
         self.trainers_alive = trainers_alive
         self.faults: list[str] = []  # what went wrong and was repaired, for the step's log line
         self.version = 0  # of this trainer's latest commit
+        self.applied_seen = False  # whether the last look saw a member that applied the update
 
     def listed(self, span: Span) -> list[Member]:
         fenced = self.ledger.fenced()
@@ -100,9 +104,14 @@ class Update:
         """Commit until every stage's round is done; the result of each stage's round.
 
         Raises:
-            TrainingFaultError: the rounds kept failing (MAX_VERSIONS commits), or a stage lost every member.
+            TrainingFaultError: the rounds kept failing (MAX_VERSIONS commits, and with other trainers for as long as
+                a dead one may still look alive), or a stage lost every member.
         """
-        for version in range(1, MAX_VERSIONS + 1):
+        began, version = time.monotonic(), 0
+        # a trainer of the update that died mid-update holds its commits' micro-batches until its record lapses
+        patience_s = TRAINER_PROGRESS_TTL_S + self.round_timeout_s if len(self.trainers) > 1 else 0.0
+        while version < MAX_VERSIONS or time.monotonic() - began < patience_s:
+            version += 1
             for span in self.members:
                 if not self.listed(span):
                     raise TrainingFaultError(f"stage {span[0]}:{span[1]} has no member left for update {self.epoch}")
@@ -113,7 +122,7 @@ class Update:
                 return done
             await self._repair({**polled, **problems}, version)
         raise TrainingFaultError(
-            f"update {self.epoch} of run {self.run_id!r} failed {MAX_VERSIONS} times; the last faults: "
+            f"update {self.epoch} of run {self.run_id!r} failed {version} times; the last faults: "
             f"{'; '.join(self.faults[-3:])}"
         )
 
@@ -168,9 +177,10 @@ class Update:
             done = self._all_averaged(statuses)
             if done is not None:
                 return done, {}
-            if any(
+            self.applied_seen = any(
                 not isinstance(s, BaseException) and s.state == pb.RoundStatus.APPLIED for _, s in statuses.values()
-            ):
+            )
+            if self.applied_seen:
                 problems = self._undecided(statuses)  # the members that do not answer are out of it, not at fault
             if problems or time.monotonic() > deadline:
                 if not problems and wait:
@@ -207,7 +217,12 @@ class Update:
                 return None  # members averaged different things: not done (their rounds fail, or a retry fixes it)
             first = mine[0][1]
             done[span] = Averaged(
-                first.round_id, first.grad_digest, first.grad_sq_norm, first.samples, tuple(m for m, _ in mine)
+                first.round_id,
+                first.grad_digest,
+                first.grad_sq_norm,
+                first.samples,
+                tuple(m for m, _ in mine),
+                tuple(sorted(first.trainers)),
             )
         return done
 
@@ -223,8 +238,9 @@ class Update:
     async def _repair(self, problems: dict[tuple[Span, str], str], version: int) -> None:
         """Fence the members that are gone (their micro-batches go to others); the others are tried again once the
         other trainers had a moment to correct their own commits. A trainer of the update that is gone (it died
-        before it committed) is left out: the members drop its micro-batches."""
-        if self.trainers_alive is not None and len(self.trainers) > 1:
+        before it committed) is left out: the members drop its micro-batches; not once a member applied the update
+        (it died applying it: the rounds of its commits stand, and the others follow them)."""
+        if self.trainers_alive is not None and len(self.trainers) > 1 and not self.applied_seen:
             alive = await self.trainers_alive()
             gone = [t for t in self.trainers if t != self.trainer and t not in alive]
             if gone:
@@ -241,7 +257,7 @@ class Update:
                     await self.redo(span, pid)
                 except StaleEpochError as exc:  # the stage applied the update meanwhile: the next look follows it
                     logger.warning("update %d moved on while this trainer repaired it: %s", self.epoch, exc)
-        await asyncio.sleep(POLL_S * version)
+        await asyncio.sleep(min(POLL_S * version, 1.0))
 
     async def apply(self, done: dict[Span, Averaged], clip_scale: float) -> dict[Span, int]:
         """Apply every stage's averaged update; span -> the samples its members applied."""

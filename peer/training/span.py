@@ -277,21 +277,18 @@ class SpanTraining:
         if not 0 < request.clip_scale <= 1:
             raise BadRequestError(f"clip_scale must lie in (0, 1], got {request.clip_scale}")
         averaged, scale = self._averaged, request.clip_scale
-        await compute(lambda: self._apply(averaged, scale))
+        await compute(lambda: self._apply(averaged, scale, status))
         response = pb.ApplyResponse(
             epoch=self.epoch, param_digest=await compute(self.digest), applied_samples=status.samples
         )
         self._last_apply = (request.epoch, request.round_id, response)
-        self.applied_round = pb.RoundStatus()
-        self.applied_round.CopyFrom(status)
-        self.applied_round.state = pb.RoundStatus.APPLIED
-        self.applied_samples = status.samples
         if self.config.save_every and self.epoch % self.config.save_every == 0:
             await compute(self.save)
         return response
 
-    def _apply(self, averaged: list[torch.Tensor], scale: float) -> None:
-        """The update: the optimizer on the float32 masters, then the compute weights cast from them."""
+    def _apply(self, averaged: list[torch.Tensor], scale: float, status: pb.RoundStatus) -> None:
+        """The update (of round `status`): the optimizer on the float32 masters, then the compute weights cast from
+        them."""
         lr = lr_at(self.recipe, self.epoch)
         with self._lock, torch.no_grad():
             for master, g in zip(self.masters, averaged):
@@ -304,6 +301,11 @@ class SpanTraining:
             for param, master in zip(self.params, self.masters):
                 if param is not master:
                     param.copy_(master)
+        # before the next update shows in Info: a trainer that sees it must see which round got here
+        applied = pb.RoundStatus()
+        applied.CopyFrom(status)
+        applied.state = pb.RoundStatus.APPLIED
+        self.applied_round, self.applied_samples = applied, status.samples
         self._finish_update(self.epoch + 1)
 
     def _finish_update(self, epoch: int) -> None:

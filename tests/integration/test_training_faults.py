@@ -108,11 +108,14 @@ def steps(log) -> list[dict]:
 
 
 def wait_steps(swarm: Swarm, log, count: int, timeout_s: float = 120) -> list[dict]:
-    """Wait until the trainer writing `log` has logged `count` steps; check every loss is finite."""
+    """Wait until the trainer writing `log` has logged `count` steps; check every loss is finite, and that every
+    stage applied each update's samples once: those of the trainers of the update, whatever failed meanwhile."""
     records = swarm.wait_for(
         lambda: (r := steps(log)) and len(r) >= count and r, timeout_s, f"{count} steps in {log.name}"
     )
     assert all(math.isfinite(r["loss"]) for r in records), records
+    for r in records:
+        assert set(r["stage_samples"].values()) == {r["trainer_samples"]}, r
     return records
 
 

@@ -101,6 +101,7 @@ def test_once_a_member_applied_the_update_the_others_follow_it_without_those_gon
     answers |= {"b1": round_status(AVERAGED, "r2"), "b2": round_status(AVERAGED, "r2")}
     done = u._all_averaged(statuses(u, answers))
     assert [m.peer_id for m in done[(0, 2)].members] == ["a1"] and done[(0, 2)].round_id == "r1"
+    assert done[(0, 2)].trainers == ("T", "U")  # whose micro-batches it holds: the trainer's parts follow them
     assert [m.peer_id for m in done[(2, 4)].members] == ["b1", "b2"]
     # a member of another round (or one still averaging) keeps it from following, and is named
     answers["b2"] = round_status(pb.RoundStatus.AVERAGING, "r3")

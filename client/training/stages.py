@@ -49,7 +49,7 @@ class Stages:
         self.sequence, self.run_id = sequence, run_id
         self.refused: set[str] = set()  # peers whose connection was refused since the last directory read
         self.answered: dict[str, Member] = {}  # peer id -> its Info, of the last members() read
-        self.last_update: set[str] = set()  # the members of the last update a step began
+        self.last_update: set[str] = set()  # the members of the last update a step began, and those that sat it out
 
     async def members(self) -> dict[Span, dict[str, Member]]:
         """Every peer of the run that answers Info, by stage (fresh directory read)."""
@@ -121,7 +121,9 @@ class Stages:
                 why[pid] = "joined after the stages were read"
         for pid in self.last_update - taking_part - set(online):
             why[pid] = "not in the directory just now"
-        self.last_update = taking_part
+        # a peer that sat this update out while announced is still behind at the next one: named there too if the
+        # directory misses it then (once: one that is gone for good is not named at every update)
+        self.last_update = taking_part | {pid for pid in why if pid in online}
         return why
 
     def _cover(self, stages: dict[Span, dict[str, Member]]) -> bool:

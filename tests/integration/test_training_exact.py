@@ -173,7 +173,9 @@ class Run:
             if not behind:
                 return found
             for pid in behind:
-                assert any(pid[-8:] in fault for fault in step.faults), (self.steps, span, pid, step.faults)
+                assert any(pid[-8:] in fault for fault in step.faults), (
+                    self.steps, span, pid, step.faults, self.swarm.format_logs()
+                )  # fmt: skip
             assert time.monotonic() < deadline, (self.steps, span, behind, "did not catch up", self.swarm.format_logs())
             time.sleep(0.5)
 

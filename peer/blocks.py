@@ -12,9 +12,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.cache_utils import DynamicCache, get_layer_types_and_kwargs
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_utils import LoadStateDictConfig
 
 from protocol.errors import BadRequestError, ModelNotFoundError
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_tensors
@@ -143,12 +146,15 @@ def load_span(
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
     config._attn_implementation = "sdpa"
-    layer_cls = family_class(config, "DecoderLayer")
     rotary_cls = family_class(config, "RotaryEmbedding")
     wanted = {f"{LAYER_PREFIX}{i}." for i in range(start, end)}
     tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
-    layers = []
     total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if get_checkpoint_conversion_mapping(config.model_type):
+        built = _converted_layers(path, config, start, end, tensors, dtype)
+    else:
+        built = (_layer(path, config, i, tensors) for i in range(start, end))
+    layers = []
     with progress(
         total=total_bytes,
         desc=f"loading blocks {start}:{end}",
@@ -157,19 +163,48 @@ def load_span(
         unit_divisor=1024,
         leave=False,
     ) as bar:
-        for i in range(start, end):
-            prefix = f"{LAYER_PREFIX}{i}."
-            state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
-            with torch.device("meta"):
-                layer = layer_cls(config, layer_idx=i)
-            missing = set(layer.state_dict()) - set(state)
-            if missing:
-                raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {sorted(missing)[:5]}")
-            layer.load_state_dict(state, strict=True, assign=True)
+        for i, layer in zip(range(start, end), built):
             layers.append(layer.to(device=device, dtype=dtype))
             bar.set_postfix_str(f"block {i + 1 - start}/{end - start}", refresh=False)
-            bar.update(sum(t.numel() * t.element_size() for t in state.values()))
+            bar.update(sum(t.numel() * t.element_size() for t in layer.state_dict().values()))
     rotary = rotary_cls(config=config).to(device)
     span = BlockSpan(config, start, end, nn.ModuleList(layers), rotary).eval()
     span.requires_grad_(False)
     return span
+
+
+def _layer(path: Path, config: PretrainedConfig, i: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Block `i`, its checkpoint tensors taken as they are named in the family's decoder-layer class."""
+    prefix = f"{LAYER_PREFIX}{i}."
+    state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    with torch.device("meta"):
+        layer = family_class(config, "DecoderLayer")(config, layer_idx=i)
+    missing = set(layer.state_dict()) - set(state)
+    if missing:
+        raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {sorted(missing)[:5]}")
+    layer.load_state_dict(state, strict=True, assign=True)
+    return layer
+
+
+def _converted_layers(
+    path: Path, config: PretrainedConfig, start: int, end: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype
+) -> list[nn.Module]:
+    """Blocks [start, end) of a family whose checkpoint names differ from its modules' (transformers 5 fuses the
+    experts of Mixtral and Qwen-MoE checkpoints on load): transformers' own conversion fills a model built on the
+    meta device, whose other blocks, embeddings and head stay empty."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    info, _ = convert_and_load_state_dict_in_model(
+        model,
+        tensors,
+        LoadStateDictConfig(device_map={"": "cpu"}, dtype=dtype, weight_mapping=get_model_conversion_mapping(model)),
+    )
+    mismatched = sorted(name for name, *_ in info.mismatched_keys)
+    if mismatched:
+        raise ModelNotFoundError(f"checkpoint {path} has tensors of the wrong shape for the config: {mismatched[:5]}")
+    layers = [model.model.layers[i] for i in range(start, end)]
+    for i, layer in zip(range(start, end), layers):
+        missing = sorted(name for name, t in layer.state_dict().items() if t.is_meta)
+        if missing:
+            raise ModelNotFoundError(f"checkpoint {path} lacks tensors of block {i}: {missing[:5]}")
+    return layers

@@ -98,3 +98,42 @@ def make_tiny_mistral(path: str | Path, *, num_layers: int = 4, seed: int = 0) -
 def make_tiny(family: str, path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
     """A tiny random model of `family` (a key of CONFIGS)."""
     return save_random_model(CONFIGS[family](num_layers), path, seed=seed)
+
+
+def mixtral_config(num_layers: int = 4) -> PretrainedConfig:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common(num_layers), num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+
+def qwen2_moe_config(num_layers: int = 4) -> PretrainedConfig:
+    """Routed experts beside a gated shared expert, and one plain MLP layer (mlp_only_layers)."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        **_common(num_layers),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    )
+
+
+def qwen3_moe_config(num_layers: int = 4) -> PretrainedConfig:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(num_layers),
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+
+
+MOE_CONFIGS = {"mixtral": mixtral_config, "qwen2_moe": qwen2_moe_config, "qwen3_moe": qwen3_moe_config}
+"""Mixture-of-experts families: name -> config builder (their checkpoints name experts otherwise than their modules)."""

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from peer.blocks import load_span, rewind_cache
-from protocol.errors import BadRequestError
+from protocol.errors import BadRequestError, ModelNotFoundError
 from swarm.models.checkpoint import load_config
-from tests.helpers.models import llama_config, qwen2_config, qwen3_config, save_random_model
+from tests.helpers.models import MOE_CONFIGS, llama_config, qwen2_config, qwen3_config, save_random_model
 
 
 def mistral_config(num_layers: int = 4) -> MistralConfig:
@@ -40,6 +41,7 @@ CONFIGS = {
     "qwen3": qwen3_config,
     "qwen3-sliding": qwen3_sliding_config,
     "mistral-sliding": mistral_config,
+    **MOE_CONFIGS,  # checkpoints whose experts transformers fuses on load
 }
 
 
@@ -135,8 +137,8 @@ def test_sub_span_runs_only_its_blocks(checkpoint):
 def test_a_span_holds_only_its_own_weights(checkpoint):
     path, reference = checkpoint
     (span,) = _spans(path, [(1, 3)])
-    per_layer = sum(p.numel() for p in reference.model.layers[0].parameters())
-    assert sum(p.numel() for p in span.parameters()) == 2 * per_layer
+    own = sum(p.numel() for layer in reference.model.layers[1:3] for p in layer.parameters())
+    assert sum(p.numel() for p in span.parameters()) == own
     assert not any(p.requires_grad for p in span.parameters())  # frozen
 
 
@@ -144,3 +146,22 @@ def test_blocks_outside_the_model_are_rejected(checkpoint):
     path, _ = checkpoint
     with pytest.raises(ValueError, match="outside the model's 0:4"):
         load_span(path, load_config(path), 2, 5, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("family", "dropped", "said"),
+    [
+        ("llama", "model.layers.2.mlp.up_proj.weight", r"lacks tensors of block 2: \['mlp.up_proj.weight'\]"),
+        ("mixtral", "model.layers.3.block_sparse_moe.gate.weight", r"lacks tensors of block 3: \['mlp.gate.weight'\]"),
+        ("mixtral", "model.layers.2.block_sparse_moe.experts.1.w1.weight", "lacks tensors of block 2"),
+    ],
+)
+def test_a_checkpoint_without_some_tensor_of_the_span_is_refused_by_name(tmp_path, family, dropped, said):
+    path = save_random_model({**CONFIGS, **MOE_CONFIGS}[family](4), tmp_path, seed=0)
+    (shard,) = path.glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors[dropped]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ModelNotFoundError, match=said):
+        _spans(path, [(2, 4)])
+    _spans(path, [(0, 2)])  # the other blocks are whole

@@ -21,7 +21,7 @@ from client.config import TrainConfig
 from protocol.errors import TrainingFaultError
 from protocol.records import TrainingProgress
 from swarm.training.group import GroupMember, group_key
-from swarm.training.state import VerifiedState, majority_claim, state_digest
+from swarm.training.state import VerifiedState, majority_claim, others_gone, state_digest
 from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ class CoTrainers:
             claim = majority_claim(others)
             if claim is not None and claim[0] > missed:
                 return
-            if self.trainer_id in members and all(p.left for p in others.values()):
-                return  # every other trainer is gone: nobody will vouch for a state past it
+            if others_gone(members, self.trainer_id):
+                return  # nobody will vouch for a state past it
             time.sleep(self.config.averaging.progress_period_s)
 
     # --- one update ---

@@ -174,12 +174,10 @@ class Update:
                     problems[(span, pid)] = f"at update {status.epoch}, not {self.epoch}"
                 elif status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):
                     problems[(span, pid)] = status.reason or pb.RoundStatus.State.Name(status.state)
+            self.applied_seen = _applied(statuses)
             done = self._all_averaged(statuses)
             if done is not None:
                 return done, {}
-            self.applied_seen = any(
-                not isinstance(s, BaseException) and s.state == pb.RoundStatus.APPLIED for _, s in statuses.values()
-            )
             if self.applied_seen:
                 problems = self._undecided(statuses)  # the members that do not answer are out of it, not at fault
             if problems or time.monotonic() > deadline:
@@ -200,8 +198,7 @@ class Update:
         """Every stage's round, when the update is decided: every member averaged the same round of this trainer's
         latest commit, or some member anywhere applied the update (members that do not answer are then left out:
         its Apply went, or goes, to every member of the round)."""
-        answered = [s for _, s in statuses.values() if not isinstance(s, BaseException)]
-        decided = any(s.state == pb.RoundStatus.APPLIED for s in answered)
+        decided = _applied(statuses)
         done = {}
         for span in self.members:
             mine = [statuses[(span, m.peer_id)] for m in self.listed(span)]
@@ -299,3 +296,8 @@ class Update:
                 logger.warning("%s; the minority reloads the majority's state", fault)
             applied[span] = max((a.applied_samples for a in answered), default=0)
         return applied
+
+
+def _applied(statuses) -> bool:
+    """Whether some member answered that it applied the update: then the update is decided."""
+    return any(not isinstance(s, BaseException) and s.state == pb.RoundStatus.APPLIED for _, s in statuses.values())

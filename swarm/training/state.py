@@ -56,6 +56,13 @@ def majority_claim(members: Mapping[str, TrainingProgress]) -> tuple[int, str] |
     return claim if 2 * votes > sum(claims.values()) else None
 
 
+def others_gone(members: Mapping[str, TrainingProgress], me: str) -> bool:
+    """Whether `members` (a read of the group's records) shows `me` and no other live member: a read that holds
+    our own record is whole, so every member that could vouch for a state is gone (their records lapsed, or say
+    they left)."""
+    return me in members and all(p.left for peer, p in members.items() if peer != me)
+
+
 def donor_order(members: Mapping[str, TrainingProgress], claim: tuple[int, str], me: str) -> list[str]:
     """The members that announced `claim`, in the order a member tries them: by peer id, starting after `me`, so
     that joiners arriving together spread over the donors."""
@@ -115,9 +122,7 @@ def load_verified_state(
             logger.warning("could not read the members of %s: %s", averager.prefix, exc)
             read = {}
         members = {peer: p for peer, p in read.items() if peer != me}
-        if me in read and all(p.left for p in members.values()):
-            # a read that holds our own record is whole: every member that could vouch for a state is gone (their
-            # records lapsed or say they left), and waiting out the timeout would not bring one back
+        if others_gone(read, me):  # waiting out the timeout would not bring one back
             raise StateDownloadError(
                 f"no other member of group {averager.prefix} is left to copy a state from"
                 + (f"; donors tried: {_tried(tried)}" if tried else "")

@@ -16,7 +16,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 HIDDEN_SIZE = 64
 INTERMEDIATE_SIZE = 128
@@ -100,16 +110,12 @@ def make_tiny(family: str, path: str | Path, *, num_layers: int = 4, seed: int =
     return save_random_model(CONFIGS[family](num_layers), path, seed=seed)
 
 
-def mixtral_config(num_layers: int = 4) -> PretrainedConfig:
-    from transformers import MixtralConfig
-
+def mixtral_config(num_layers: int = 4) -> MixtralConfig:
     return MixtralConfig(**_common(num_layers), num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 
 
-def qwen2_moe_config(num_layers: int = 4) -> PretrainedConfig:
+def qwen2_moe_config(num_layers: int = 4) -> Qwen2MoeConfig:
     """Routed experts beside a gated shared expert, and one plain MLP layer (mlp_only_layers)."""
-    from transformers import Qwen2MoeConfig
-
     return Qwen2MoeConfig(
         **_common(num_layers),
         num_experts=4,
@@ -121,9 +127,7 @@ def qwen2_moe_config(num_layers: int = 4) -> PretrainedConfig:
     )
 
 
-def qwen3_moe_config(num_layers: int = 4) -> PretrainedConfig:
-    from transformers import Qwen3MoeConfig
-
+def qwen3_moe_config(num_layers: int = 4) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
         **_common(num_layers),
         head_dim=16,

@@ -170,6 +170,8 @@ class Update:
                     if refused(status):
                         self.stages.refused.add(pid)
                     problems[(span, pid)] = f"no answer: {status}"
+                elif status.epoch > self.epoch + 1:  # past the next update too: it went on without this trainer
+                    raise StaleEpochError(f"the stages are at update {status.epoch}, this trainer's is {self.epoch}")
                 elif status.epoch != self.epoch:
                     problems[(span, pid)] = f"at update {status.epoch}, not {self.epoch}"
                 elif status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):

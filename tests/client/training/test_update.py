@@ -1,5 +1,7 @@
 """A trainer's side of an update, in plain data: what it commits, and noticing it came late."""
 
+import asyncio
+
 import pytest
 import torch
 
@@ -109,3 +111,21 @@ def test_once_a_member_applied_the_update_the_others_follow_it_without_those_gon
     assert list(u._undecided(statuses(u, answers))) == [((2, 4), "b2")]
     # a stage none of whose members answers cannot be followed
     assert u._all_averaged(statuses(u, answers | {"b1": GONE, "b2": GONE})) is None
+
+
+class Answers:
+    """The part of Stages that a look at the rounds reads: each member's round status."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.refused = answers, set()
+
+    async def status(self, member, epoch):
+        return self.answers[member.peer_id]
+
+
+def test_stages_two_updates_ahead_mean_this_trainer_came_late():
+    u = two_stages()
+    later = pb.RoundStatus(epoch=33, state=pb.RoundStatus.IDLE)
+    u.stages = Answers(dict.fromkeys(["a1", "a2", "b1", "b2"], later))
+    with pytest.raises(StaleEpochError, match="at update 33"):
+        asyncio.run(u._await_rounds(wait=False))

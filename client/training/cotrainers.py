@@ -3,6 +3,8 @@
 
 The trainers of a run are a group of their own ("trainers", beside each stage's group): signed progress records,
 rounds among exactly the trainers of an update, and the state a majority vouches for (swarm/training/group.py).
+Anyone can publish a record there, so copying a state trusts only records at an update every stage has applied:
+an honest trainer announces an update after the stages applied it, and a claim past them is made up.
 """
 
 from __future__ import annotations
@@ -20,15 +22,12 @@ import torch
 from client.config import TrainConfig
 from protocol.errors import TrainingFaultError
 from protocol.records import TrainingProgress
-from swarm.training.group import GroupMember, group_key
+from swarm.training.group import TRAINER_PROGRESS_TTL_S, GroupMember, trainers_key
 from swarm.training.state import VerifiedState, majority_claim, others_gone, state_digest
 from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
 
-# trainers' progress records outlive a few lost stores under load: a trainer that missed its co-trainer would update
-# alone; one that died is still expected this long, which costs at most a rendezvous's matchmaking time
-TRAINER_PROGRESS_TTL_S = 15.0
 POLL_S = 0.05
 
 
@@ -38,6 +37,7 @@ class CoTrainers:
     Args:
         params: the trainer's own parameters (what the trainers' rounds average, shapes only).
         state: returns (epoch, state tensors) for a trainer that joins: a consistent copy.
+        stages_epoch: returns the latest update every stage has applied (blocking), None when unknown.
     """
 
     def __init__(
@@ -48,16 +48,18 @@ class CoTrainers:
         *,
         params: Sequence[torch.Tensor],
         state: Callable[[], tuple[int, Sequence[torch.Tensor]]],
+        stages_epoch: Callable[[], int | None],
         swarm_key: SwarmKey | None = None,
     ):
         self.config = config
+        self.stages_epoch = stages_epoch
         self.trainer_id = dht.peer_id.to_base58()
         self.progress = TrainingProgress(epoch=0, samples=0)
         self.attempt = 0  # past the last try of the trainers' rounds of the current update
         self._stop = threading.Event()
         self.group = GroupMember(
             dht,
-            group_key(prefix, config.run_id, "trainers"),
+            trainers_key(prefix, config.run_id),
             grads_like=params,
             state=state,
             settings=config.averaging,
@@ -83,23 +85,36 @@ class CoTrainers:
             except Exception as exc:  # the DHT may be briefly unreachable
                 logger.debug("publishing the trainer's progress failed: %r", exc)
 
+    def credible(self) -> dict[str, TrainingProgress]:
+        """The trainers' records, less those past the latest update every stage has applied (none when that is
+        unknown: no stage answers), read in that order: a trainer's record shows an update after the stages' Info
+        does (blocking)."""
+        members = self.group.members()
+        ceiling = self.stages_epoch()
+        return {pid: p for pid, p in members.items() if ceiling is not None and p.epoch <= ceiling}
+
     def majority(self) -> tuple[int, str] | None:
-        """The (epoch, state digest) a strict majority of the other trainers announce, or None."""
-        return self.group.majority()
+        """The (epoch, state digest) a strict majority of the other credible trainers announce, or None."""
+        return majority_claim({pid: p for pid, p in self.credible().items() if pid != self.trainer_id})
 
     def alive(self) -> set[str]:
         """The trainers heard from lately (this one too, once its record is in)."""
         return set(self.group.members())
 
+    def others(self) -> set[str]:
+        """The other credible trainers that have not left."""
+        return {pid for pid, p in self.credible().items() if pid != self.trainer_id and not p.left}
+
     def load_state(self, like: Sequence[torch.Tensor]) -> VerifiedState:
-        return self.group.load_state(like)
+        """The state a strict majority of the other credible trainers vouches for (blocking)."""
+        return self.group.load_state(like, self.credible)
 
     def wait_until_past(self, missed: int) -> None:
         """After update `missed` went on without this trainer: wait (bounded by the load-state timeout) until a
-        majority of the other trainers vouches for a state past it, or none is left."""
+        majority of the other credible trainers vouches for a state past it, or none is left."""
         deadline = time.monotonic() + self.config.averaging.load_state_timeout_s
         while time.monotonic() < deadline:
-            members = self.group.members()
+            members = self.credible()
             others = {pid: p for pid, p in members.items() if pid != self.trainer_id}
             claim = majority_claim(others)
             if claim is not None and claim[0] > missed:

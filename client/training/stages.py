@@ -53,8 +53,21 @@ class Stages:
 
     async def members(self) -> dict[Span, dict[str, Member]]:
         """Every peer of the run that answers Info, by stage (fresh directory read)."""
-        snapshot = await self.sequence.snapshot(refresh=True)
         self.refused.clear()
+        stages = await self._read(self.refused)
+        self.answered = {pid: member for members in stages.values() for pid, member in members.items()}
+        return stages
+
+    async def applied_everywhere(self) -> int | None:
+        """The latest update every stage has a member at (fresh directory read), None when no stage answers."""
+        stages = await self._read(set())
+        if not stages or not self._cover(stages):
+            return None
+        return min(max(m.epoch for m in members.values()) for members in stages.values())
+
+    async def _read(self, refused_into: set[str]) -> dict[Span, dict[str, Member]]:
+        """The run's peers that answer Info, by stage; those whose connection is refused go into `refused_into`."""
+        snapshot = await self.sequence.snapshot(refresh=True)
 
         async def ask(peer_id: str, info: ServerInfo) -> Member | None:
             try:
@@ -62,7 +75,7 @@ class Stages:
                 response = await self.sequence.pool.unary(address, "info", pb.InfoRequest(), INFO_TIMEOUT_S)
             except SwarmError as exc:
                 if refused(exc):
-                    self.refused.add(peer_id)
+                    refused_into.add(peer_id)
                 return None
             if response.run_id != self.run_id:
                 return None
@@ -70,7 +83,6 @@ class Stages:
             return Member(peer_id, span, address, int(response.epoch), response.round)
 
         found = await asyncio.gather(*(ask(pid, info) for pid, info in snapshot.online().items()))
-        self.answered = {member.peer_id: member for member in found if member is not None}
         stages: dict[Span, dict[str, Member]] = {}
         for member in found:
             if member is not None:

@@ -33,17 +33,19 @@ from client.routing import RouteHop
 from client.sequence import HopRecord, TakenBackward, TrainingTag
 from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
-from client.training.stages import Span, Stages
+from client.training.stages import INFO_TIMEOUT_S, Span, Stages
 from client.training.update import Averaged, Update
 from protocol.errors import (
     BadRequestError,
     StaleEpochError,
     StateDownloadError,
+    SwarmError,
     TrainingFaultError,
     UnauthorizedError,
 )
 from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
+from swarm.training.group import TRAINER_PROGRESS_TTL_S
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 from swarm.training.state import state_digest
@@ -52,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 MAX_WAIT_S = 5.0
 MAX_LATE_STEPS = 20  # tries of one batch whose update moves on without it (other trainers going on meanwhile)
+ORPHAN_MARGIN_S = 10.0  # past a dead trainer's record lifetime: the stages drop its update within ORPHAN_GRACE_S
+ORPHAN_POLL_S = 1.0
 
 
 @dataclass
@@ -130,6 +134,7 @@ class SwarmTrainer:
                 config,
                 params=self.params,
                 state=self._shared_state,
+                stages_epoch=self._stages_epoch,
                 swarm_key=self.sequence.config.swarm_key,
             )
             self._join_trainers()
@@ -165,33 +170,56 @@ class SwarmTrainer:
 
     async def _step_retrying(self, batch: torch.Tensor) -> StepResult:
         """A step; one whose update moved on without it (it was late among several trainers) is done again at the
-        next update: its micro-batches at the stages are left out of the update they missed."""
-        for attempt in range(MAX_LATE_STEPS):
+        next update: its micro-batches at the stages are left out of the update they missed. Refused as late with
+        no other trainer left, it waits: the stages hold an update that trainers now dead committed without it,
+        and drop it once their records have lapsed (peer/training/span.py)."""
+        late = 0
+        orphaned_until = None
+        while True:
             try:
                 return await self._step(batch)
             except StaleEpochError as exc:
-                if attempt + 1 == MAX_LATE_STEPS:
+                alone = await asyncio.to_thread(self._catch_up_trainers, self.epoch)
+                if alone:
+                    if orphaned_until is None:
+                        orphaned_until = time.monotonic() + TRAINER_PROGRESS_TTL_S + ORPHAN_MARGIN_S
+                        logger.warning("%s; no other trainer is left: waiting for the stages to drop that update", exc)
+                    if time.monotonic() > orphaned_until:
+                        raise TrainingFaultError(
+                            f"the stages still refuse this trainer's micro-batches, and no other trainer is left "
+                            f"to apply the update they hold: {exc}"
+                        ) from exc
+                    await asyncio.sleep(ORPHAN_POLL_S)
+                    continue
+                late += 1
+                if late == MAX_LATE_STEPS:
                     raise TrainingFaultError(f"this trainer missed {MAX_LATE_STEPS} updates in a row: {exc}") from exc
                 logger.warning("%s; doing this batch again at the next update", exc)
-                await asyncio.to_thread(self._catch_up_trainers, self.epoch)
-        raise AssertionError("unreachable")
 
-    def _catch_up_trainers(self, missed: int | None) -> None:
+    def _catch_up_trainers(self, missed: int | None) -> bool:
         """After update `missed` went on without it: copy the state that a majority of the trainers vouches for
-        once they have applied it."""
+        once they have applied it. Whether no other trainer was left to copy from (this one goes on with its own).
+
+        Meanwhile its record names the update it means to join, vouching for no state: the other trainers wait for
+        it there as for one still computing, or a trainer that updates alone faster than a copy takes would never
+        be caught up with."""
+        joining = max(-1 if missed is None else missed, (self._stages_epoch() or 0) - 1) + 1
+        self.trainers.publish(TrainingProgress(epoch=joining, samples=0, param_digest=""))
         self.trainers.wait_until_past(-1 if missed is None else missed)
         try:
             verified = self.trainers.load_state(self.state())
         except StateDownloadError as exc:
-            if self.trainers.alive() - {self.trainer_id}:
+            if self.trainers.others():
                 raise
             # the trainers that applied it are gone, and their parts with them: what is left is ours
-            logger.warning(
-                "%s; this trainer's embeddings and head go on from their own state (update %s)", exc, self.epoch
-            )
-            self.epoch = None  # the next step adopts the stages' update
-            return
+            if self._stages_epoch() != self.epoch:
+                logger.warning(
+                    "%s; this trainer's embeddings and head go on from their own state (update %s)", exc, self.epoch
+                )
+                self.epoch = None  # the next step adopts the stages' update
+            return True
         self._load_state(verified.epoch, verified.tensors)
+        return False
 
     async def _step(self, batch: torch.Tensor) -> StepResult:
         began = time.perf_counter()
@@ -426,6 +454,14 @@ class SwarmTrainer:
             self._load_state(verified.epoch, verified.tensors)
             logger.info("copied the other trainers' state at update %d", verified.epoch)
         self.trainers.start(TrainingProgress(epoch=self.epoch or 0, samples=0, param_digest=self._digest()))
+
+    def _stages_epoch(self) -> int | None:
+        """Stages.applied_everywhere, from a thread other than the model's loop (None when it fails)."""
+        try:
+            return self.model.submit(self.stages.applied_everywhere()).result(timeout=3 * INFO_TIMEOUT_S)
+        except (SwarmError, concurrent.futures.TimeoutError) as exc:
+            logger.warning("could not read the stages' updates: %r", exc)
+            return None
 
     # --- the trainer's own parts ---
 

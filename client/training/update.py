@@ -22,11 +22,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from client.training.cotrainers import TRAINER_PROGRESS_TTL_S
 from client.training.ledger import Ledger
 from client.training.stages import INFO_TIMEOUT_S, Member, Span, Stages, refused
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import StaleEpochError, SwarmError, TrainingFaultError
+from swarm.training.group import TRAINER_PROGRESS_TTL_S
 
 logger = logging.getLogger(__name__)
 

@@ -97,6 +97,11 @@ class Accumulators:
                 samples += held.samples
             return out, samples
 
+    def drop(self, trainers: Sequence[str]) -> int:
+        """Forget what `trainers` sent; the samples forgotten."""
+        with self._lock:
+            return sum(self._sums.pop(t).samples for t in trainers if t in self._sums)
+
     def clear(self) -> None:
         with self._lock:
             self._sums.clear()

@@ -7,6 +7,8 @@
   and the trainer's clipping factor, then casts them into the span's compute weights.
 - A member left out of a commit, or one that finds a majority of its group ahead, drops what it holds and copies
   the group's state, checked against the digest the majority announces (swarm/training/state.py).
+- An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
+  lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good.
 
 Heavy work (backward, apply, copying state) runs on the compute thread; the rest on the event loop.
 """
@@ -34,7 +36,8 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
-from swarm.training.group import GroupMember, digest, group_key, has_nonfinite
+from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
+from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
 from swarm.training.state import state_digest
@@ -47,6 +50,7 @@ NORM_WINDOW = 64  # accepted micro-batches whose gradient norms make the running
 NORM_WARMUP = 8  # below this many, any finite gradient is accepted
 RECIPE_RENEW_S = 60.0  # recipe records live 240 s: every member vouches for its run's again well before
 MAX_NORM_RATIO = 100.0  # a gradient this many times the median norm is refused as an outlier (or an attack)
+ORPHAN_GRACE_S = 2.0  # an update's trainers must look gone in reads this far apart: one read can miss a record
 
 
 class SpanTraining:
@@ -56,6 +60,7 @@ class SpanTraining:
         """`recipe`: the run's, adopted (swarm/training/recipe.py); `config`: this peer's saving and timing."""
         self.span, self.config, self.recipe, self.prefix = span, config, recipe, prefix
         self.group: GroupMember | None = None  # once start_group() joined the span's group
+        self.trainers: GroupReader | None = None  # the run's trainers' records, read from then on
         if recipe.train_mode == TrainMode.LORA:
             from peer.lora import LoraSettings, add_lora  # peft is needed only for LoRA
 
@@ -87,6 +92,7 @@ class SpanTraining:
         self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
         self._lock = threading.Lock()  # an update versus a joiner copying the state
         self._ahead_since: float | None = None  # when the group was first seen ahead of this member
+        self._orphaned_since: float | None = None  # when the trainers of the update's commits were first seen gone
         self.saved_as = (
             Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" if config.save_dir else None
         )
@@ -414,6 +420,7 @@ class SpanTraining:
             settings=self.config.averaging,
             swarm_key=swarm_key,
         )
+        self.trainers = GroupReader(dht, trainers_key(self.prefix, self.run_id))
 
     def join(self) -> None:
         """Resume from the save file, then copy the group's state if a majority of it vouches for another one
@@ -431,7 +438,22 @@ class SpanTraining:
         return TrainingProgress(epoch=self.epoch, samples=self.samples, param_digest=self.digest())
 
     async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        """Publish progress; copy the group's state when a majority is ahead for good. Runs until cancelled."""
+        """Publish progress, copy the group's state when a majority is ahead for good, and drop updates whose
+        trainers are gone. Runs until cancelled."""
+        await asyncio.gather(self._follow_group(compute, on_update), self._watch_trainers())
+
+    async def _watch_trainers(self) -> None:
+        """Drop updates whose trainers are gone (apart from catching up, which can take a load-state timeout)."""
+        while True:
+            try:
+                await self._drop_if_orphaned()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the DHT may be briefly unreachable
+                logger.warning("reading the run's trainers: %r", exc)
+            await asyncio.sleep(self.config.averaging.progress_period_s)
+
+    async def _follow_group(self, compute: Compute, on_update: Callable[[], None]) -> None:
         settings = self.config.averaging
         renewed = 0.0
         while True:
@@ -466,6 +488,37 @@ class SpanTraining:
         self._ahead_since = self._ahead_since or now
         busy = self.status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED)
         return not busy or now - self._ahead_since > self.config.averaging.averaging_timeout_s
+
+    async def _drop_if_orphaned(self) -> None:
+        """Drop the update's commits when every trainer they follow has been gone (no live record in the run's group
+        of trainers) for ORPHAN_GRACE_S and none of them applied it. An update applied by some stage and not this
+        one is not repaired here: that needs the clipping factor only its trainers knew."""
+        commits, trainers = self.commits, self.commits.trainers()
+        if trainers is None or self.trainers is None:
+            self._orphaned_since = None
+            return
+        records = await asyncio.to_thread(self.trainers.members)
+        if commits is not self.commits or any(t in records and not records[t].left for t in trainers):
+            self._orphaned_since = None
+            return
+        now = time.monotonic()
+        self._orphaned_since = self._orphaned_since or now
+        if now - self._orphaned_since < ORPHAN_GRACE_S or (self._applying is not None and self._applying.locked()):
+            return
+        if self._round is not None and not self._round.done() and self.status.round_id:
+            self.group.abandon(bytes.fromhex(self.status.round_id))
+        dropped = self.accumulators.drop(trainers)
+        self.commits = Commits(self.epoch)
+        self._averaged = None
+        self.status = pb.RoundStatus(epoch=self.epoch, state=pb.RoundStatus.IDLE)
+        self._orphaned_since = None
+        logger.warning(
+            "update %d of run %r: its trainers %s are gone without applying it; dropped their commits and %d samples",
+            self.epoch,
+            self.run_id,
+            [t[-8:] for t in trainers],
+            dropped,
+        )
 
     async def _catch_up(self, compute: Compute) -> None:
         logger.warning(

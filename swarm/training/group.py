@@ -23,6 +23,11 @@ from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
 
+# trainers' progress records outlive a few lost stores under load: a trainer that missed its co-trainer would update
+# alone; one that died is still expected this long, which costs at most a rendezvous's matchmaking time (a stage
+# peer drops an update committed only by trainers gone this long: peer/training/span.py)
+TRAINER_PROGRESS_TTL_S = 15.0
+
 
 class GroupMember:
     """This process in the group `key` of `dht`'s swarm.
@@ -85,13 +90,19 @@ class GroupMember:
         """The (epoch, state digest) a strict majority of the other members announce, or None."""
         return majority_claim({pid: p for pid, p in self.members().items() if pid != self.peer_id})
 
-    def load_state(self, like: Sequence[torch.Tensor]) -> VerifiedState:
+    def load_state(
+        self, like: Sequence[torch.Tensor], members: Callable[[], dict[str, TrainingProgress]] | None = None
+    ) -> VerifiedState:
         """The state a majority vouches for, downloaded and checked (blocking, bounded by the load-state timeout).
+
+        `members`: reads the records that may vote (default: every member's).
 
         Raises:
             StateDownloadError: none within the timeout.
         """
-        return load_verified_state(self.averager, self.members, like=like, timeout_s=self.settings.load_state_timeout_s)
+        return load_verified_state(
+            self.averager, members or self.members, like=like, timeout_s=self.settings.load_state_timeout_s
+        )
 
     def serve_state(self, serve: bool = True) -> None:
         self.averager.serve_state(serve)
@@ -114,6 +125,11 @@ def digest(tensors: Sequence[torch.Tensor]) -> str:
 def group_key(prefix: str, run_id: str, part: str) -> str:
     """DHT key of a training group: the model, the run, and the blocks ("0-4") or "trainers"."""
     return f"{prefix}.train.{run_id}.{part}"
+
+
+def trainers_key(prefix: str, run_id: str) -> str:
+    """DHT key of a run's group of trainers."""
+    return group_key(prefix, run_id, "trainers")
 
 
 def has_nonfinite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -69,6 +69,28 @@ def verified_progress(raw: Any, owners: OwnerCache) -> dict[str, TrainingProgres
     return found
 
 
+def read_members(dht: hivemind.DHT, key: str, owners: OwnerCache) -> dict[str, TrainingProgress]:
+    """Peer id -> progress of every fresh, verified record under progress key `key`, those that left included.
+
+    Raises DHTUnavailableError when `dht`'s node does not answer.
+    """
+    found = dht_result(dht, dht.get(key, latest=True, return_future=True), f"reading the progress of {key}")
+    return verified_progress(found.value if found is not None else None, owners)
+
+
+class GroupReader:
+    """The verified records of a group this process reads but is not a member of (a stage peer reads its run's
+    trainers)."""
+
+    def __init__(self, dht: hivemind.DHT, group_key: str):
+        self.dht, self.key = dht, progress_key(group_key)
+        self._owners = OwnerCache()
+
+    def members(self) -> dict[str, TrainingProgress]:
+        """As GroupProgress.members (blocking)."""
+        return read_members(self.dht, self.key, self._owners)
+
+
 class GroupProgress:
     """This member's signed progress record in a group, and the verified records of every member.
 
@@ -118,7 +140,4 @@ class GroupProgress:
 
         Raises DHTUnavailableError when this process's DHT node does not answer.
         """
-        found = dht_result(
-            self.dht, self.dht.get(self.key, latest=True, return_future=True), f"reading the progress of {self.key}"
-        )
-        return verified_progress(found.value if found is not None else None, self._owners)
+        return read_members(self.dht, self.key, self._owners)

@@ -15,6 +15,9 @@ the trainer works:
 - a member SIGKILLed during its stage's round (the round fails; the update is committed again without it);
 - a stranger announcing a far higher epoch and serving a poisoned state to a peer that joins, and sending a
   gradient a million times the usual; the joiner copies the honest state;
+- a trainer that commits an update at every member and vanishes before applying it (as one SIGKILLed between
+  its commit and its Apply): the members drop its commit once it has no live record, and the trainer's
+  micro-batches, refused meanwhile, go into that update;
 - the trainer stopped, and a new one resumed from its saved state.
 
 After every step: the loss equals the reference's, every stage and the trainer applied exactly the batch's
@@ -326,6 +329,10 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
                     poisoner.shutdown()
                 stop_dht(stranger)
 
+            # a trainer that committed the update everywhere, alone, and vanished before applying it
+            commit_as_a_vanished_trainer(run, run.trainer.epoch)
+            run.step()
+
             # the trainer stopped, and a new one resumed from its state
             state, head = run.disconnect()
             run.connect(state, head)
@@ -363,6 +370,23 @@ def attack_with_a_huge_gradient(run: Run, epoch: int) -> None:
         run.model._run(sequence._call_backward(hop, hidden, hidden * 1e6, None, torch.arange(SEQ_LEN)[None], "", tag))
     except SwarmError:
         pass  # refused as an outlier: fine either way
+
+
+def commit_as_a_vanished_trainer(run: Run, epoch: int) -> None:
+    """Commit update `epoch` at every member of both stages in the name of a trainer of its own that has no record
+    (it died): each member's round goes on without the real trainer, whose micro-batches it then refuses as late."""
+    for span in [(0, 2), (2, 4)]:
+        for pid, (_, endpoint) in run.infos(span).items():
+            request = pb.CommitRequest(
+                run_id=RUN,
+                span=pb.Span(model=run.prefix, start=span[0], end=span[1]),
+                epoch=epoch,
+                trainer="QmVanished",
+                trainers=["QmVanished"],
+                members=[pb.Holding(peer_id=pid)],
+            )
+            status = run.model._run(run.model.sequence.pool.unary(endpoint, "commit", request, 5.0)).status
+            assert status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED), status
 
 
 def test_peers_computing_in_bfloat16_keep_float32_masters_and_track_float32_training(tmp_path):

@@ -47,3 +47,12 @@ def test_clear_forgets_everything():
     acc.add("t", 0, 1, [torch.ones(1)])
     acc.clear()
     assert acc.held() == {} and not acc.holds("t", 0)
+
+
+def test_drop_forgets_only_the_trainers_named():
+    acc = Accumulators([torch.zeros(1)])
+    acc.add("dead", 0, 2, [torch.ones(1)])
+    acc.add("dead", 1, 3, [torch.ones(1)])
+    acc.add("live", 0, 1, [torch.ones(1)])
+    assert acc.drop(["dead", "never-sent"]) == 5
+    assert acc.held() == {"live": ([0], 1)} and not acc.holds("dead", 0)

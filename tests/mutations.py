@@ -308,10 +308,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-master-weights",
         "peer/training/span.py",
         "            for param, master in zip(self.params, self.masters):\n                if param is not master:\n"
-        "                    param.copy_(master)\n        self._finish_update(self.epoch + 1)\n",
+        "                    param.copy_(master)\n        # before the next update shows in Info",
         "            for param, master in zip(self.params, self.masters):\n                if param is not master:\n"
         "                    param.copy_(master)\n                    master.copy_(param)  # MUTATION\n"
-        "        self._finish_update(self.epoch + 1)\n",
+        "        # before the next update shows in Info",
         "updates live in the compute dtype: in bfloat16 a small update rounds away",
         (f"{EXACT}::test_peers_computing_in_bfloat16_keep_float32_masters_and_track_float32_training",),
     ),
@@ -906,6 +906,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            kept = torch.full((batch,), k, dtype=torch.long)  # MUTATION\n",
         "speculative decoding keeps every draft, whatever the swarm's own choice",
         ("tests/client/test_speculative.py",),
+    ),
+    Mutation(
+        "orphaned-update-kept",
+        "peer/training/span.py",
+        "        self._orphaned_since = self._orphaned_since or now\n",
+        "        self._orphaned_since = self._orphaned_since or now\n        return  # MUTATION\n",
+        "an update whose trainers died between commit and Apply stays committed: the trainers left are refused for good",
+        (f"{EXACT}::test_one_run_through_every_fault_and_attack_equals_local_training",),
+    ),
+    Mutation(
+        "made-up-trainer-claims-credible",
+        "client/training/cotrainers.py",
+        "if ceiling is not None and p.epoch <= ceiling}",
+        "if True}  # MUTATION",
+        "a trainer catching up counts a stranger's record of an update no stage applied",
+        (f"{EXACT}::test_one_run_through_every_fault_and_attack_equals_local_training",),
     ),
 )
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.records import check_run_id
-from protocol.vocab import StrEnum, WireDType, choices
+from protocol.vocab import Quantization, StrEnum, WireDType, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides
 from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
@@ -69,6 +69,10 @@ class ClientConfig:
     """How hidden states and gradients travel between this client and the peers, both ways, and from peer to peer
     on pushed steps (WireDType: none, float16, bfloat16, int8). Lossy but `none`: results then differ from
     the local model's by the rounding (docs/training.md#compressed-activations)."""
+    quantization: Quantization = Quantization.NONE
+    """Which peers this client uses: those holding their weights as it says (`swarmlm peer --quantize`). Results
+    of an int8 or nf4 swarm equal those of the model with its linear weights rounded the same way
+    (peer/quantize.py), not the checkpoint's; peers of other quantizations are never used, nor compared with."""
     min_session_lifetime_s: float = 60.0
     """A peer that ends an inference session at its `--session-lifetime-s` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
@@ -100,6 +104,9 @@ class ClientConfig:
         if self.wire_dtype not in choices(WireDType):
             raise ValueError(f"wire_dtype must be one of {choices(WireDType)}, got {self.wire_dtype!r}")
         object.__setattr__(self, "wire_dtype", WireDType(self.wire_dtype))
+        if self.quantization not in choices(Quantization):
+            raise ValueError(f"quantization must be one of {choices(Quantization)}, got {self.quantization!r}")
+        object.__setattr__(self, "quantization", Quantization(self.quantization))
         for name in ("verify_fraction", "verify_inference"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")

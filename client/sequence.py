@@ -19,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -114,6 +115,7 @@ class RemoteSequence:
         self.directory = directory if directory is not None else functools.partial(fetch_snapshot, dht)
         self.bans = BanList(base_s=max(config.retry_delay_s * 4, 1.0))
         self._snapshot: SwarmSnapshot | None = None
+        self.other_weights: Counter[str] = Counter()  # quantization -> ONLINE peers of it left out, at the last read
         self._snapshot_at = 0.0
         self.failovers = 0  # peer failures seen (each one bans the peer and re-routes)
         self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
@@ -156,11 +158,19 @@ class RemoteSequence:
         if refresh or stale or self._snapshot is None:
             began = time.monotonic()
             snapshot = await asyncio.to_thread(self.directory, self.prefix, self.num_blocks)
-            if self.run_id is not None:
-                snapshot = replace(
-                    snapshot,
-                    servers={pid: info for pid, info in snapshot.servers.items() if info.run_id == self.run_id},
-                )
+            wanted = self.config.quantization
+            # peers of another run, or holding other weights, compute something else: never routed to or compared
+            self.other_weights = Counter(
+                info.quantization for info in snapshot.online().values() if info.quantization != wanted
+            )
+            snapshot = replace(
+                snapshot,
+                servers={
+                    pid: info
+                    for pid, info in snapshot.servers.items()
+                    if info.quantization == wanted and (self.run_id is None or info.run_id == self.run_id)
+                },
+            )
             self._snapshot = snapshot
             self._snapshot_at = time.monotonic()
             self.bans.observe(self._snapshot.expirations, read_at=began)
@@ -200,6 +210,14 @@ class RemoteSequence:
                 return self.dialer.on_paths(hops)
             except NoPeersError as exc:
                 if time.monotonic() + delay > deadline:
+                    if self.other_weights:
+                        found = sorted(self.other_weights.items())
+                        others = ", ".join(f"{n} hold {q} weights" for q, n in found)
+                        ways = " or ".join(f"quantization={q!r} (swarmlm api --quantization {q})" for q, _ in found)
+                        raise NoPeersError(
+                            f"{exc}; of the peers left out because their weights are not {self.config.quantization} "
+                            f"as this client asks, {others}: pass {ways} to use them"
+                        ) from exc
                     raise
                 if str(exc) != waiting_for:  # once per change of what is missing, not every retry
                     waiting_for = str(exc)

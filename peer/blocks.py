@@ -19,7 +19,9 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import LoadStateDictConfig
 
+from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
+from protocol.vocab import Quantization
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_tensors
 from swarm.progress import progress
 
@@ -51,6 +53,7 @@ class BlockSpan(nn.Module):
         super().__init__()
         self.config, self.start, self.end = config, start, end
         self.layers, self.rotary = layers, rotary
+        self.quantization = Quantization.NONE  # how its linear weights are held (set by load_span)
         types = layer_types(config)
         self.types = types[start:end]
 
@@ -140,9 +143,17 @@ def rewind_cache(cache: DynamicCache, length: int) -> None:
 
 
 def load_span(
-    path: Path, config: PretrainedConfig, start: int, end: int, *, dtype: torch.dtype, device: torch.device
+    path: Path,
+    config: PretrainedConfig,
+    start: int,
+    end: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: Quantization = Quantization.NONE,
 ) -> BlockSpan:
-    """Build blocks [start, end) from the checkpoint at `path`, reading only their tensors."""
+    """Build blocks [start, end) from the checkpoint at `path`, reading only their tensors; with `quantization`,
+    each block's linear layers are quantized as it is built (peer/quantize.py)."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
     config._attn_implementation = "sdpa"
@@ -164,19 +175,25 @@ def load_span(
         leave=False,
     ) as bar:
         for i, layer in zip(range(start, end), built):
-            layers.append(layer.to(device=device, dtype=dtype))
+            layer = layer.to(device=device, dtype=dtype)
+            loaded = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+            if quantization != Quantization.NONE:
+                quantize_linears(layer, quantization)
+            layers.append(layer)
             bar.set_postfix_str(f"block {i + 1 - start}/{end - start}", refresh=False)
-            bar.update(sum(t.numel() * t.element_size() for t in layer.state_dict().values()))
+            bar.update(loaded)
     rotary = rotary_cls(config=config).to(device)
     span = BlockSpan(config, start, end, nn.ModuleList(layers), rotary).eval()
     span.requires_grad_(False)
+    span.quantization = quantization
     return span
 
 
 def _layer(path: Path, config: PretrainedConfig, i: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
     """Block `i`, its checkpoint tensors taken as they are named in the family's decoder-layer class."""
     prefix = f"{LAYER_PREFIX}{i}."
-    state = {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+    # taken out of `tensors`: once the block holds them, nothing else does (a quantized block then frees them)
+    state = {name[len(prefix) :]: tensors.pop(name) for name in list(tensors) if name.startswith(prefix)}
     with torch.device("meta"):
         layer = family_class(config, "DecoderLayer")(config, layer_idx=i)
     missing = set(layer.state_dict()) - set(state)

@@ -10,7 +10,7 @@ import math
 from peer.admission import WorkLimits
 from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, TransportMode
 from protocol.errors import SwarmError
-from protocol.vocab import TrainMode, choices
+from protocol.vocab import Quantization, TrainMode, choices
 from swarm.runtime import run_until_signal, wait_for_signal
 from swarm.training.recipe import RunRecipe
 from swarm.training.settings import (
@@ -47,6 +47,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         default=DTypeChoice.AUTO.value,
         choices=choices(DTypeChoice),
         help="compute dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--quantize",
+        default=Quantization.NONE.value,
+        choices=choices(Quantization),
+        help="hold the blocks' linear weights as int8 (a quarter of float32's memory) or nf4 (about a seventh); "
+        "only clients that ask for that quantization use the peer (default: none)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
@@ -265,6 +272,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         relay=args.relay,
         device=args.device,
         dtype=DTypeChoice(args.dtype),
+        quantization=Quantization(args.quantize),
         cache_tokens=args.cache_tokens,
         max_cache_share=args.max_cache_share,
         serving=serving_from_args(args),

@@ -8,7 +8,7 @@ from typing import Any
 
 from peer.admission import WorkLimits
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
-from protocol.vocab import DType, StrEnum, TrainMode, choices
+from protocol.vocab import DType, Quantization, StrEnum, TrainMode, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides, check_setting
 from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
@@ -191,6 +191,9 @@ class PeerConfig:
     device: str = "cpu"
     dtype: DTypeChoice = DTypeChoice.AUTO
     """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
+    quantization: Quantization = Quantization.NONE
+    """Hold the blocks' linear weights as int8 or nf4 (peer/quantize.py); only clients that ask for that
+    quantization use the peer."""
     cache_tokens: int = 8192
     """KV-cache budget in tokens (each session reserves batch x max_length)."""
     max_cache_share: float = 0.5
@@ -239,6 +242,11 @@ class PeerConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         object.__setattr__(self, "transport", _member(TransportMode, "transport", self.transport))
         object.__setattr__(self, "dtype", _member(DTypeChoice, "dtype", self.dtype))
+        object.__setattr__(self, "quantization", _member(Quantization, "quantization", self.quantization))
+        if self.training is not None and self.quantization != Quantization.NONE:
+            raise ValueError(
+                f"a training peer updates full-precision weights: drop --quantize {self.quantization} or --train"
+            )
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if not isinstance(self.serving, ServingLimits):

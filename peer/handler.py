@@ -236,6 +236,11 @@ class PeerServicer:
                 raise BadRequestError(
                     f"ask for this peer's whole span {span.start}:{span.end}, not {blocks[0]}:{blocks[1]}"
                 )
+            if span.quantization != "none":
+                raise BadRequestError(
+                    f"this peer holds {span.quantization}-quantized weights, not the checkpoint's: export from peers "
+                    f"started without --quantize"
+                )
             from peer import lora  # peft loads only when weights are asked for
 
             training = self.training

@@ -36,7 +36,7 @@ from protocol.records import (
     record_ttl_s,
 )
 from protocol.service import WINDOW_OPTIONS, make_generic_handler
-from protocol.vocab import Transport
+from protocol.vocab import Quantization, Transport
 from swarm.dht.directory import announce, fetch_snapshot, unstored
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.dht.snapshot import SwarmSnapshot
@@ -178,9 +178,16 @@ class PeerServer:
         if not self.throughput:  # until measured: nonzero, so newcomers see these blocks as taken
             self.throughput = cfg.throughput or 1.0
         await self._announce(self.state)
-        logger.info("loading blocks %d:%d of %s (%s) on %s", *blocks, cfg.model, self.dtype, cfg.device)
+        held = f", {cfg.quantization} weights" if cfg.quantization != Quantization.NONE else ""
+        logger.info("loading blocks %d:%d of %s (%s%s) on %s", *blocks, cfg.model, self.dtype, held, cfg.device)
         self.span = await asyncio.to_thread(
-            load_span, self.path, self.model_config, *blocks, dtype=self.dtype, device=torch.device(cfg.device)
+            load_span,
+            self.path,
+            self.model_config,
+            *blocks,
+            dtype=self.dtype,
+            device=torch.device(cfg.device),
+            quantization=cfg.quantization,
         )
         cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         self.throughput = cfg.throughput or await asyncio.to_thread(
@@ -282,6 +289,7 @@ class PeerServer:
             epoch=self.training.epoch if self.training else 0,
             samples=self.training.samples if self.training else 0,
             joined_at=self.joined_at,
+            quantization=str(self.config.quantization),
         )
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:

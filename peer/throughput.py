@@ -24,6 +24,8 @@ def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
         f"{config.model_type}-h{config.hidden_size}-i{getattr(config, 'intermediate_size', 0)}"
         f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{device}"
     )
+    if span.quantization != "none":  # dequantizing each weight per forward costs time
+        key += f"-{span.quantization}"
     cached = _read(cache_file)
     if key in cached:
         return cached[key]

@@ -84,6 +84,9 @@ class ServerInfo(_Record):
     samples: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)  # samples accumulated towards the next update
     # DHT time when the peer began joining this span: a JOINING record counts as coverage for MAX_JOINING_S after it
     joined_at: float = pydantic.Field(default=0.0, ge=0, allow_inf_nan=False)
+    # how it holds its linear weights (peer/quantize.py); left out of the record when "none", so that clients that
+    # predate it read unquantized peers' records as before and refuse quantized ones
+    quantization: Literal["none", "int8", "nf4"] = "none"
 
     @pydantic.field_validator("state", mode="before")
     @classmethod
@@ -116,6 +119,8 @@ class ServerInfo(_Record):
         wire = super().to_wire()
         wire["state"] = int(self.state)
         wire["relays"] = list(self.relays)
+        if self.quantization == "none":
+            del wire["quantization"]
         return wire
 
 

@@ -41,6 +41,17 @@ class DType(StrEnum):
     FLOAT16 = "float16"
 
 
+class Quantization(StrEnum):
+    """How a peer holds its blocks' linear weights (peer/quantize.py), as its record announces."""
+
+    NONE = "none"
+    """As the checkpoint has them, in the compute dtype."""
+    INT8 = "int8"
+    """int8 with a scale per output row: a quarter of float32's bytes."""
+    NF4 = "nf4"
+    """4-bit NormalFloat in blocks of 64: about a seventh of float32's bytes."""
+
+
 class TrainMode(StrEnum):
     """What a training peer trains."""
 

@@ -47,7 +47,9 @@ def format_snapshot(
     for peer_id, info in servers:
         lines.append(
             f"  blocks {info.start_block:>3}:{info.end_block:<3}  {ServerState(info.state).name:<7}  {peer_id}  "
-            f"{describe_reach(info)}  {info.throughput:8.1f} tok/s  {info.dtype}  cache left {info.cache_tokens_left}"
+            f"{describe_reach(info)}  {info.throughput:8.1f} tok/s  {info.dtype}"
+            + (f" {info.quantization}" if info.quantization != "none" else "")
+            + f"  cache left {info.cache_tokens_left}"
             + (f"  training {info.run_id!r}: update {info.epoch}, {info.samples} samples" if info.run_id else "")
         )
     uncovered = snapshot.uncovered_blocks()

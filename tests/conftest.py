@@ -68,6 +68,7 @@ SLOW_FILES = (
     "integration/test_directory.py",
     "integration/test_lying_peer.py",
     "integration/test_failover.py",
+    "integration/test_quantized.py",
 )
 
 

@@ -908,6 +908,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_speculative.py",),
     ),
     Mutation(
+        "quantized-peers-used-by-default",
+        "client/sequence.py",
+        "                    if info.quantization == wanted and (",
+        "                    if True and (  # MUTATION\n",
+        "a client routes through peers whose weights are rounded, computing another model than it asked for",
+        ("tests/integration/test_quantized.py",),
+    ),
+    Mutation(
         "orphaned-update-kept",
         "peer/training/span.py",
         "        self._orphaned_since = self._orphaned_since or now\n",

@@ -13,7 +13,7 @@ import signal
 import socket
 import sys
 
-from protocol.vocab import DType, choices
+from protocol.vocab import DType, Quantization, choices
 from swarm.extras import require_extra
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
 
@@ -95,6 +95,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         default=8,
         metavar="N",
         help="with --speculative: drafts per trip at most (ngram), or at first (a model adapts it) (default: 8)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=Quantization.NONE.value,
+        choices=choices(Quantization),
+        help="use only peers holding their weights so (swarmlm peer --quantize); answers are then the model's with "
+        "its linear weights rounded the same way (default: none, the checkpoint's weights)",
     )
     p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")
     return p
@@ -250,6 +257,7 @@ def _serve(args, config, swarm_key, sock) -> int:
             swarm_key=swarm_key,
             wait_for_peers_s=args.wait_for_peers_s,
             request_timeout_s=args.request_timeout_s,
+            quantization=args.quantization,
         )
     except (SwarmError, ValueError):
         raise

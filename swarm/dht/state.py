@@ -84,6 +84,7 @@ def _peer(peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot, live: bool, p
         "throughput": info.throughput,
         "cache_tokens_left": info.cache_tokens_left,
         "dtype": info.dtype,
+        "quantization": info.quantization,
         "version": info.version,
         "endpoint": info.endpoint,
         "transport": info.transport,

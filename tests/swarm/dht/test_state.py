@@ -70,6 +70,7 @@ def test_peers_are_listed_by_span_with_every_announced_field():
         "throughput": 100.0,
         "cache_tokens_left": 64,
         "dtype": "float32",
+        "quantization": "none",
         "version": "1",
         "endpoint": "127.0.0.1:5000",
         "transport": "direct",

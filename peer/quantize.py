@@ -1,5 +1,5 @@
 """Weight-only quantization of a span's linear layers: int8 per output row, or nf4 in blocks of 64 (QLoRA's 4-bit
-NormalFloat), in plain torch, so that a peer holds its blocks in a quarter or an eighth of their float32 bytes.
+NormalFloat), in plain torch, so that a peer holds those weights in a quarter or about a seventh of float32's bytes.
 
 A QuantizedLinear keeps only the codes and their scales; each forward widens them back into the compute dtype
 (`dequantize`) and multiplies as nn.Linear does. So a quantized peer computes exactly what a full-precision model
@@ -98,15 +98,12 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
 
-def quantize_linears(module: nn.Module, mode: Quantization) -> int:
-    """Replace every nn.Linear inside `module` by a QuantizedLinear of `mode`; how many were replaced."""
-    replaced = 0
+def quantize_linears(module: nn.Module, mode: Quantization) -> None:
+    """Replace every nn.Linear inside `module` by a QuantizedLinear of `mode`."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, QuantizedLinear(child, mode))
-                replaced += 1
-    return replaced
 
 
 def dequantized_copy_(module: nn.Module, mode: Quantization) -> None:

@@ -50,6 +50,12 @@ class LeftoverProcessError(AssertionError):
     """Processes of ours were still running after the swarm was stopped."""
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """Ctrl+C reaches a command as in a terminal, also when the suite itself runs with SIGINT ignored (a
+    background job, some CI runners): a child inherits SIG_IGN, and Python then installs no handler of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def swarmlm_command() -> list[str]:
     """The `swarmlm` console script of this interpreter's environment, or `python -m swarm.cli` without one."""
     script = Path(sys.executable).parent / "swarmlm"
@@ -156,7 +162,13 @@ class ManagedProcess:
                 self.popen = zygote.start(self.args, list(argv), env, self.stdout_path, self.stderr_path, netns or "")
             else:
                 self.popen = subprocess.Popen(
-                    self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
+                    self.args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_sigint_as_in_a_terminal,
                 )
         self.pid = self.popen.pid
         # The session id equals the pid (start_new_session); the DHT process and p2pd inherit it.
@@ -217,6 +229,7 @@ class ManagedProcess:
             if not left and self.popen.returncode is not None:
                 return []
             if time.monotonic() >= deadline:
+                show_stacks([self])  # where it is stuck, into its stderr for the test's report
                 return left
             time.sleep(0.1)
 

@@ -145,6 +145,9 @@ def become(request: dict) -> None:
     # SIGUSR1 writes every thread's stack to stderr (the processes this one forks inherit it): how a test shows
     # where a process that stays silent is stuck (Swarm.wait_for)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl+C as in a terminal, also when the suite runs where SIGINT is ignored (a background job, some CI
+    # runners): the zygote then inherited SIG_IGN, and so would every command's Ctrl+C test
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = ["swarmlm", *request["argv"]]
 
 

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# One compute thread in the test processes, as in the processes they start (tests/helpers/processes.py): tiny
+# models gain nothing from a second thread, and on a loaded 2-core machine OpenMP's idle threads spin against
+# the peers (test_generation alone: 62 CPU-s with two threads, 55 with one). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `pytest` run without `python -m` does not put the repo root on sys.path
     sys.path.insert(0, str(REPO))

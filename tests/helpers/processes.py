@@ -50,9 +50,10 @@ class LeftoverProcessError(AssertionError):
     """Processes of ours were still running after the swarm was stopped."""
 
 
-def _sigint_as_in_a_terminal() -> None:
-    """Ctrl+C reaches a command as in a terminal, also when the suite itself runs with SIGINT ignored (a
-    background job, some CI runners): a child inherits SIG_IGN, and Python then installs no handler of its own."""
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` for a command whose Ctrl+C is tested: SIGINT reaches it as in a terminal, also when the suite
+    itself runs with SIGINT ignored (a background job, some CI runners): a child inherits SIG_IGN, and Python then
+    installs no handler of its own."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -168,7 +169,7 @@ class ManagedProcess:
                     stderr=err,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_sigint_as_in_a_terminal,
+                    preexec_fn=sigint_as_in_a_terminal,
                 )
         self.pid = self.popen.pid
         # The session id equals the pid (start_new_session); the DHT process and p2pd inherit it.

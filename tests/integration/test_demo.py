@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from swarm.models.default_model import DEFAULT_MODEL
-from tests.helpers.processes import reaping_descendants
+from tests.helpers.processes import reaping_descendants, sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.timeout(480)
 
@@ -36,7 +36,7 @@ def _start(cache_dir: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+        preexec_fn=sigint_as_in_a_terminal,
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.models import make_tiny_llama
-from tests.helpers.processes import child_env, reaping_descendants
+from tests.helpers.processes import child_env, reaping_descendants, sigint_as_in_a_terminal
 from tests.helpers.tokenizer import save_char_tokenizer
 
 pytestmark = pytest.mark.timeout(180)
@@ -89,7 +89,7 @@ def test_demo_api_serves_the_api_and_the_monitor_until_ctrl_c(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+        preexec_fn=sigint_as_in_a_terminal,
     )
     with reaping_descendants(demo) as watch:  # nothing it started may outlive it, also if this test fails
         lines = _lines(demo.stdout)

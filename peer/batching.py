@@ -122,7 +122,6 @@ def forward_batch(
     1 (a decode step), or more where can_batch(span, n_i) (a verification step of speculative decoding)."""
     start, end = blocks
     types = span.types[start - span.start : end - span.start]
-    layers = span.layers[start - span.start : end - span.start]
     device = span.device
     rows, new = [h.shape[0] for h in hidden], [h.shape[1] for h in hidden]
     steps = max(new)
@@ -141,8 +140,8 @@ def forward_batch(
             masks[kind] = step_mask(held_rows, new_rows, span.config._attn_implementation, states.dtype)
     view = BatchCache(caches, rows, new)
     position_embeddings = span.rotary(states, position_ids)
-    for layer, kind in zip(layers, types):
-        states = layer(
+    for index, kind in enumerate(types):
+        states = span.layer(start + index)(
             states,
             attention_mask=masks[kind],
             position_ids=position_ids,

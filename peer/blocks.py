@@ -19,6 +19,7 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import LoadStateDictConfig
 
+from peer.offload import Store, Streamer, block_bytes
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
@@ -49,21 +50,40 @@ def resolve_dtype(config: PretrainedConfig, dtype: str) -> torch.dtype:
 class BlockSpan(nn.Module):
     """Blocks [start, end) of a model, with the model's rotary embedding and mask rules."""
 
-    def __init__(self, config: PretrainedConfig, start: int, end: int, layers: nn.ModuleList, rotary: nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        start: int,
+        end: int,
+        layers: nn.ModuleList,
+        rotary: nn.Module,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        streamer: Streamer | None = None,
+    ):
         super().__init__()
         self.config, self.start, self.end = config, start, end
         self.layers, self.rotary = layers, rotary
+        first = next(layers.parameters(), None) if dtype is None or device is None else None
+        # given by load_span: a streamed block's module holds meta tensors while it is out
+        self.dtype = dtype or first.dtype
+        self.device = device or first.device
+        self.streamer = streamer  # None: every block resident (else peer/offload.py streams some in)
         self.quantization = Quantization.NONE  # how its linear weights are held (set by load_span)
         types = layer_types(config)
         self.types = types[start:end]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.layers.parameters()).dtype
+    def layer(self, index: int) -> nn.Module:
+        """Block `index`'s module with its weights in (a streamed block is loaded now: call it right before use)."""
+        if self.streamer is not None:
+            return self.streamer.layer(index)
+        return self.layers[index - self.start]
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.layers.parameters()).device
+    def close(self) -> None:
+        """Stop streaming blocks in and remove their stored copies (a span that streams none has nothing to do)."""
+        if self.streamer is not None:
+            self.streamer.close()
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -86,7 +106,6 @@ class BlockSpan(nn.Module):
         """
         start, end = blocks or (self.start, self.end)
         types = self.types[start - self.start : end - self.start]
-        layers = self.layers[start - self.start : end - self.start]
         # masks are sized against the first cache layer of each attention type among the blocks run
         first_of_type = {kind: start + types.index(kind) for kind in set(types)}
         device = self.device
@@ -107,12 +126,12 @@ class BlockSpan(nn.Module):
             for kind, first in first_of_type.items()
         }
         position_embeddings = self.rotary(hidden_states, position_ids)
-        for index, (layer, kind) in enumerate(zip(layers, types)):
+        for index, kind in enumerate(types):
             if between_layers is not None and index:
                 between_layers()
                 if hidden_states.requires_grad:  # the backward passes here too
                     hidden_states.register_hook(lambda grad: between_layers())
-            hidden_states = layer(
+            hidden_states = self.layer(start + index)(
                 hidden_states,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
@@ -151,20 +170,19 @@ def load_span(
     dtype: torch.dtype,
     device: torch.device,
     quantization: Quantization = Quantization.NONE,
+    stream: tuple[int, Store] | None = None,
 ) -> BlockSpan:
-    """Build blocks [start, end) from the checkpoint at `path`, reading only their tensors; with `quantization`,
-    each block's linear layers are quantized as it is built (peer/quantize.py)."""
+    """Build blocks [start, end) from the checkpoint at `path`, one block at a time, reading only its tensors; with
+    `quantization`, each block's linear layers are quantized as it is built (peer/quantize.py). With `stream`
+    (resident blocks, store), the blocks after the first `resident` go to the store as they are built and are
+    streamed in when they compute (peer/offload.py)."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
     config._attn_implementation = "sdpa"
     rotary_cls = family_class(config, "RotaryEmbedding")
-    wanted = {f"{LAYER_PREFIX}{i}." for i in range(start, end)}
-    tensors = load_tensors(path, lambda name: any(name.startswith(p) for p in wanted), dtype=dtype)
-    total_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    if get_checkpoint_conversion_mapping(config.model_type):
-        built = _converted_layers(path, config, start, end, tensors, dtype)
-    else:
-        built = (_layer(path, config, i, tensors) for i in range(start, end))
+    converted = bool(get_checkpoint_conversion_mapping(config.model_type))
+    streamer = None if stream is None else Streamer([], start, stream[0], stream[1])
+    total_bytes = sum(block_bytes(path, config, start, end, dtype))
     layers = []
     with progress(
         total=total_bytes,
@@ -174,16 +192,29 @@ def load_span(
         unit_divisor=1024,
         leave=False,
     ) as bar:
-        for i, layer in zip(range(start, end), built):
+        for i in range(start, end):
+            # one block's tensors at a time: loading peaks at one block beyond what the span keeps
+            prefix = f"{LAYER_PREFIX}{i}."
+            tensors = load_tensors(path, lambda name, prefix=prefix: name.startswith(prefix), dtype=dtype)
+            loaded = sum(t.numel() * t.element_size() for t in tensors.values())
+            if converted:
+                layer = _converted_layers(path, config, i, i + 1, tensors, dtype)[0]
+            else:
+                layer = _layer(path, config, i, tensors)
             layer = layer.to(device=device, dtype=dtype)
-            loaded = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
+            if streamer is not None and i - start >= streamer.resident:
+                streamer.take_out(i, layer)
             layers.append(layer)
             bar.set_postfix_str(f"block {i + 1 - start}/{end - start}", refresh=False)
             bar.update(loaded)
+    if streamer is not None:
+        streamer.layers = layers
     rotary = rotary_cls(config=config).to(device)
-    span = BlockSpan(config, start, end, nn.ModuleList(layers), rotary).eval()
+    span = BlockSpan(
+        config, start, end, nn.ModuleList(layers), rotary, dtype=dtype, device=device, streamer=streamer
+    ).eval()
     span.requires_grad_(False)
     span.quantization = quantization
     return span

@@ -38,14 +38,22 @@ class CacheBudget:
             raise ValueError(f"cache budget must be positive, got {max_tokens} tokens")
         if not 0 < max_share <= 1:
             raise ValueError(f"max_share must be in (0, 1], got {max_share}")
-        self.max_tokens = max_tokens
-        self.source_quota = max(1, int(max_tokens * max_share))
+        self.max_share = max_share
+        self.resize(max_tokens)
         self.used_tokens = 0
         self.used_by: Counter[str] = Counter()
         self._freed = asyncio.Condition()
         self._waking: set[asyncio.Task] = set()  # tasks telling waiters about freed tokens
         # closes idle sessions to make room for `tokens`; returns how many it closed (set by peer/inference.py)
         self.reclaim: Callable[[int], int] = lambda tokens: 0
+
+    def resize(self, max_tokens: int) -> None:
+        """Budget `max_tokens` from now on (a memory budget sets it once the blocks are known); sessions holding
+        more keep it until they close."""
+        if max_tokens <= 0:
+            raise ValueError(f"cache budget must be positive, got {max_tokens} tokens")
+        self.max_tokens = max_tokens
+        self.source_quota = max(1, int(max_tokens * self.max_share))
 
     @property
     def tokens_left(self) -> int:

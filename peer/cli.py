@@ -10,7 +10,7 @@ import math
 from peer.admission import WorkLimits
 from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, TransportMode
 from protocol.errors import SwarmError
-from protocol.vocab import Quantization, TrainMode, choices
+from protocol.vocab import Offload, Quantization, TrainMode, choices
 from swarm.runtime import run_until_signal, wait_for_signal
 from swarm.training.recipe import RunRecipe
 from swarm.training.settings import (
@@ -30,6 +30,15 @@ def _span(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected START:END (e.g. 0:10), got {text!r}") from None
     return start, end
+
+
+def _size(text: str) -> int:
+    from peer.offload import parse_size  # torch: only once a size is given
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -54,6 +63,20 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=choices(Quantization),
         help="hold the blocks' linear weights as int8 (a quarter of float32's memory) or nf4 (about a seventh); "
         "only clients that ask for that quantization use the peer (default: none)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=_size,
+        metavar="SIZE",
+        help="bytes of block weights and KV cache resident at once, such as 512MB or 8GB (default: no budget); "
+        "blocks beyond it need --offload",
+    )
+    p.add_argument(
+        "--offload",
+        default=Offload.NONE.value,
+        choices=choices(Offload),
+        help="where the blocks that --memory-budget does not hold wait, each loaded while the one before it "
+        "computes: host (pinned memory, for a GPU) or disk (a file per block under --cache-dir) (default: none)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on and announce (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (default: a free one)")
@@ -273,6 +296,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         device=args.device,
         dtype=DTypeChoice(args.dtype),
         quantization=Quantization(args.quantize),
+        memory_budget=args.memory_budget,
+        offload=Offload(args.offload),
         cache_tokens=args.cache_tokens,
         max_cache_share=args.max_cache_share,
         serving=serving_from_args(args),

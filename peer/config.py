@@ -8,7 +8,7 @@ from typing import Any
 
 from peer.admission import WorkLimits
 from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
-from protocol.vocab import DType, Quantization, StrEnum, TrainMode, choices
+from protocol.vocab import DType, Offload, Quantization, StrEnum, TrainMode, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides, check_setting
 from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
@@ -194,8 +194,12 @@ class PeerConfig:
     quantization: Quantization = Quantization.NONE
     """Hold the blocks' linear weights as int8 or nf4 (peer/quantize.py); only clients that ask for that
     quantization use the peer."""
+    memory_budget: int | None = None
+    """Bytes of block weights and KV cache resident at once (peer/offload.py); None: no budget."""
+    offload: Offload = Offload.NONE
+    """Where the blocks that `memory_budget` does not hold wait: nowhere (they must fit), host memory or disk."""
     cache_tokens: int = 8192
-    """KV-cache budget in tokens (each session reserves batch x max_length)."""
+    """KV-cache budget in tokens (each session reserves batch x max_length); a memory budget may lower it."""
     max_cache_share: float = 0.5
     """Most of the cache budget that the sessions of one client address may hold together."""
     serving: ServingLimits = field(default_factory=ServingLimits)
@@ -224,6 +228,26 @@ class PeerConfig:
     swarm_key: SwarmKey | None = None
     """Key of a private swarm: its DHT and every call are gated by it (TLS and per-call tags); None: public."""
 
+    def _check_memory(self) -> None:
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {self.memory_budget}")
+        if self.offload == Offload.NONE:
+            return
+        if self.memory_budget is None:
+            raise ValueError(f"--offload {self.offload} streams what a budget does not hold: give --memory-budget too")
+        if self.training is not None:
+            raise ValueError(f"a training peer updates every block each step: drop --offload {self.offload} or --train")
+        if self.blocks is None and self.num_blocks is None:
+            raise ValueError(
+                f"with --offload {self.offload} the budget no longer bounds how many blocks to serve: "
+                f"give --blocks START:END or --num-blocks N"
+            )
+        if self.offload == Offload.HOST and not self.device.startswith("cuda"):
+            raise ValueError(
+                f"--offload host keeps blocks in host memory, which on --device {self.device} is the memory the budget "
+                f"limits: use --offload disk"
+            )
+
     def __post_init__(self) -> None:
         if self.swarm_key is not None and not isinstance(self.swarm_key, SwarmKey):
             raise ValueError(f"swarm_key must be a SwarmKey (SwarmKey.load(FILE)), got {type(self.swarm_key).__name__}")
@@ -243,6 +267,8 @@ class PeerConfig:
         object.__setattr__(self, "transport", _member(TransportMode, "transport", self.transport))
         object.__setattr__(self, "dtype", _member(DTypeChoice, "dtype", self.dtype))
         object.__setattr__(self, "quantization", _member(Quantization, "quantization", self.quantization))
+        object.__setattr__(self, "offload", _member(Offload, "offload", self.offload))
+        self._check_memory()
         if self.training is not None and self.quantization != Quantization.NONE:
             raise ValueError(
                 f"a training peer updates full-precision weights: drop --quantize {self.quantization} or --train"

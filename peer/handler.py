@@ -62,6 +62,7 @@ class PeerServicer:
         self._info, self._prove = info, prove
         self.proofs = ProofMeter()
         self.served = ServedSpan(model_config, prefix, limits.work)
+        self.activation_cache_bytes = limits.activation_cache_bytes
         self.activations = ActivationStore(limits.activation_cache_bytes, limits.activation_ttl_s)
         self.training: SpanTraining | None = None
         self.streams = InferenceStreams(self.served, budget, limits, forwarder)
@@ -71,6 +72,9 @@ class PeerServicer:
         """Serve `span` from now on (None: serve nothing); sessions of other blocks fail over on their next step."""
         self.served.span = span
         self.activations.clear()  # they belong to the blocks served so far
+        # a kept graph holds the weights its forward used: a span that streams blocks in keeps none
+        streams = span is not None and span.streamer is not None
+        self.activations.max_bytes = 0 if streams else self.activation_cache_bytes
 
     def set_training(self, training: SpanTraining | None) -> None:
         """Train the span with `training` from now on: backward requests of its run feed it, Info reports it."""
@@ -235,6 +239,11 @@ class PeerServicer:
             if blocks != (span.start, span.end):
                 raise BadRequestError(
                     f"ask for this peer's whole span {span.start}:{span.end}, not {blocks[0]}:{blocks[1]}"
+                )
+            if span.streamer is not None:
+                raise BadRequestError(
+                    "this peer streams its blocks in from a store (--offload): export from peers that hold their "
+                    "blocks resident"
                 )
             if span.quantization != "none":
                 raise BadRequestError(

@@ -21,6 +21,16 @@ from peer.cache import CacheBudget
 from peer.config import WILDCARD_HOSTS, PeerConfig
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
+from peer.offload import (
+    MIN_CACHE_TOKENS,
+    DiskStore,
+    HostStore,
+    MemoryPlan,
+    Store,
+    block_bytes,
+    kv_token_bytes,
+    plan_memory,
+)
 from peer.placement_view import PlacementView
 from peer.reach import Reach
 from peer.throughput import measure_throughput
@@ -36,7 +46,7 @@ from protocol.records import (
     record_ttl_s,
 )
 from protocol.service import WINDOW_OPTIONS, make_generic_handler
-from protocol.vocab import Quantization, Transport
+from protocol.vocab import Offload, Quantization, Transport
 from swarm.dht.directory import announce, fetch_snapshot, unstored
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.dht.snapshot import SwarmSnapshot
@@ -180,6 +190,13 @@ class PeerServer:
         await self._announce(self.state)
         held = f", {cfg.quantization} weights" if cfg.quantization != Quantization.NONE else ""
         logger.info("loading blocks %d:%d of %s (%s%s) on %s", *blocks, cfg.model, self.dtype, held, cfg.device)
+        stream = None
+        if cfg.memory_budget is not None:
+            plan = self._memory_plan(blocks)
+            logger.info("memory: %s", plan.describe())
+            self.budget.resize(plan.cache_tokens)
+            if plan.streamed:
+                stream = (plan.resident, self._offload_store())
         self.span = await asyncio.to_thread(
             load_span,
             self.path,
@@ -188,6 +205,7 @@ class PeerServer:
             dtype=self.dtype,
             device=torch.device(cfg.device),
             quantization=cfg.quantization,
+            stream=stream,
         )
         cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         self.throughput = cfg.throughput or await asyncio.to_thread(
@@ -243,6 +261,7 @@ class PeerServer:
         self.state = ServerState.OFFLINE
         await self._announce(self.state)
         self.servicer.set_span(None)
+        self.span.close()
         self.span = None  # free the old blocks before loading the new ones
         await self._serve_blocks(blocks)
 
@@ -259,18 +278,36 @@ class PeerServer:
             await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
         )
 
+    def _memory_plan(self, blocks: tuple[int, int]) -> MemoryPlan:
+        """How `--memory-budget` holds `blocks` (block sizes from the checkpoint's headers, before quantization)."""
+        cfg = self.config
+        sizes = block_bytes(self.path, self.model_config, *blocks, self.dtype)
+        token_bytes = kv_token_bytes(self.model_config, *blocks, self.dtype)
+        return plan_memory(sizes, token_bytes, cfg.cache_tokens, cfg.memory_budget, cfg.offload)
+
+    def _offload_store(self) -> Store:
+        device = torch.device(self.config.device)
+        if self.config.offload == Offload.HOST:
+            return HostStore(device)
+        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir()
+        return DiskStore(device, cache_dir / "offload")
+
     def _blocks_that_fit(self) -> int:
-        """As many blocks as fit in half the free memory (the rest is left for cache and the system)."""
+        """As many blocks as fit in half the free memory (the rest is left for cache and the system), or with
+        `--memory-budget`, beside the least KV cache it allows."""
         c = self.model_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         attn = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
         mlp = 3 * c.hidden_size * c.intermediate_size
-        block_bytes = (attn + mlp) * torch.empty((), dtype=self.dtype).element_size()
+        one_block = (attn + mlp) * torch.empty((), dtype=self.dtype).element_size()
+        if self.config.memory_budget is not None:
+            per_block = one_block + MIN_CACHE_TOKENS * kv_token_bytes(c, 0, 1, self.dtype)
+            return max(1, min(self.num_layers, self.config.memory_budget // per_block))
         if self.config.device.startswith("cuda"):
             free = torch.cuda.mem_get_info(torch.device(self.config.device))[0]
         else:
             free = psutil.virtual_memory().available
-        return max(1, min(self.num_layers, math.floor(free * 0.5 / block_bytes)))
+        return max(1, min(self.num_layers, math.floor(free * 0.5 / one_block)))
 
     def _server_info(self, state: ServerState) -> ServerInfo:
         return ServerInfo(
@@ -377,6 +414,8 @@ class PeerServer:
             await self.grpc_server.stop(grace=1.0)
         if self.servicer is not None:
             self.servicer.close()
+        if self.span is not None:
+            self.span.close()  # a streaming span's block files go
         if self.forwarder is not None:
             await self.forwarder.close()
         if self.training is not None:

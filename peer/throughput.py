@@ -26,6 +26,8 @@ def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
     )
     if span.quantization != "none":  # dequantizing each weight per forward costs time
         key += f"-{span.quantization}"
+    if span.streamer is not None:  # loading streamed blocks costs time too
+        key += f"-{type(span.streamer.store).__name__}-resident{span.streamer.resident}"
     cached = _read(cache_file)
     if key in cached:
         return cached[key]

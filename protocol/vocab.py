@@ -72,3 +72,14 @@ class WireDType(StrEnum):
     """float32 sent as bfloat16: half the bytes, 8 bits of mantissa, float32's range."""
     INT8 = "int8"
     """Blockwise 8-bit (64 values per block, each scaled by its max |x|): a quarter of float32's bytes."""
+
+
+class Offload(StrEnum):
+    """Where a peer keeps the blocks that its memory budget does not hold (peer/offload.py)."""
+
+    NONE = "none"
+    """Nowhere: every block is resident, and the budget must hold them all."""
+    HOST = "host"
+    """In host memory (pinned), copied to the GPU one block ahead of its use."""
+    DISK = "disk"
+    """In safetensors files, one per block, read one block ahead of its use."""

@@ -931,6 +931,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a trainer catching up counts a stranger's record of an update no stage applied",
         (f"{EXACT}::test_one_run_through_every_fault_and_attack_equals_local_training",),
     ),
+    Mutation(
+        "streamed-blocks-kept",
+        "peer/offload.py",
+        "        for other in [i for i in self._pending if i != index]:  # the block computed before is done with\n",
+        "        for other in []:  # MUTATION\n",
+        "a streaming span never lets a streamed block go: its memory grows past the budget's two slots",
+        ("tests/peer/test_offload.py::test_a_streaming_span_computes_what_a_resident_one_does",),
+    ),
+    Mutation(
+        "streamed-weights-changed-in-place",
+        "peer/offload.py",
+        "            setattr(owner, leaf, nn.Parameter(tensor, requires_grad=False))\n",
+        "            getattr(owner, leaf).data = tensor  # MUTATION\n",
+        "taking a block's weights out changes the tensors a saved graph holds: its backward computes with others",
+        ("tests/peer/test_offload.py::test_a_backward_through_streamed_blocks_uses_the_weights_its_forward_used",),
+    ),
 )
 
 

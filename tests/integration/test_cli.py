@@ -183,6 +183,19 @@ BAD_ARGUMENTS = [
         ["peer", MODEL, "--blocks", "0:2", "--train", "--matchmaking-time-s", "70"],
         "averaging_timeout_s (60.0) must exceed",
     ),
+    (["peer", MODEL, "--memory-budget", "3XB"], "'3XB' is not a size"),
+    (["peer", MODEL, "--blocks", "0:4", "--offload", "disk"], "give --memory-budget too"),
+    (["peer", MODEL, "--offload", "disk", "--memory-budget", "1MB"], "give --blocks START:END or --num-blocks N"),
+    (["peer", MODEL, "--blocks", "0:4", "--offload", "host", "--memory-budget", "1MB"], "use --offload disk"),
+    (
+        ["peer", MODEL, "--blocks", "0:2", "--train", "--offload", "disk", "--memory-budget", "1MB"],
+        "drop --offload disk or --train",
+    ),
+    # detected once the blocks are known: the budget holds not even the two blocks that stream
+    (
+        ["peer", MODEL, "--blocks", "0:4", "--offload", "disk", "--memory-budget", "10KB"],
+        "give --memory-budget at least",
+    ),
     (["train", MODEL], "pass --initial-peers"),
     (["train", MODEL, "--local", "--batch-size", "6", "--micro-batch-size", "4"], "multiple of micro_batch_size"),
     (["train", MODEL, "--local", "--data", "/no/such/text"], "/no/such/text"),

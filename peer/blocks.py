@@ -204,6 +204,7 @@ def load_span(
             layer = layer.to(device=device, dtype=dtype)
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
+                _own_copies(layer)
             if streamer is not None and i - start >= streamer.resident:
                 streamer.take_out(i, layer)
             layers.append(layer)
@@ -218,6 +219,15 @@ def load_span(
     span.requires_grad_(False)
     span.quantization = quantization
     return span
+
+
+def _own_copies(module: nn.Module) -> None:
+    """Give `module`'s remaining parameters (norms, biases) memory of their own. Tensors read from a checkpoint map
+    its whole file, and one small norm kept from a mapping keeps every page read through it resident: a quantized
+    block would otherwise hold the full-precision weights it was quantized from."""
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            setattr(owner, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
 def _layer(path: Path, config: PretrainedConfig, i: int, tensors: dict[str, torch.Tensor]) -> nn.Module:

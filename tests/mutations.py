@@ -932,6 +932,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{EXACT}::test_one_run_through_every_fault_and_attack_equals_local_training",),
     ),
     Mutation(
+        "quantized-blocks-map-checkpoint",
+        "peer/blocks.py",
+        "                _own_copies(layer)\n",
+        "                pass  # MUTATION\n",
+        "a quantized block's norms keep its checkpoint's mapping: the full-precision pages read stay resident",
+        ("tests/peer/test_quantize.py::test_a_quantized_span_keeps_no_mapping_of_its_checkpoint",),
+    ),
+    Mutation(
         "streamed-blocks-kept",
         "peer/offload.py",
         "        for other in [i for i in self._pending if i != index]:  # the block computed before is done with\n",

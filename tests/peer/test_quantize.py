@@ -3,6 +3,9 @@ bytes, and a span that computes exactly what the model with its linear weights r
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +109,16 @@ def test_a_training_peer_cannot_be_quantized_and_records_say_how_weights_are_hel
     assert ServerInfo.from_wire(plain.to_wire()).quantization == "none"
     int8 = ServerInfo(**info, quantization="int8")
     assert ServerInfo.from_wire(int8.to_wire()).quantization == "int8"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_span_keeps_no_mapping_of_its_checkpoint(tmp_path, mode):
+    """A tensor read from a checkpoint maps the whole file: one norm kept from it would keep every full-precision page
+    read through it resident, more than the quantized span holds."""
+    checkpoint = save_random_model(llama_config(2), tmp_path / "llama", seed=6)
+    span = load_span(checkpoint, load_config(checkpoint), 0, 2, dtype=torch.float32, device=torch.device("cpu"),
+                     quantization=mode)  # fmt: skip
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert [line for line in maps if str(checkpoint) in line] == []
+    assert span.quantization == mode

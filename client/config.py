@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.records import check_run_id
-from protocol.vocab import Quantization, StrEnum, WireDType, choices
+from protocol.vocab import Quantization, StrEnum, TrainMode, WireDType, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides
 from swarm.training.settings import AveragingSettings
 from swarm.trust.swarmkey import SwarmKey
@@ -130,6 +130,8 @@ _RECIPE_FIELDS = (
     "lr_schedule",
     "total_steps",
     "max_grad_norm",
+    "train_mode",
+    "lora_rank",
 )
 
 
@@ -162,6 +164,11 @@ class TrainConfig:
     """Updates the run is planned for (a cosine schedule needs it)."""
     max_grad_norm: float | None = None
     """Clip each update to this global gradient norm (0: no clipping)."""
+    train_mode: TrainMode | None = None
+    """full (every weight) or lora (adapters on the peers' blocks); a trainer trains its embeddings, norm and head
+    in both."""
+    lora_rank: int | None = None
+    """Rank of the LoRA adapters (train_mode lora)."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     step_timeout_s: float = 60.0
     """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""

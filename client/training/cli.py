@@ -21,7 +21,8 @@ from pathlib import Path
 from client.config import TrainConfig
 from client.training.documents import Shard, Source, find_sources, sources_of
 from protocol.errors import SwarmError
-from protocol.vocab import WireDType, choices
+from protocol.vocab import TrainMode, WireDType, choices
+from swarm.training.recipe import RunRecipe
 from swarm.training.settings import (
     add_averaging_arguments,
     add_recipe_arguments,
@@ -82,7 +83,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--max-in-flight", type=int, default=0, help="micro-batches in flight at once (default: 0, all of a step's)"
     )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps to run (default: 100)")
-    add_recipe_arguments(p.add_argument_group("the run's recipe (given ones must equal a running run's)"))
+    recipe = p.add_argument_group("the run's recipe (given ones must equal a running run's)")
+    add_recipe_arguments(recipe)
+    d = RunRecipe()
+    recipe.add_argument(
+        "--train-mode",
+        choices=choices(TrainMode),
+        help=f"what the peers train: full weights, or LoRA adapters of their linear layers (the run's; with --local, "
+        f"the reference does the same; default {d.train_mode})",
+    )
+    recipe.add_argument("--lora-rank", type=int, help=f"rank of the LoRA adapters (the run's; default {d.lora_rank})")
     p.add_argument("--seed", type=int, default=0, help="data order: the shuffle within windows (default: 0)")
     p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
@@ -109,6 +119,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         micro_batch_size=args.micro_batch_size,
         max_in_flight=args.max_in_flight,
         **recipe_arguments(args),
+        train_mode=args.train_mode,
+        lora_rank=args.lora_rank,
         averaging=averaging_from_args(args),
         step_timeout_s=args.step_timeout_s,
         host=args.host,
@@ -177,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
     if args.local and args.wire_dtype != WireDType.NONE:
         raise SystemExit("error: --wire-dtype is how tensors travel to the peers; --local sends none")
+    if args.local and args.train_mode == TrainMode.LORA and args.save:
+        raise SystemExit(
+            "error: the --local LoRA reference saves nothing yet (its adapters would be merged away): drop --save"
+        )
     try:
         config = config_from_args(args)
         if args.local:

@@ -3,7 +3,9 @@
 `swarmlm train --local` runs it; the tests and the `train_swarm` benchmark compare the swarm against it. An update
 follows the run's recipe as the swarm applies it: mean gradients of the step's micro-batches (weighted by their
 samples), clipped by their global norm, then the optimizer with the schedule's learning rate for that update and
-weight decay spared on norms, biases and embeddings; all in float32.
+weight decay spared on norms, biases and embeddings; all in float32. In a LoRA run (`--train-mode lora`) the
+decoder layers get the adapters a peer adds (peer/lora.py: the same initialization, by block and layer name) and
+only those train there, with the embeddings, final norm and head, as in the swarm.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client.config import TrainConfig
-from client.training.trainer import StepResult, lm_loss, local_parameters
+from client.training.trainer import StepResult, lm_loss, local_named_parameters, local_parameters
+from protocol.vocab import TrainMode
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
 
@@ -32,7 +35,11 @@ class LocalTrainer:
         self.recipe = recipe if recipe is not None else config.recipe()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         self.model.eval()  # as the peers run their blocks: no dropout
-        self.params = local_parameters(self.model)
+        self.lora = self.recipe.train_mode == TrainMode.LORA
+        if self.lora:
+            self.params = _add_lora(self.model, self.recipe)
+        else:
+            self.params = local_parameters(self.model)
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = make_optimizer(self.recipe, self.model, self.params)
@@ -95,7 +102,25 @@ class LocalTrainer:
         set_step_count(self.optimizer, self.steps_done)
 
     def save_pretrained(self, path: str | Path) -> None:
+        if self.lora:
+            raise ValueError(
+                "the --local LoRA reference saves nothing yet (its adapters would be merged away): drop --save"
+            )
         self.model.save_pretrained(path, safe_serialization=True)
 
     def close(self) -> None:
         pass
+
+
+def _add_lora(model: torch.nn.Module, recipe: RunRecipe) -> list[torch.nn.Parameter]:
+    """Add the adapters the peers add to every decoder layer; the parameters that train: the embeddings, final norm
+    and head (each once), then the adapters, all others frozen."""
+    from peer.blocks import BlockSpan
+    from peer.lora import LoraSettings, add_lora
+
+    layers = model.model.layers
+    trainer_part = [p for name, p in local_named_parameters(model) if not name.startswith("model.layers.")]
+    span = BlockSpan(model.config, 0, len(layers), layers, model.model.rotary_emb)
+    adapters = add_lora(span, LoraSettings(rank=recipe.lora_rank, alpha=recipe.lora_alpha), seed=0)
+    model.requires_grad_(False)
+    return trainer_part + adapters

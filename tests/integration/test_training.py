@@ -246,7 +246,8 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
 
 
 def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
-    """LoRA peers train adapters only; the export (adapters merged) is what the swarm computes and generates."""
+    """LoRA peers train adapters only, as the local LoRA reference does on the same batches; the export (adapters
+    merged) is what the swarm computes and generates, and what the reference computes."""
     # the recipe (lr 3e-2, LoRA) is the peers's: a trainer that gives no lr adopts it
     config = TrainConfig(run_id="lora", batch_size=4, micro_batch_size=2, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
@@ -272,8 +273,13 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
         try:
             trainer = SwarmTrainer(model, config)
             generator = torch.Generator().manual_seed(0)
-            for _ in range(3):
-                trainer.step(torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator))
+            batches = [torch.randint(3, VOCAB_SIZE, (4, SEQ_LEN), generator=generator) for _ in range(3)]
+            losses = [trainer.step(batch).loss for batch in batches]
+            # the `swarmlm train --local` reference of a LoRA run: the same adapters, trained on the same batches
+            reference = LocalTrainer(model_path, config, recipe=trainer.recipe)
+            assert trainer.recipe.train_mode == "lora"
+            expected = [reference.step(batch).loss for batch in batches]
+            assert losses == pytest.approx(expected, rel=1e-5), (losses, expected)
             # a peer stopped with --save-dir saves its span; restarted alone in its group, it resumes there
             (before,) = group_weights(model, (3, 4))
             first = next(p for p in swarm.processes if "3:4" in p.args)
@@ -324,6 +330,7 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             with torch.no_grad():
                 torch.testing.assert_close(model(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
                 torch.testing.assert_close(adapted(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
+                torch.testing.assert_close(reference.model(ids).logits, exported(ids).logits, atol=1e-4, rtol=0)
                 prompt = ids[:1, :6]
                 assert torch.equal(
                     model.generate(prompt, max_new_tokens=8, do_sample=False),

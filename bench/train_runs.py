@@ -56,7 +56,7 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 # a stage peer's round (peer/training/span.py): "update N of run 'R': averaged S samples (H here) among M members in Ts"
-_ROUND = re.compile(r"averaged \d+ samples \(\d+ here\) among (\d+) members in ([0-9.]+)s")
+_ROUND = re.compile(r"averaged \d+ samples \(\d+ here\) among (\d+) members in ([0-9.]+)s(?:, (\d+) bytes sent)?")
 _ONLINE = "ONLINE: serving blocks"
 _UPDATE = re.compile(r"update (\d+) of run '([^']*)': averaged")
 
@@ -173,10 +173,12 @@ def start_training_peers(
     device: str,
     ports: list[tuple[int, str]] | None = None,
     online_timeout_s: float = 240.0,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     """Start a training peer per span (all at once) and wait until all are ONLINE; returns their names.
 
-    `ports`, one (port, announced "host:port") per span, puts each peer behind a proxy that clients dial.
+    `ports`, one (port, announced "host:port") per span, puts each peer behind a proxy that clients dial; `extra`
+    are more flags for every peer.
     """
     names = []
     for i, (start, end) in enumerate(spans):
@@ -208,6 +210,7 @@ def start_training_peers(
             "--target-batch-size",
             str(target_batch),
             *settings.averaging_args(),
+            *extra,
         )
         names.append(name)
     deadline = time.monotonic() + online_timeout_s
@@ -426,6 +429,11 @@ def read_steps(path: Path) -> list[dict]:
 def allreduce_rounds_s(log_text: str, *, min_members: int = 2) -> list[float]:
     """Seconds of each successful stage round ("... among N members in Xs") with N >= min_members."""
     return [float(m.group(2)) for m in _ROUND.finditer(log_text) if int(m.group(1)) >= min_members]
+
+
+def allreduce_bytes(log_text: str) -> int:
+    """Bytes a member's rounds sent ("..., N bytes sent"), all rounds together."""
+    return sum(int(m.group(3) or 0) for m in _ROUND.finditer(log_text))
 
 
 def updates_applied(log_text: str, run_id: str) -> int:

@@ -132,6 +132,7 @@ _RECIPE_FIELDS = (
     "max_grad_norm",
     "train_mode",
     "lora_rank",
+    "averaging_compression",
 )
 
 
@@ -169,6 +170,8 @@ class TrainConfig:
     in both."""
     lora_rank: int | None = None
     """Rank of the LoRA adapters (train_mode lora)."""
+    averaging_compression: str | None = None
+    """How rounds send gradients: none (exact) or float16."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     step_timeout_s: float = 60.0
     """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""

@@ -56,6 +56,7 @@ _RECIPE_FIELDS = {
     "target_batch_size": "batch_size",
     "mode": "train_mode",
     "lora_rank": "lora_rank",
+    "averaging_compression": "averaging_compression",
 }
 
 
@@ -89,6 +90,8 @@ class TrainingConfig:
     """full: train every weight of the span; lora: train LoRA adapters of its linear layers only."""
     lora_rank: int | None = None
     """Rank of the LoRA adapters."""
+    averaging_compression: str | None = None
+    """How rounds send gradients: none (exact) or float16."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     save_dir: str | None = None
     """Save the span's weights and optimizer state here, and resume from them on restart."""

@@ -940,6 +940,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_quantize.py::test_a_quantized_span_keeps_no_mapping_of_its_checkpoint",),
     ),
     Mutation(
+        "compressed-reducer-keeps-exact-part",
+        "swarm/training/allreduce.py",
+        "            if self.compressed and peer_id == self.peer_id:\n",
+        "            if False:  # MUTATION\n",
+        "a reducer of a compressed round keeps its own part exact: it ends unlike the members it answered",
+        (
+            "tests/swarm/training/test_rounds.py::test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identical",
+        ),
+    ),
+    Mutation(
         "streamed-blocks-kept",
         "peer/offload.py",
         "        for other in [i for i in self._pending if i != index]:  # the block computed before is done with\n",

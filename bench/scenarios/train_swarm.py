@@ -10,6 +10,8 @@ trained on the bundled Shakespeare plays. Its parts run one after the other, eac
     wire dtype   the 1-trainer run again with activations and gradients sent as bfloat16, then as blockwise int8
                  (`--wire-dtype`): final loss against --local (the loss effect of the compression)
     averaging    seconds per group all-reduce in those peers' logs vs two bare hivemind averagers of a stage's size
+    compression  the 2-trainer run again with --averaging-compression float16: final loss against the float64 run
+                 (same batches), and the bytes the rounds sent per trained sample
     pipelining   2 peers behind 20 ms one-way delay proxies: --max-in-flight 4 vs 1, tokens/s
     default      (full preset) tokens/s of the default model, seq 128, batch 4, vs --local
 
@@ -57,6 +59,11 @@ NOTES = {
     "wire": "same batches as the local run (seed 0); hidden states and gradients travel compressed both ways "
     "(bfloat16: 2 bytes a value; int8: 1 byte plus 4 per block of 64), so the swarm's loss differs from the local "
     "run's by the compression's effect only",
+    "compression": "the 2-trainer run (same seeds, so the same batches) with --averaging-compression float16: "
+    "every round of the stages and of the trainers sends float16 parts scaled per part; the loss differs from the "
+    "float64 run's by the compression's effect only (the members of a group still end identical)",
+    "bytes": "bytes of the parts every peer and trainer sent to the others' reducers in their rounds (their answers, "
+    "as large, come on top), over the samples the trainers trained",
     "rates": f"tokens/s: median of the per-step figures of --log-json after the first {SKIP} steps; a swarm step "
     "includes waiting for the stages' updates; trainer, peers and the local run share this machine's cores",
     "stage": "samples/s of a stage: the updates its peer logged x its target batch / the trainer's summed step "
@@ -82,6 +89,7 @@ class TrainSwarm:
         self.small = tr.TrainSettings(seq_len=64, batch_size=8, micro_batch_size=2, steps=plan.train_swarm_steps)
         self.rounds_s: list[float] = []
         self.one_local: list[dict] | None = None  # the 1-trainer part's --local run, which `wire_dtypes` reuses
+        self.two_swarm: tuple[list[float], float] | None = None  # the 2-trainer part's loss curve, bytes a sample
 
     def __enter__(self) -> TrainSwarm:
         self.model = tr.build_train_model(self.models_dir, self.cache_dir)
@@ -111,6 +119,7 @@ class TrainSwarm:
             ("2 trainers", self.two_trainers),
             ("wire dtype", self.wire_dtypes),
             ("averaging", self.averaging),
+            ("compression", self.compression),
             ("pipelining", self.pipelining),
         ]
         if not self.plan.quick:
@@ -138,6 +147,7 @@ class TrainSwarm:
         target: int,
         settings: tr.TrainSettings,
         ports: list[tuple[int, str]] | None = None,
+        extra: tuple[str, ...] = (),
     ) -> Iterator[list[str]]:
         names: list[str] = []
         try:
@@ -153,6 +163,7 @@ class TrainSwarm:
                 threads=self.plan.peer_threads,
                 device=self.plan.device,
                 ports=ports,
+                extra=extra,
             )
             yield names
         finally:
@@ -218,23 +229,38 @@ class TrainSwarm:
             )
         return rows
 
-    def two_trainers(self) -> list[Row]:
-        s, prefix, joint = self.small, "bench-train-two", 2 * self.small.batch_size
-        local = self._train(
-            {"two-local": [str(self.model), "--local", "--run-id", "two", *s.args(batch_size=joint)]}, s
-        )["two-local"]
-        with self._peers(self.model, prefix, "two", [SPANS[0], SPANS[0], SPANS[1], SPANS[1]], joint, s) as names:
+    def _two_trainers_run(self, name: str, extra: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+        """Two trainers (seeds 0, 1) on 2 peers per stage: (their --log-json steps by run name, the peers' names)."""
+        s, joint = self.small, 2 * self.small.batch_size
+        prefix = f"bench-train-{name}"
+        with self._peers(
+            self.model, prefix, name, [SPANS[0], SPANS[0], SPANS[1], SPANS[1]], joint, s, extra=extra
+        ) as names:
             runs = self._train(
                 {
-                    f"two-swarm-seed{seed}": [*self._remote(self.model, prefix, "two"), *s.args(seed=seed)]
+                    f"{name}-swarm-seed{seed}": [*self._remote(self.model, prefix, name), *s.args(seed=seed), *extra]
                     for seed in (0, 1)
                 },
                 s,
             )
-            self.rounds_s = [t for name in names for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
+        return runs, names
+
+    def _round_bytes_per_sample(self, runs: dict, names: list[str]) -> float:
+        """Bytes every peer's and trainer's rounds sent, per sample the trainers trained."""
+        sent = sum(tr.allreduce_bytes(self.swarm.log(name).read_text()) for name in [*names, *runs])
+        return sent / sum(r["samples"] for steps in runs.values() for r in steps)
+
+    def two_trainers(self) -> list[Row]:
+        s, joint = self.small, 2 * self.small.batch_size
+        local = self._train(
+            {"two-local": [str(self.model), "--local", "--run-id", "two", *s.args(batch_size=joint)]}, s
+        )["two-local"]
+        runs, names = self._two_trainers_run("two")
+        self.rounds_s = [t for name in names for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
         trainer_rounds = [t for name in runs for t in tr.allreduce_rounds_s(self.swarm.log(name).read_text())]
         trainers = [[r["loss"] for r in steps] for steps in runs.values()]
         ours = tr.mean_curve(trainers)
+        self.two_swarm = (ours, self._round_bytes_per_sample(runs, names))
         curves = {
             f"local, batch {joint}": [r["loss"] for r in local],
             "swarm, mean of 2 trainers": ours,
@@ -257,6 +283,31 @@ class TrainSwarm:
                     "trainer_rounds_s": trainer_rounds,
                     "notes": [NOTES["rates"], _two_note(trainer_rounds, self.rounds_s)],
                 },
+            ),
+        ]
+
+    def compression(self) -> list[Row]:
+        if self.two_swarm is None:
+            raise RuntimeError("the 2-trainer part failed: there is no float64 run to compare with")
+        plain, plain_bytes = self.two_swarm
+        runs, names = self._two_trainers_run("float16", ("--averaging-compression", "float16"))
+        ours = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
+        variant = f"2 trainers x batch {self.small.batch_size}, 2 peers per stage, {len(ours)} steps"
+        curves = {"swarm, float64 rounds": plain, "swarm, float16 rounds": ours}
+        fidelity = self._fidelity(variant, ours, plain, NOTES["compression"], curves)
+        fidelity.reference_name = "the same run, float64 rounds"
+        return [
+            fidelity,
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                variant,
+                "round bytes sent per sample",
+                "bytes",
+                Summary.of([self._round_bytes_per_sample(runs, names)]),
+                Summary.of([plain_bytes]),
+                "the same run, float64 rounds",
+                extra={"notes": [NOTES["bytes"]]},
             ),
         ]
 

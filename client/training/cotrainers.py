@@ -38,6 +38,7 @@ class CoTrainers:
         params: the trainer's own parameters (what the trainers' rounds average, shapes only).
         state: returns (epoch, state tensors) for a trainer that joins: a consistent copy.
         stages_epoch: returns the latest update every stage has applied (blocking), None when unknown.
+        compression: how rounds send gradients (the run's recipe).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class CoTrainers:
         state: Callable[[], tuple[int, Sequence[torch.Tensor]]],
         stages_epoch: Callable[[], int | None],
         swarm_key: SwarmKey | None = None,
+        compression: str = "none",
     ):
         self.config = config
         self.stages_epoch = stages_epoch
@@ -65,6 +67,7 @@ class CoTrainers:
             settings=config.averaging,
             swarm_key=swarm_key,
             progress_ttl_s=TRAINER_PROGRESS_TTL_S,
+            compression=compression,
         )
         self._publisher = threading.Thread(target=self._publish_forever, name="trainer-progress", daemon=True)
 
@@ -223,13 +226,14 @@ class CoTrainers:
         if not result.complete:
             return None, "x"
         logger.info(  # worded as a stage peer's round (peer/training/span.py): the bench reads both
-            "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
+            "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs, %d bytes sent",
             epoch,
             self.config.run_id,
             total,
             trainers[self.trainer_id],
             len(trainers),
             time.perf_counter() - began,
+            result.sent_bytes,
         )
         return [t.to(torch.float32) for t in result.tensors], state_digest(result.tensors)
 

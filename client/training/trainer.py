@@ -136,6 +136,7 @@ class SwarmTrainer:
                 state=self._shared_state,
                 stages_epoch=self._stages_epoch,
                 swarm_key=self.sequence.config.swarm_key,
+                compression=self.recipe.averaging_compression,
             )
             self._join_trainers()
         except BaseException:

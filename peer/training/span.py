@@ -212,6 +212,7 @@ class SpanTraining:
             # update's samples, and no member can weigh its own share up (swarm/training/rounds.py)
             scale = len(plan.members) / max(plan.samples, 1)
             began = time.perf_counter()
+            sent_bytes = 0
             if len(plan.members) == 1:
                 averaged = [t / max(plan.samples, 1) for t in total]
             else:
@@ -227,7 +228,7 @@ class SpanTraining:
                 )
                 if not result.complete:
                     raise RuntimeError(f"round incomplete: {result.reason}")
-                averaged = result.tensors
+                averaged, sent_bytes = result.tensors, result.sent_bytes
             if self.status.round_id != plan.round_id:
                 return  # a later commit replaced this round
             self._averaged = averaged
@@ -242,13 +243,14 @@ class SpanTraining:
                 version=plan.version,
             )
             logger.info(
-                "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs",
+                "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs, %d bytes sent",
                 self.epoch,
                 self.run_id,
                 plan.samples,
                 samples,
                 len(plan.members),
                 time.perf_counter() - began,
+                sent_bytes,
             )
         except asyncio.CancelledError:
             raise
@@ -419,6 +421,7 @@ class SpanTraining:
             state=self.shared_state,
             settings=self.config.averaging,
             swarm_key=swarm_key,
+            compression=self.recipe.averaging_compression,
         )
         self.trainers = GroupReader(dht, trainers_key(self.prefix, self.run_id))
 

@@ -38,6 +38,7 @@ class GroupMember:
             member announces.
         settings: the group's timing.
         swarm_key: a private swarm's key (state goes only to members whose signed progress is published).
+        compression: how rounds send gradients (the run's recipe: every member must use the same).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class GroupMember:
         settings: AveragingSettings,
         swarm_key: SwarmKey | None = None,
         progress_ttl_s: float | None = None,
+        compression: str = "none",
     ):
         self.key, self.settings = key, settings
         self.progress = GroupProgress(dht, key, ttl_s=progress_ttl_s or 4 * settings.progress_period_s)
@@ -59,7 +61,7 @@ class GroupMember:
             [torch.zeros(t.shape, dtype=torch.float64) for t in grads_like],
             dht,
             prefix=key.replace(".", "_") + "_rounds",
-            settings=RoundSettings(sender_timeout_s=max(settings.matchmaking_time_s, 5.0)),
+            settings=RoundSettings(sender_timeout_s=max(settings.matchmaking_time_s, 5.0), compression=compression),
             state=state,
             private=swarm_key is not None,
             progress_key=progress_key(key),

@@ -28,6 +28,7 @@ from protocol.vocab import StrEnum, TrainMode, choices
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+AVERAGING_COMPRESSIONS = ("none", "float16")  # swarm/training/rounds.py COMPRESSIONS has their codecs
 MASTER_DTYPES = ("float32",)  # the dtype policy: master weights, accumulators and optimizer state
 MAX_LORA_RANK = 1 << 16
 RECIPE_TTL_S = MAX_RECORD_TTL_S - CLOCK_SKEW_S  # what the DHT still takes from a node with a skewed clock
@@ -55,6 +56,7 @@ _SETTINGS: dict[str, tuple[str, float, bool, Any]] = {
     "train_mode": ("choice", 0, True, choices(TrainMode)),
     "lora_rank": ("int", 1, True, MAX_LORA_RANK),
     "master_dtype": ("choice", 0, True, MASTER_DTYPES),
+    "averaging_compression": ("choice", 0, True, AVERAGING_COMPRESSIONS),
 }
 _ENUMS = {"lr_schedule": LRSchedule, "train_mode": TrainMode}
 
@@ -138,6 +140,9 @@ class RunRecipe:
     """Rank of the LoRA adapters (train_mode lora)."""
     master_dtype: str = "float32"
     """dtype of master weights, gradient accumulators and optimizer state, whatever the compute dtype."""
+    averaging_compression: str = "none"
+    """How rounds send gradients: "none" (float64, exact) or "float16" (scaled per part: a quarter of the bytes,
+    lossy, the same on every member; swarm/training/allreduce.py)."""
 
     @property
     def lora_alpha(self) -> float:
@@ -193,6 +198,7 @@ class RunRecipe:
             f"{self.weight_decay:g}, clip {self.max_grad_norm:g}, batch {self.batch_size}, {self.train_mode}"
             + (f" rank {self.lora_rank}" if self.train_mode == TrainMode.LORA else "")
             + f", {self.master_dtype} master"
+            + (f", {self.averaging_compression} averaging" if self.averaging_compression != "none" else "")
         )
 
 

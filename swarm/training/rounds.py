@@ -25,6 +25,7 @@ import logging
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import NoCompression, ScaledFloat16Compression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
@@ -49,6 +50,9 @@ from swarm.training.members import OwnerCache, verified_progress
 from swarm.training.process import bounded_call, exit_with_parent
 
 logger = logging.getLogger(__name__)
+
+# hivemind's codecs by our names; its 8-bit ones (UNIFORM_8BIT, QUANTILE_8BIT) fail to decode with numpy 2
+COMPRESSIONS = {"none": NoCompression(), "float16": ScaledFloat16Compression()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,11 +66,16 @@ class RoundSettings:
     """Tensors cross in parts of up to this many bytes."""
     start_timeout_s: float = 60.0
     """How long the averager process may take to start."""
+    compression: str = "none"
+    """How parts travel: "none" (float64, exact) or "float16" (each part scaled by its mean and deviation, a
+    quarter of the bytes; every member still ends with identical tensors: swarm/training/allreduce.py)."""
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout_s", "part_size_bytes", "start_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +92,8 @@ class RoundResult:
     """The round's members, in their order."""
     reason: str = ""
     """Why it is not complete."""
+    sent_bytes: int = 0
+    """Bytes of the parts this member sent to the others' reducers (their answers are as large; 0 alone)."""
 
 
 class RoundAverager(DecentralizedAverager):
@@ -129,6 +140,7 @@ class RoundAverager(DecentralizedAverager):
             start=False,
             prefix=prefix,
             allow_state_sharing=False,
+            compression=COMPRESSIONS[settings.compression],
             part_size_bytes=settings.part_size_bytes,
             sender_timeout=settings.sender_timeout_s,
             reducer_timeout=2 * settings.sender_timeout_s,  # hivemind: must exceed the sender timeout
@@ -192,9 +204,11 @@ class RoundAverager(DecentralizedAverager):
             with self._send_lock:
                 self._outer_pipe.send(("_run_round", [], round_kwargs))
             try:
-                problems = bounded_call(future.result, self, timeout_s + 10, self._stop, f"round {round_id.hex()}")
+                problems, sent = bounded_call(
+                    future.result, self, timeout_s + 10, self._stop, f"round {round_id.hex()}"
+                )
             except Exception as exc:
-                problems = [repr(exc)]
+                problems, sent = [repr(exc)], 0
             averaged = None
             if not problems:
                 with self.get_tensors() as shared:
@@ -203,7 +217,12 @@ class RoundAverager(DecentralizedAverager):
         if problems:
             logger.warning("averaging round %s of %s incomplete: %s", round_id.hex(), self.prefix, "; ".join(problems))
         return RoundResult(
-            complete=not problems, tensors=averaged, seconds=seconds, members=ordered, reason="; ".join(problems)
+            complete=not problems,
+            tensors=averaged,
+            seconds=seconds,
+            members=ordered,
+            reason="; ".join(problems),
+            sent_bytes=sent,
         )
 
     def abandon(self, round_id: bytes) -> None:
@@ -251,6 +270,8 @@ class RoundAverager(DecentralizedAverager):
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler the starter's event loop installed
+        # hivemind's float16 codec wraps the message's read-only bytes in tensors it only reads (its statistics)
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
         threading.Thread(target=exit_with_parent, args=(self._parent_pid,), daemon=True).start()
         super().run()
 
@@ -262,10 +283,10 @@ class RoundAverager(DecentralizedAverager):
             future.set_result(await self._round(round_id, members, timeout_s))
         except asyncio.CancelledError:
             if not future.done():
-                future.set_result(["abandoned for a later attempt"])
+                future.set_result((["abandoned for a later attempt"], 0))
         except BaseException as exc:
             if not future.done():
-                future.set_result([f"the round failed: {exc!r}"])
+                future.set_result(([f"the round failed: {exc!r}"], 0))
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -276,10 +297,11 @@ class RoundAverager(DecentralizedAverager):
         if task is not None:
             task.cancel()
 
-    async def _round(self, round_id: bytes, members: tuple[str, ...], timeout_s: float) -> list[str]:
+    async def _round(self, round_id: bytes, members: tuple[str, ...], timeout_s: float) -> tuple[list[str], int]:
+        """(what kept the round from being complete, bytes sent)."""
         group_id = round_group_id(self.prefix, round_id)
         if group_id in self._running_groups:
-            return [f"round {round_id.hex()} is already running here"]
+            return [f"round {round_id.hex()} is already running here"], 0
         peer_ids = tuple(PeerID.from_base58(member) for member in members)
         fractions = load_balance_peers(self.total_size, [None] * len(peer_ids))  # equal shares, the same everywhere
         with self._register_allreduce_group(GroupInfo(group_id, peer_ids, gathered=())):
@@ -288,12 +310,14 @@ class RoundAverager(DecentralizedAverager):
                 return await asyncio.wait_for(self._reduce(group_id, peer_ids, fractions, registered), timeout_s)
             except asyncio.TimeoutError:
                 runner = registered.result() if registered.done() and not registered.cancelled() else None
-                return [f"not done within {timeout_s:g}s", *(runner.problems() if runner is not None else [])]
+                if runner is None:
+                    return [f"not done within {timeout_s:g}s"], 0
+                return [f"not done within {timeout_s:g}s", *runner.problems()], runner.sent_bytes
             finally:
                 if not registered.done():
                     registered.cancel()
 
-    async def _reduce(self, group_id: bytes, peer_ids, fractions, registered: asyncio.Future) -> list[str]:
+    async def _reduce(self, group_id: bytes, peer_ids, fractions, registered: asyncio.Future) -> tuple[list[str], int]:
         async with enter_asynchronously(self.get_tensors()) as local:
             runner = self._runner_type(
                 p2p=self._p2p,
@@ -305,6 +329,7 @@ class RoundAverager(DecentralizedAverager):
                 peer_fractions=fractions,
                 modes=(AveragingMode.NODE,) * len(peer_ids),
                 weight=1.0,
+                compressed=self.settings.compression != "none",
                 **{k: v for k, v in self.allreduce_kwargs.items() if k != "min_vector_size"},  # not the runner's
             )
             registered.set_result(runner)
@@ -312,14 +337,17 @@ class RoundAverager(DecentralizedAverager):
             outputs = runner.run()
             index = 0
             try:
-                async for delta in outputs:  # each tensor's average minus its own value
-                    local[index].add_(delta)
+                async for output in outputs:  # each tensor's average minus its own value, or compressed: the average
+                    if runner.compressed:
+                        local[index].copy_(output)
+                    else:
+                        local[index].add_(output)
                     index += 1
             except Exception as exc:
-                return [*runner.problems(), f"the all-reduce failed: {exc!r}"]
+                return [*runner.problems(), f"the all-reduce failed: {exc!r}"], runner.sent_bytes
             finally:
                 await outputs.aclose()  # on a timeout too: stops its tasks, which hold the shared tensors
-            return runner.problems()
+            return runner.problems(), runner.sent_bytes
 
     def _round_registered(self) -> asyncio.Event:
         if self._rounds_changed is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.vocab import choices
-from swarm.training.recipe import OPTIMIZERS, LRSchedule, RunRecipe
+from swarm.training.recipe import AVERAGING_COMPRESSIONS, OPTIMIZERS, LRSchedule, RunRecipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,9 +110,24 @@ def add_recipe_arguments(t) -> None:
         metavar="NORM",
         help=f"clip each update to this global gradient norm, 0 for none {default(f'{d.max_grad_norm:g}')}",
     )
+    t.add_argument(
+        "--averaging-compression",
+        choices=AVERAGING_COMPRESSIONS,
+        help=f"how rounds send gradients: none (float64, exact) or float16 (a quarter of the bytes, lossy) "
+        f"{default(d.averaging_compression)}",
+    )
 
 
 def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of `add_recipe_arguments` as config fields (None: not given)."""
-    names = ("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "total_steps", "max_grad_norm")
+    names = (
+        "optimizer",
+        "lr",
+        "weight_decay",
+        "warmup_steps",
+        "lr_schedule",
+        "total_steps",
+        "max_grad_norm",
+        "averaging_compression",
+    )
     return {name: getattr(args, name) for name in names}

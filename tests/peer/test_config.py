@@ -140,6 +140,7 @@ def test_the_recipe_flags_are_not_given_unless_passed():
         "--target-batch-size=16",
         "--train-mode=lora",
         "--lora-rank=4",
+        "--averaging-compression=float16",
     )
     assert config.training.recipe() == RunRecipe(
         optimizer="sgd",
@@ -152,6 +153,7 @@ def test_the_recipe_flags_are_not_given_unless_passed():
         batch_size=16,
         train_mode=TrainMode.LORA,
         lora_rank=4,
+        averaging_compression="float16",
     )
     assert config.training.recipe_overrides().keys() == RunRecipe().to_wire().keys() - {"master_dtype"}
 

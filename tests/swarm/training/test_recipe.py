@@ -129,6 +129,7 @@ def test_equal_recipes_have_equal_digests_and_any_difference_changes_it():
         batch_size=31,
         train_mode="full",
         lora_rank=8,
+        averaging_compression="float16",
     )
     assert set(others) == {f.name for f in dataclasses.fields(RunRecipe)} - {"master_dtype"}  # only float32 exists
     for name, value in others.items():

@@ -5,6 +5,7 @@ a commit names averages exactly, and a round that misses anything says so instea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import threading
@@ -16,7 +17,8 @@ import torch
 
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.training.allreduce import RoundRunner
-from swarm.training.rounds import RoundAverager, RoundResult, RoundSettings
+from swarm.training.recipe import AVERAGING_COMPRESSIONS
+from swarm.training.rounds import COMPRESSIONS, RoundAverager, RoundResult, RoundSettings
 
 SETTINGS = RoundSettings(sender_timeout_s=4.0, part_size_bytes=1 << 14)
 PREFIX = "test_rounds"
@@ -33,12 +35,12 @@ def swarm():
     """start(count) -> DHT nodes with an averager each; everything is stopped at the end, also on failure."""
     dhts, averagers = [], []
 
-    def start(count: int, averager_type=RoundAverager, shapes=SHAPES) -> list[RoundAverager]:
+    def start(count: int, averager_type=RoundAverager, shapes=SHAPES, settings=SETTINGS) -> list[RoundAverager]:
         started = []
         for _ in range(count):
             dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
             tensors = [torch.zeros(shape, dtype=torch.float64) for shape in shapes]
-            averagers.append(averager_type(tensors, dhts[-1], prefix=PREFIX, settings=SETTINGS))
+            averagers.append(averager_type(tensors, dhts[-1], prefix=PREFIX, settings=settings))
             started.append(averagers[-1])
         return started
 
@@ -104,6 +106,28 @@ def test_three_members_average_exactly_and_identically(swarm):
     results = run_round(averagers[:2], members[:2], b"round-2")
     for result in results.values():
         assert_exact_mean(result, mean_of(range(2)))
+
+
+def test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identical(swarm):
+    """Compressed, each member's parts and each reducer's answers lose precision, but the same everywhere: the
+    members compare digests of what they averaged, so a member-specific rounding would split every round."""
+    plain = swarm(3)
+    exact = run_round(plain, [a.member_id for a in plain], b"exact")
+    compressed = swarm(3, settings=dataclasses.replace(SETTINGS, compression="float16"))
+    results = run_round(compressed, [a.member_id for a in compressed], b"float16")
+    expected = mean_of(range(3))
+    first, *others = results.values()
+    assert first.complete and all(other.complete for other in others), [r.reason for r in results.values()]
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first.tensors, other.tensors))
+    for got, want in zip(first.tensors, expected):
+        assert got.dtype == torch.float64
+        assert float((got - want).abs().max()) <= 1e-3 * float(want.abs().max())  # float16 of scaled parts
+        assert not torch.equal(got, want)  # lossy: it did compress
+    # what all members sent together (each sends the parts the others reduce: shares differ, their sum does not)
+    sent = [sum(r.sent_bytes for r in run.values()) for run in (results, exact)]
+    assert sent[1] == 2 * sum(t.numel() for t in expected) * 8  # float64: every value but its share, by each member
+    assert 0 < sent[0] <= sent[1] / 3.9, sent  # float16, and each part's mean and deviation
 
 
 def test_a_round_of_one_returns_its_own_tensors_at_once(swarm):
@@ -239,3 +263,7 @@ def test_a_member_that_dies_mid_round_leaves_the_others_incomplete(swarm):
         assert not result.complete and result.tensors is None, "a partial average was handed out as complete"
         assert victim.member_id in result.reason, result.reason
     assert not results[victim.member_id].complete
+
+
+def test_every_compression_a_recipe_names_has_a_codec():
+    assert set(COMPRESSIONS) == set(AVERAGING_COMPRESSIONS)

@@ -154,7 +154,10 @@ class HostStore:
         self._blocks: dict[int, dict[str, torch.Tensor]] = {}
 
     def put(self, index: int, state: dict[str, torch.Tensor]) -> None:
-        self._blocks[index] = {name: t.pin_memory() if self._cuda else t.detach().clone() for name, t in state.items()}
+        # the block was built on the device: its copy waits in host memory, pinned so that it copies back at full speed
+        self._blocks[index] = {
+            name: t.detach().to("cpu").pin_memory() if self._cuda else t.detach().clone() for name, t in state.items()
+        }
 
     def get(self, index: int) -> dict[str, torch.Tensor]:
         if not self._cuda:
@@ -230,6 +233,9 @@ class Streamer:
             state = self._pending[index].result()
             with self._lock:
                 self.waited_s += time.perf_counter() - began
+            for tensor in state.values():
+                if tensor.is_cuda:  # made on the prefetch stream, used on this one: not to be reused before
+                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
             _assign(self.layers[offset], state)
             self._inside.add(index)
         following = self._next(index)

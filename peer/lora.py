@@ -8,94 +8,24 @@ This module does not train or average; it only gives the trainer and the exporte
 
 from __future__ import annotations
 
-import math
-import zlib
-from dataclasses import dataclass
-
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from peer.blocks import LAYER_PREFIX, BlockSpan
-
-_ADAPTER = "default"  # peft's name for the one adapter a span has; it never appears in our tensor names
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoraSettings:
-    """The shape of the LoRA adapters added to every decoder layer of a span."""
-
-    rank: int = 8
-    """Inner dimension r of each adapter pair B @ A."""
-    alpha: float = 16.0
-    """Scale numerator: an adapter adds (alpha / rank) * B @ A to its layer's weight."""
-    dropout: float = 0.0
-    """Dropout probability on an adapter's input, in training mode only."""
-    target: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Names of the linear layers, inside each decoder layer, that get an adapter."""
-
-    def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"LoraSettings.rank must be a positive integer, got {self.rank!r}")
-        if not isinstance(self.alpha, (int, float)) or not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"LoraSettings.alpha must be a positive finite number, got {self.alpha!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"LoraSettings.dropout must be in [0, 1), got {self.dropout!r}")
-        if (
-            not isinstance(self.target, tuple)
-            or not self.target
-            or not all(isinstance(name, str) and name for name in self.target)
-        ):
-            raise ValueError(f"LoraSettings.target must be a non-empty tuple of layer names, got {self.target!r}")
+from swarm.training.adapters import ADAPTER as _ADAPTER
+from swarm.training.adapters import LoraSettings, adapter_params, inject_lora, lora_modules
 
 
 def add_lora(span: BlockSpan, settings: LoraSettings, *, seed: int = 0) -> list[nn.Parameter]:
-    """Add LoRA adapters to the span in place, freeze its base weights, and return the adapter parameters.
+    """Add LoRA adapters to the span in place, freeze its base weights, and return the adapter parameters, ordered by
+    their names in `adapter_state` (swarm/training/adapters.py `inject_lora`: the same adapters for the same block on
+    every peer, whatever its span).
 
-    B starts at zero, so the span computes exactly what it did before. A is drawn from `seed`, the block index
-    and the layer name only: the same block gets the same adapters on every peer and device, whatever its span.
-    Adapters are at least float32, also on a half-precision span (peft casts around them): they train and average
-    well there.
-
-    Returns:
-        The trainable tensors, ordered by their names in `adapter_state`.
     Raises:
         ValueError: the span already has adapters, or a target names no linear layer of the span.
     """
-    if has_lora(span):
-        raise ValueError(f"blocks {span.start}:{span.end} already have LoRA adapters; load a fresh span instead")
-    present = {name.rsplit(".", 1)[-1] for name, m in span.layers.named_modules() if isinstance(m, nn.Linear)}
-    missing = sorted(set(settings.target) - present)
-    if missing:
-        raise ValueError(
-            f"LoraSettings.target names {missing}, which are not linear layers of "
-            f"{type(span.layers[0]).__name__}; it has {sorted(present)}"
-        )
-    config = LoraConfig(
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(settings.target),
-        bias="none",
-    )
-    with torch.random.fork_rng(devices=[]):  # peft draws an init we replace below; leave the caller's RNG alone
-        inject_adapter_in_model(config, span.layers, adapter_name=_ADAPTER)
-    span.requires_grad_(False)
-    with torch.no_grad():
-        for prefix, module in _lora_modules(span).items():
-            a, b = module.lora_A[_ADAPTER], module.lora_B[_ADAPTER]
-            if a.weight.dtype.itemsize < 4:
-                a.float(), b.float()
-            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{prefix}".encode()))
-            init = torch.empty(a.weight.shape)  # on the CPU, so that the draw does not depend on the device
-            nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)  # peft's default for A
-            a.weight.copy_(init)
-            b.weight.zero_()
-    params = list(_adapter_params(span).values())
-    for param in params:
-        param.requires_grad_(True)
-    return params
+    return inject_lora(span.layers, span.start, settings, seed=seed)
 
 
 def has_lora(span: BlockSpan) -> bool:
@@ -161,21 +91,11 @@ def merged_layer_state(span: BlockSpan) -> dict[str, torch.Tensor]:
 
 
 def _lora_modules(span: BlockSpan) -> dict[str, LoraLayer]:
-    """Checkpoint name of each adapted linear layer (`model.layers.3.self_attn.q_proj`) -> its peft layer."""
-    return {
-        f"{LAYER_PREFIX}{span.start + j}.{name}": module
-        for j, layer in enumerate(span.layers)
-        for name, module in layer.named_modules()
-        if isinstance(module, LoraLayer)
-    }
+    return lora_modules(span.layers, span.start)
 
 
 def _adapter_params(span: BlockSpan) -> dict[str, nn.Parameter]:
-    params = {}
-    for prefix, module in _lora_modules(span).items():
-        params[f"{prefix}.lora_A.weight"] = module.lora_A[_ADAPTER].weight
-        params[f"{prefix}.lora_B.weight"] = module.lora_B[_ADAPTER].weight
-    return dict(sorted(params.items()))
+    return adapter_params(span.layers, span.start)
 
 
 def _base_state(span: BlockSpan) -> dict[str, torch.Tensor]:

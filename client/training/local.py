@@ -115,12 +115,10 @@ class LocalTrainer:
 def _add_lora(model: torch.nn.Module, recipe: RunRecipe) -> list[torch.nn.Parameter]:
     """Add the adapters the peers add to every decoder layer; the parameters that train: the embeddings, final norm
     and head (each once), then the adapters, all others frozen."""
-    from peer.blocks import BlockSpan
-    from peer.lora import LoraSettings, add_lora
+    from swarm.training.adapters import LoraSettings, inject_lora
 
-    layers = model.model.layers
     trainer_part = [p for name, p in local_named_parameters(model) if not name.startswith("model.layers.")]
-    span = BlockSpan(model.config, 0, len(layers), layers, model.model.rotary_emb)
-    adapters = add_lora(span, LoraSettings(rank=recipe.lora_rank, alpha=recipe.lora_alpha), seed=0)
+    settings = LoraSettings(rank=recipe.lora_rank, alpha=recipe.lora_alpha)
+    adapters = inject_lora(model.model.layers, 0, settings, seed=0)  # the seed the peers use (peer/training/span.py)
     model.requires_grad_(False)
     return trainer_part + adapters

@@ -9,6 +9,8 @@
 - process: bounded calls into averager processes; roundbench: a round against a bare hivemind averager
 - recipe: the run's recipe (RunRecipe: optimizer, schedule, clipping, batch, dtype policy), the schedule and
   clipping as pure functions, and the recipe published, signed, in the DHT and adopted by every member
+- adapters: LoRA adapters injected into decoder layers, initialized by block and layer name (the same on every
+  member and in the local reference)
 - optim: optimizers built from the recipe the same way by peers and trainers (no weight decay on norms, biases and
   embeddings), their state created up front
 - settings: the recipe's flags and averaging timing, checked before anything heavy is imported

@@ -16,7 +16,7 @@ PEER_LOG = """\
 07:01:05 INFO peer.training.span: update 0 of run 'two': averaged 16 samples (8 here) among 2 members in 1.49s
 07:01:07 WARNING peer.training.span: update 1 of run 'two': the round failed: TimeoutError()
 07:01:09 INFO peer.training.span: update 1 of run 'two': averaged 8 samples (8 here) among 1 members in 0.02s
-07:01:11 INFO peer.training.span: update 2 of run 'two': averaged 16 samples (8 here) among 2 members in 1.31s
+07:01:11 INFO peer.training.span: update 2 of run 'two': averaged 16 samples (8 here) among 2 members in 1.31s, 4096 bytes sent
 07:01:12 INFO peer.training.span: update 8 of run 'other': averaged 8 samples (8 here) among 1 members in 0.01s
 """
 
@@ -27,6 +27,7 @@ def test_rounds_and_updates_are_read_from_a_peer_log():
     assert tr.updates_applied(PEER_LOG, "two") == 3
     assert tr.updates_applied(PEER_LOG, "other") == 9
     assert tr.updates_applied(PEER_LOG, "missing") == 0
+    assert tr.allreduce_bytes(PEER_LOG) == 4096  # logs before the count was logged add nothing
 
 
 def test_final_loss_curves_and_rates(tmp_path):

@@ -63,6 +63,7 @@ class EchoSpan:
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         self.config, self.dtype, self.start, self.end = _Config(hidden_size), dtype, 0, 1
+        self.streamer = None  # it holds no blocks to stream in
 
     def new_cache(self) -> _NoCache:
         return _NoCache()

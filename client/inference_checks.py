@@ -14,8 +14,8 @@ Decoding does not wait for a check: one runs at a time, beside the steps. When i
 next step rewinds (InferenceSession.rewind): every span's cache is cut back to the positions the liar's answers had
 been verified up to, the liar's span is routed to other peers and its history replayed there, and the step raises
 OutputRewoundError naming that position. `generate()` then starts again from its prompt on the caches kept
-(client/model.py), and waits for the last check (`settle`) before it returns: a liar on the path costs a redo, not
-wrong text.
+(client/model.py), and waits for the last check (`settle`) before it returns, making then the check that steps
+decoded meanwhile, or a failed check, were owed: a liar on the path costs a redo, not wrong text.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class InferenceChecks:
         self.found: SpanSession | None = None  # the span whose peer a check caught, until the session rewinds
         self.started = 0  # checks started
         self.caught = 0  # of those, checks that found a liar
+        # a step came while a check ran (it got no draw of its own), or a check failed: settle() makes up for it
+        self.owed = False
 
     def after_step(self, session: InferenceSession) -> None:
         """Maybe start a check of one span's answers so far (not while another runs); never fails the step."""
@@ -52,6 +54,8 @@ class InferenceChecks:
 
     def _maybe_start(self, session: InferenceSession) -> None:
         running = self.task is not None and not self.task.done()
+        if self.rate > 0 and running:
+            self.owed = True
         if self.rate <= 0 or running or self.found is not None or self.rng.random() >= self.rate:
             return
         candidates = [span for span in session.spans if span.verified < session.position and span.outputs]
@@ -66,6 +70,7 @@ class InferenceChecks:
             return  # a history not kept whole (cannot happen while spans keep every step): nothing to compare
         mask = session.mask[:, :position] if session.mask is not None else None
         self.started += 1
+        self.owed = False  # this check covers every step so far
         self.task = asyncio.ensure_future(self._check(session, span, inputs, outputs, mask, positions, position))
 
     async def _check(self, session, span: SpanSession, inputs, outputs, mask, positions, position: int) -> None:
@@ -75,6 +80,7 @@ class InferenceChecks:
             logger.warning(
                 "could not check blocks %d:%d of an inference session: %s", span.hop.start, span.hop.end, exc
             )
+            self.owed = True
             return
         if stands:
             span.verified = max(span.verified, position)
@@ -87,11 +93,20 @@ class InferenceChecks:
         found, self.found = self.found, None
         return found
 
-    async def settle(self) -> SpanSession | None:
-        """`liar()`, after waiting for the check that runs, if one does."""
+    async def settle(self, session: InferenceSession) -> SpanSession | None:
+        """`liar()`, after waiting for the check that runs, if one does, and then for the one it owes: steps that
+        came while a check ran, or a check that failed, get their draw now (the session's position no longer
+        grows, so one more check at most). Otherwise, with checks slower than steps, the last steps of a generation
+        would stay unverified."""
+        await self._wait()
+        if self.owed and self.found is None:
+            self._maybe_start(session)
+            await self._wait()
+        return self.liar()
+
+    async def _wait(self) -> None:
         if self.task is not None and not self.task.done():
             await asyncio.wait([self.task])
-        return self.liar()
 
     async def close(self) -> None:
         if self.task is not None and not self.task.done():

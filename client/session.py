@@ -467,7 +467,7 @@ class InferenceSession:
 
     async def settle(self) -> None:
         """Wait for the check that runs; raise OutputRewoundError (after the rewind) if it caught a liar."""
-        liar = await self.checks.settle()
+        liar = await self.checks.settle(self)
         if liar is not None:
             await self.rewind(liar)
 

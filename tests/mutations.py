@@ -950,6 +950,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "owed-inference-check-skipped",
+        "client/inference_checks.py",
+        "        if self.owed and self.found is None:\n",
+        "        if False:  # MUTATION\n",
+        "steps decoded while a slow check ran stay unverified when generate() returns: a liar there goes unseen",
+        (
+            "tests/client/test_inference_checks.py::test_steps_decoded_while_a_check_ran_are_checked_before_generate_returns",
+        ),
+    ),
+    Mutation(
         "streamed-blocks-kept",
         "peer/offload.py",
         "        for other in [i for i in self._pending if i != index]:  # the block computed before is done with\n",

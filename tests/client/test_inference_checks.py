@@ -10,11 +10,16 @@ of 2:4, so that routes go to it. Checks run after every step (`verify_inference=
 
 from __future__ import annotations
 
+import asyncio
+import random
+import types
+
 import pytest
 import torch
 
 from client.config import ClientConfig
 from client.decoding import decode_tokens, lm_head_batcher
+from client.inference_checks import InferenceChecks
 from protocol.errors import OutputRewoundError
 from tests.helpers.fake_swarm import Fault
 from tests.helpers.generation import assert_same_generation, generate_with_logits
@@ -182,3 +187,65 @@ def test_the_apis_decoding_is_told_of_a_liar_and_its_next_generation_gives_the_l
         assert not remote.sequence.bans.banned() & {peer.peer_id for peer in honest}
     finally:
         remote.shutdown()
+
+
+class _ScriptedSession:
+    """What InferenceChecks reads of a session: one span's history, and a check_inference answered by `verdicts`
+    (True: stands, False: caught, an exception: the check could not be made), each once `release` is set."""
+
+    def __init__(self, verdicts: list):
+        self.verdicts, self.release, self.checked_to = list(verdicts), asyncio.Event(), []
+        self.position, self.mask = 0, None
+        hop = types.SimpleNamespace(start=2, end=4)
+        self.spans = [types.SimpleNamespace(hop=hop, verified=0, inputs=[], outputs=[], positions=[])]
+        self.sequence = types.SimpleNamespace(check_inference=self._check)
+
+    def step(self) -> None:
+        span = self.spans[0]
+        span.inputs.append(torch.zeros(1, 1, 4))
+        span.outputs.append(torch.zeros(1, 1, 4))
+        span.positions.append(torch.tensor([[self.position]]))
+        self.position += 1
+
+    async def _check(self, hop, inputs, outputs, mask, positions) -> bool:
+        self.checked_to.append(inputs.shape[1])
+        await self.release.wait()
+        verdict = self.verdicts.pop(0)
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
+
+
+@pytest.mark.parametrize("first", [True, TimeoutError("the checker did not answer")], ids=["stood", "failed"])
+def test_steps_decoded_while_a_check_ran_are_checked_before_generate_returns(first):
+    """Checks slower than steps (a loaded machine): the last steps of a generation drew no check of their own, and a
+    failed check verified nothing; settle() makes the check they are owed, which catches a liar there."""
+
+    async def run():
+        session = _ScriptedSession([first, False])
+        checks = InferenceChecks(1.0, random.Random(0))
+        session.step()
+        checks.after_step(session)  # a check of position 1 starts, and is slow
+        for _ in range(3):
+            session.step()
+            checks.after_step(session)  # none of these steps starts one
+        session.release.set()
+        liar = await checks.settle(session)
+        assert session.checked_to == [1, 4]  # the owed check covers every step
+        assert liar is session.spans[0] and checks.caught == 1
+        await checks.close()
+
+    asyncio.run(run())
+
+
+def test_a_generation_whose_checks_kept_up_owes_none():
+    async def run():
+        session = _ScriptedSession([True])
+        checks = InferenceChecks(1.0, random.Random(0))
+        session.step()
+        checks.after_step(session)
+        session.release.set()
+        assert await checks.settle(session) is None
+        assert session.checked_to == [1] and not checks.owed
+
+    asyncio.run(run())

@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 Span = tuple[int, int]
 INFO_TIMEOUT_S = 5.0
+# a member of the last update that one directory read misses (a DHT read under load can) is read again this long
+# before it sits the update out: two of three members sitting one update out leave no majority to catch up from
+MISSED_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Stages:
         self.refused: set[str] = set()  # peers whose connection was refused since the last directory read
         self.answered: dict[str, Member] = {}  # peer id -> its Info, of the last members() read
         self.last_update: set[str] = set()  # the members of the last update a step began, and those that sat it out
+        self.listed: set[str] = set()  # the run's peers in the last directory read, answering or not
 
     async def members(self) -> dict[Span, dict[str, Member]]:
         """Every peer of the run that answers Info, by stage (fresh directory read)."""
@@ -68,6 +72,7 @@ class Stages:
     async def _read(self, refused_into: set[str]) -> dict[Span, dict[str, Member]]:
         """The run's peers that answer Info, by stage; those whose connection is refused go into `refused_into`."""
         snapshot = await self.sequence.snapshot(refresh=True)
+        self.listed = set(snapshot.online())
 
         async def ask(peer_id: str, info: ServerInfo) -> Member | None:
             try:
@@ -96,7 +101,8 @@ class Stages:
         Raises:
             TrainingFaultError: no such state within `timeout_s` (the message names each stage's epochs).
         """
-        deadline = time.monotonic() + timeout_s
+        began = time.monotonic()
+        deadline = began + timeout_s
         while True:
             stages = await self.members()
             chosen = epoch
@@ -104,7 +110,9 @@ class Stages:
                 chosen = Counter(m.epoch for members in stages.values() for m in members.values()).most_common(1)[0][0]
             at = {span: {pid: m for pid, m in members.items() if m.epoch == chosen} for span, members in stages.items()}
             if at and all(at.values()) and self._cover(at):
-                return chosen, at
+                missed = self.last_update - self.listed - self.refused
+                if not missed or time.monotonic() - began > MISSED_GRACE_S:
+                    return chosen, at
             if time.monotonic() > deadline:
                 seen = {f"{s[0]}:{s[1]}": sorted(m.epoch for m in ms.values()) for s, ms in sorted(stages.items())}
                 raise TrainingFaultError(

@@ -226,11 +226,13 @@ def write_section(path: Path, section: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hop_profile", description=__doc__.splitlines()[0])
-    models.add_model_arguments(p, "tiny")
+    p.add_argument("--config", choices=models.MODELS, default="tiny")
     p.add_argument("--peers", type=int, default=3)
     p.add_argument("--steps", type=int, default=64, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each local, swarm profiled, swarm model(token)")
     p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
+    p.add_argument("--cache-dir", type=Path, help="swarmlm cache (default: $SWARMLM_CACHE_DIR or ~/.cache/swarmlm)")
+    p.add_argument("--models-dir", type=Path, help="where random models are built (default: CACHE/bench-models)")
     args = p.parse_args(argv)
     if min(args.peers, args.steps, args.rounds) < 1:
         p.error("--peers, --steps and --rounds must be >= 1")
@@ -239,10 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    from swarm.paths import default_cache_dir
+
+    cache_dir = args.cache_dir or Path(os.environ.get("SWARMLM_CACHE_DIR") or default_cache_dir())
     plan = preset(quick=True, device="cpu").replace(
         configs=(args.config,), decode_steps=args.steps, peer_threads=torch.get_num_threads()
     )
-    model = models.model_of(args, dtype=plan.dtype, device=plan.device)
+    model = models.resolve(
+        args.config,
+        models_dir=args.models_dir or cache_dir / "bench-models",
+        cache_dir=cache_dir,
+        dtype=plan.dtype,
+        device=plan.device,
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="hop-profile-"))
     with ModelRun(model, plan, log_dir) as model_run:
         result = measure(model_run, args.peers, args.steps, args.rounds)

@@ -7,10 +7,8 @@ changed spec is rebuilt instead of silently reused. Nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -152,30 +150,4 @@ def kv_bytes(config: PretrainedConfig, blocks: int, tokens: int, dtype: str) -> 
         * head_dim
         * tokens
         * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    )
-
-
-def add_model_arguments(p: argparse.ArgumentParser, default: str) -> None:
-    """--config, --cache-dir and --models-dir, as the benchmarks that measure one model take them."""
-    p.add_argument("--config", choices=MODELS, default=default)
-    p.add_argument("--cache-dir", type=Path, help="swarmlm cache (default: $SWARMLM_CACHE_DIR or ~/.cache/swarmlm)")
-    p.add_argument("--models-dir", type=Path, help="where random models are built (default: CACHE/bench-models)")
-
-
-def cache_dir_of(args: argparse.Namespace) -> Path:
-    """The swarmlm cache that `add_model_arguments`' flags name."""
-    from swarm.paths import default_cache_dir
-
-    return args.cache_dir or Path(os.environ.get("SWARMLM_CACHE_DIR") or default_cache_dir())
-
-
-def model_of(args: argparse.Namespace, *, dtype: str, device: str) -> BenchModel:
-    """The model that `add_model_arguments`' flags name, built on first use."""
-    cache_dir = cache_dir_of(args)
-    return resolve(
-        args.config,
-        models_dir=args.models_dir or cache_dir / "bench-models",
-        cache_dir=cache_dir,
-        dtype=dtype,
-        device=device,
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -154,12 +155,14 @@ def section(model: models.BenchModel, rows: list[dict], args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__.splitlines()[0])
-    models.add_model_arguments(p, "small")
+    p.add_argument("--config", choices=models.MODELS, default="small")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--resident-blocks", type=int, default=2, help="blocks the budget holds beside the two slots")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, else bfloat16")
     p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
+    p.add_argument("--cache-dir", type=Path, help="swarmlm cache (default: $SWARMLM_CACHE_DIR or ~/.cache/swarmlm)")
+    p.add_argument("--models-dir", type=Path, help="where random models are built (default: CACHE/bench-models)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--offload", default="none", help=argparse.SUPPRESS)
@@ -176,8 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    cache_dir = models.cache_dir_of(args)
-    model = models.model_of(args, dtype=args.dtype, device=args.device)
+    from swarm.paths import default_cache_dir
+
+    cache_dir = args.cache_dir or Path(os.environ.get("SWARMLM_CACHE_DIR") or default_cache_dir())
+    model = models.resolve(
+        args.config,
+        models_dir=args.models_dir or cache_dir / "bench-models",
+        cache_dir=cache_dir,
+        dtype=args.dtype,
+        device=args.device,
+    )
     variants = ["none", "disk"] + (["host"] if args.device == "cuda" else [])
     with tempfile.TemporaryDirectory(prefix="swarmlm-offload-bench-", dir=cache_dir) as work:
         rows = [run_variant(model, variant, args, Path(work)) for variant in variants]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 from pathlib import Path
@@ -133,18 +134,29 @@ def section(model: models.BenchModel, rows: list[dict], device: str, dtype: str,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.splitlines()[0])
-    models.add_model_arguments(p, "tiny")
+    p.add_argument("--config", choices=models.MODELS, default="tiny")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, else bfloat16")
     p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
+    p.add_argument("--cache-dir", type=Path, help="swarmlm cache (default: $SWARMLM_CACHE_DIR or ~/.cache/swarmlm)")
+    p.add_argument("--models-dir", type=Path, help="where random models are built (default: CACHE/bench-models)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
+    from swarm.paths import default_cache_dir
+
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    model = models.model_of(args, dtype=dtype, device=args.device)
+    cache_dir = args.cache_dir or Path(os.environ.get("SWARMLM_CACHE_DIR") or default_cache_dir())
+    model = models.resolve(
+        args.config,
+        models_dir=args.models_dir or cache_dir / "bench-models",
+        cache_dir=cache_dir,
+        dtype=dtype,
+        device=args.device,
+    )
     rows = measure(model, args.rounds, torch.device(args.device), getattr(torch, dtype))
     text = section(model, rows, args.device, dtype, args.rounds)
     print(text)

@@ -19,7 +19,7 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import LoadStateDictConfig
 
-from peer.offload import Store, Streamer, block_bytes
+from peer.offload import Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
@@ -181,7 +181,6 @@ def load_span(
     config._attn_implementation = "sdpa"
     rotary_cls = family_class(config, "RotaryEmbedding")
     converted = bool(get_checkpoint_conversion_mapping(config.model_type))
-    streamer = None if stream is None else Streamer([], start, stream[0], stream[1])
     total_bytes = sum(block_bytes(path, config, start, end, dtype))
     layers = []
     with progress(
@@ -205,13 +204,12 @@ def load_span(
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
                 _own_copies(layer)
-            if streamer is not None and i - start >= streamer.resident:
-                streamer.take_out(i, layer)
+            if stream is not None and i - start >= stream[0]:
+                take_out(stream[1], i, layer)
             layers.append(layer)
             bar.set_postfix_str(f"block {i + 1 - start}/{end - start}", refresh=False)
             bar.update(loaded)
-    if streamer is not None:
-        streamer.layers = layers
+    streamer = None if stream is None else Streamer(layers, start, *stream)
     rotary = rotary_cls(config=config).to(device)
     span = BlockSpan(
         config, start, end, nn.ModuleList(layers), rotary, dtype=dtype, device=device, streamer=streamer

@@ -19,6 +19,7 @@ before its next use, loading all of them each pass; the prefix loads only the st
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import shutil
@@ -73,7 +74,7 @@ def block_bytes(path: Path, config: PretrainedConfig, start: int, end: int, dtyp
     for i in range(start, end):
         prefix = f"model.layers.{i}."
         shapes = tensor_shapes(path, lambda name, prefix=prefix: name.startswith(prefix))
-        found.append(sum(_numel(shape) for shape in shapes.values()) * size)
+        found.append(sum(math.prod(shape) for shape in shapes.values()) * size)
     return found
 
 
@@ -198,6 +199,13 @@ class DiskStore:
 Store = HostStore | DiskStore
 
 
+def take_out(store: Store, index: int, module: nn.Module) -> None:
+    """At load: hand block `index`'s weights to `store` and leave its module with meta tensors."""
+    state = module.state_dict()
+    store.put(index, state)
+    _assign(module, {name: torch.empty_like(t, device="meta") for name, t in state.items()})
+
+
 class Streamer:
     """The modules of a span's blocks: resident ones as they are, streamed ones loaded one ahead of their use."""
 
@@ -212,12 +220,6 @@ class Streamer:
         self.waited_s = 0.0  # time the compute thread waited for a block that was not loaded yet
         self.streamed_bytes = 0
         self.peak_streamed_bytes = 0
-
-    def take_out(self, index: int, module: nn.Module) -> None:
-        """At load: hand block `index`'s weights to the store and leave its module with meta tensors."""
-        state = module.state_dict()
-        self.store.put(index, state)
-        _assign(module, {name: torch.empty_like(t, device="meta") for name, t in state.items()})
 
     def layer(self, index: int) -> nn.Module:
         """Block `index`'s module, holding its weights (call on the compute thread, right before running it)."""
@@ -295,10 +297,3 @@ def _remove_orphans(parent: Path) -> None:
         pid = folder.name.removeprefix(_FOLDER_PREFIX).split("-", 1)[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count

@@ -216,7 +216,6 @@ class Streamer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarmlm-prefetch")
         self._lock = threading.Lock()  # counters are read by other threads (status, tests)
         self.loads = 0
-        self.load_s = 0.0  # time the prefetch thread spent loading
         self.waited_s = 0.0  # time the compute thread waited for a block that was not loaded yet
         self.streamed_bytes = 0
         self.peak_streamed_bytes = 0
@@ -256,12 +255,10 @@ class Streamer:
         return after if after - self.first < len(self.layers) else self.first + self.resident
 
     def _load(self, index: int) -> dict[str, torch.Tensor]:
-        began = time.perf_counter()
         state = self.store.get(index)
         size = sum(t.numel() * t.element_size() for t in state.values())
         with self._lock:
             self.loads += 1
-            self.load_s += time.perf_counter() - began
             self.streamed_bytes += size
             self.peak_streamed_bytes = max(self.peak_streamed_bytes, self.streamed_bytes)
         return state

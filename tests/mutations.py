@@ -975,6 +975,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "taking a block's weights out changes the tensors a saved graph holds: its backward computes with others",
         ("tests/peer/test_offload.py::test_a_backward_through_streamed_blocks_uses_the_weights_its_forward_used",),
     ),
+    Mutation(
+        "stage-member-ignores-its-trainers-word",
+        "peer/training/span.py",
+        "        return deciding(members, self.group.peer_id, comembers=self.applied_members, applied=applied)\n",
+        "        return members  # MUTATION\n",
+        "members that sat one update out, outnumbering the one that took part, never catch up",
+        (
+            "tests/integration/test_training_exact.py::test_one_run_through_every_fault_and_attack_equals_local_training",
+        ),
+    ),
+    Mutation(
+        "stage-member-trusts-strangers-records",
+        "swarm/training/state.py",
+        "    trusted = {peer: p for peer, p in members.items() if peer in comembers and peer != me and p.epoch >= applied}\n",
+        "    trusted = {peer: p for peer, p in members.items() if peer != me and p.epoch >= applied}  # MUTATION\n",
+        "a stranger's record ahead of the group counts once the trainers' word sets the stale members aside",
+        ("tests/swarm/training/test_state.py",),
+    ),
 )
 
 

@@ -6,7 +6,8 @@
 - Apply, from the trainer, updates the float32 masters with the recipe's optimizer, learning rate for this update
   and the trainer's clipping factor, then casts them into the span's compute weights.
 - A member left out of a commit, or one that finds a majority of its group ahead, drops what it holds and copies
-  the group's state, checked against the digest the majority announces (swarm/training/state.py).
+  the group's state, checked against the digest the majority announces (swarm/training/state.py). A tie is broken
+  by the members of its last round that are not behind the update its trainers announce.
 - An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
   lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good.
 
@@ -33,14 +34,14 @@ from peer.config import TrainingConfig
 from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, StaleEpochError
+from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
-from swarm.training.state import state_digest
+from swarm.training.state import applied_by_trainers, deciding, state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class SpanTraining:
         self._digest: tuple[int, str] | None = None
         self.applied_samples = 0
         self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
+        self.applied_members: tuple[str, ...] = ()  # the members of that round (this one too)
+        self._plan: RoundPlan | None = None  # the round under way
         self._lock = threading.Lock()  # an update versus a joiner copying the state
         self._ahead_since: float | None = None  # when the group was first seen ahead of this member
         self._orphaned_since: float | None = None  # when the trainers of the update's commits were first seen gone
@@ -198,6 +201,7 @@ class SpanTraining:
                 version=plan.version,
             )
             self._averaged = None
+            self._plan = plan
             self._round = asyncio.ensure_future(self._run_round(plan))
         return self.status
 
@@ -314,6 +318,8 @@ class SpanTraining:
         applied.CopyFrom(status)
         applied.state = pb.RoundStatus.APPLIED
         self.applied_round, self.applied_samples = applied, status.samples
+        plan = self._plan
+        self.applied_members = plan.members if plan is not None and plan.round_id == status.round_id else ()
         self._finish_update(self.epoch + 1)
 
     def _finish_update(self, epoch: int) -> None:
@@ -414,6 +420,7 @@ class SpanTraining:
 
     def start_group(self, dht, *, swarm_key=None) -> None:
         """Join the span's group of the run (on the main thread: hivemind's averager touches signal handlers)."""
+        self.trainers = GroupReader(dht, trainers_key(self.prefix, self.run_id))
         self.group = GroupMember(
             dht,
             stage_group_key(self.prefix, self.run_id, self.span),
@@ -422,8 +429,23 @@ class SpanTraining:
             settings=self.config.averaging,
             swarm_key=swarm_key,
             compression=self.recipe.averaging_compression,
+            deciding=self._deciding,
         )
-        self.trainers = GroupReader(dht, trainers_key(self.prefix, self.run_id))
+
+    def _deciding(self, members: dict[str, TrainingProgress]) -> dict[str, TrainingProgress]:
+        """The group's records this member decides by (state.deciding): a tie is broken by the members of the last
+        round applied here that are not behind the update its trainers announce (a strict majority of those still
+        live). Only trainers and members this one averaged with count: a stranger's records break no tie."""
+        trainers = set(self.applied_round.trainers)
+        applied = 0
+        if trainers:
+            try:
+                records = self.trainers.members()
+            except DHTUnavailableError as exc:
+                logger.warning("could not read the trainers of run %r: %s", self.run_id, exc)
+            else:
+                applied = applied_by_trainers({t: p for t, p in records.items() if t in trainers})
+        return deciding(members, self.group.peer_id, comembers=self.applied_members, applied=applied)
 
     def join(self) -> None:
         """Resume from the save file, then copy the group's state if a majority of it vouches for another one

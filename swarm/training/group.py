@@ -39,6 +39,8 @@ class GroupMember:
         settings: the group's timing.
         swarm_key: a private swarm's key (state goes only to members whose signed progress is published).
         compression: how rounds send gradients (the run's recipe: every member must use the same).
+        deciding: picks the records this member decides by, out of every member's (a stage: state.deciding, to
+            break ties). None: every record counts.
     """
 
     def __init__(
@@ -52,8 +54,9 @@ class GroupMember:
         swarm_key: SwarmKey | None = None,
         progress_ttl_s: float | None = None,
         compression: str = "none",
+        deciding: Callable[[dict[str, TrainingProgress]], dict[str, TrainingProgress]] | None = None,
     ):
-        self.key, self.settings = key, settings
+        self.key, self.settings, self._deciding = key, settings, deciding
         self.progress = GroupProgress(dht, key, ttl_s=progress_ttl_s or 4 * settings.progress_period_s)
         self.peer_id = self.progress.peer_id
         # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; RoundAverager puts it back
@@ -88,22 +91,27 @@ class GroupMember:
         """Peer id -> verified progress of every member heard from lately (this one too, once its record is in)."""
         return self.progress.members()
 
+    def voters(self) -> dict[str, TrainingProgress]:
+        """The records of `members()` this member decides by (`deciding`)."""
+        members = self.members()
+        return members if self._deciding is None else self._deciding(members)
+
     def majority(self) -> tuple[int, str] | None:
-        """The (epoch, state digest) a strict majority of the other members announce, or None."""
-        return majority_claim({pid: p for pid, p in self.members().items() if pid != self.peer_id})
+        """The (epoch, state digest) a strict majority of the other members' `voters()` announce, or None."""
+        return majority_claim({pid: p for pid, p in self.voters().items() if pid != self.peer_id})
 
     def load_state(
         self, like: Sequence[torch.Tensor], members: Callable[[], dict[str, TrainingProgress]] | None = None
     ) -> VerifiedState:
         """The state a majority vouches for, downloaded and checked (blocking, bounded by the load-state timeout).
 
-        `members`: reads the records that may vote (default: every member's).
+        `members`: reads the records that may vote (default: `voters()`).
 
         Raises:
             StateDownloadError: none within the timeout.
         """
         return load_verified_state(
-            self.averager, members or self.members, like=like, timeout_s=self.settings.load_state_timeout_s
+            self.averager, members or self.voters, like=like, timeout_s=self.settings.load_state_timeout_s
         )
 
     def serve_state(self, serve: bool = True) -> None:

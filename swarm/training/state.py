@@ -7,6 +7,13 @@ state after its last update (TrainingProgress.param_digest). A copy is accepted 
 donor whose state does not match is skipped and the next one tried. Donors are chosen here, from the signed
 records, not by hivemind's load_state_from_peers, which takes whoever announces the highest priority.
 
+Once a stage member has applied an update, it decides by what it knows first hand (`deciding`): the records of the
+members it last averaged with, less those behind the update that the trainers of that round announce they have
+applied (a trainer announces an update only once every stage applied it, so a member behind it is behind for
+certain). Otherwise two of three members that sat the same update out would outvote, with their equal stale states,
+the one member that took part, and neither would ever catch up. A stranger took part in no round with the member,
+and its trainer records do not count. When none of those members is left, every record counts again.
+
 What this bounds: a stranger (or a minority) cannot make a member take its state, or move the epoch a member catches
 up to. Members that have no state to vouch for (an empty digest: joining, or after a failed round) do not vote, so
 that joiners arriving together do not block each other. Sybils that outnumber the honest members are not bounded
@@ -19,7 +26,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +61,29 @@ def majority_claim(members: Mapping[str, TrainingProgress]) -> tuple[int, str] |
         return None
     claim, votes = claims.most_common(1)[0]
     return claim if 2 * votes > sum(claims.values()) else None
+
+
+def applied_by_trainers(trainers: Mapping[str, TrainingProgress]) -> int:
+    """The latest update that a strict majority of `trainers` (the live ones) announce they have applied (their
+    records' epoch), 0 when none is live."""
+    epochs = sorted((p.epoch for p in trainers.values() if not p.left), reverse=True)
+    return epochs[len(epochs) // 2] if epochs else 0
+
+
+def deciding(
+    members: Mapping[str, TrainingProgress], me: str, *, comembers: Collection[str], applied: int
+) -> dict[str, TrainingProgress]:
+    """The records a member decides by, out of every member's `members` (the caller's own is kept: it tells a whole
+    read, `others_gone`).
+
+    Those of `comembers` (the members of the last round the caller took part in) at or past `applied` (the update
+    that the trainers of that round announce they have applied, applied_by_trainers); every member's when that
+    leaves none of the others, or `applied` is 0 (unknown).
+    """
+    trusted = {peer: p for peer, p in members.items() if peer in comembers and peer != me and p.epoch >= applied}
+    if applied <= 0 or not trusted:
+        return dict(members)
+    return {**trusted, **({me: members[me]} if me in members else {})}
 
 
 def others_gone(members: Mapping[str, TrainingProgress], me: str) -> bool:

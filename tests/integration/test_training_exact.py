@@ -7,8 +7,8 @@ the clipping and the spared parameters are checked too. Step after step, a fault
 the trainer works:
 
 - none;
-- a member SIGSTOPped as the step begins, continued once the step is under way (it sits the update out, then
-  copies the state);
+- two of a stage's three members SIGSTOPped as the step begins, continued once the step is under way (they sit
+  the update out, then copy the state of the one that took part, although those behind outnumber it);
 - a member SIGSTOPped mid-step for longer than the Info timeout, then continued (it is slow, not lost);
 - a backward whose answer is lost after the member added it (the proxy drops it: the trainer asks again);
 - a member SIGKILLed after it took part of the step (fenced; its micro-batches go to the other member);
@@ -215,19 +215,32 @@ def test_one_run_through_every_fault_and_attack_equals_local_training(tmp_path):
             # no fault
             run.step()
 
-            # a member stopped as the step begins, continued once the step is under way without it: it sits the
-            # update out (the step says so), then copies its group's state
-            (late, (_, endpoint)), *_ = run.infos((2, 4)).items()
-            proc = run.process_of((2, 4), endpoint)
-            swarm.kill(proc, signal.SIGSTOP)
+            # two of the three members stopped as the step begins, continued once the step is under way without
+            # them: they sit the update out (the step says so), then copy the state of the one that took part.
+            # Behind, they outnumber it; the record of a fourth member that sat the update out too (and stays
+            # behind: its record only) makes that so whichever of the two republishes first. Only the trainers'
+            # records tell which update the group is at.
+            late = dict(list(run.infos((2, 4)).items())[:2])
+            procs = [run.process_of((2, 4), endpoint) for _, endpoint in late.values()]
+            for proc in procs:
+                swarm.kill(proc, signal.SIGSTOP)
+            behind = start_dht(swarm.initial_peers)
+            behind_record = GroupProgress(behind, group_key(run.prefix, RUN, "2-4"), ttl_s=60)
+            try:
+                behind_record.publish(TrainingProgress(epoch=run.trainer.epoch, samples=0, param_digest="b" * 64))
 
-            def continue_once_under_way(done, proc=proc):
-                run.when((2, 4), lambda info: info.samples > 0, done)  # the update's members are chosen by then
-                swarm.kill(proc, signal.SIGCONT)
-                proc.expected_alive = True
+                def continue_once_under_way(done):
+                    run.when((2, 4), lambda info: info.samples > 0, done)  # the update's members are chosen by then
+                    for proc in procs:
+                        swarm.kill(proc, signal.SIGCONT)
+                        proc.expected_alive = True
 
-            skipped = run.step(continue_once_under_way)
-            assert any(late[-8:] in f and "sits it out" in f for f in skipped.faults), skipped.faults
+                skipped = run.step(continue_once_under_way)
+                for pid in late:
+                    assert any(pid[-8:] in f and "sits it out" in f for f in skipped.faults), skipped.faults
+            finally:
+                behind_record.leave()
+                stop_dht(behind)
 
             # a member stopped mid-step, longer than the Info timeout, then continued: waited for, not fenced
             # (a step can end before a poll of the members' Info sees it under way, on a busy machine: each fault

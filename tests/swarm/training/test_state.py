@@ -14,7 +14,14 @@ from protocol.records import TrainingProgress
 from swarm.dht.node import dht_result, start_dht, stop_dht, visible_maddrs
 from swarm.training.members import GroupProgress, progress_key
 from swarm.training.rounds import RoundAverager, RoundSettings
-from swarm.training.state import donor_order, load_verified_state, majority_claim, state_digest
+from swarm.training.state import (
+    applied_by_trainers,
+    deciding,
+    donor_order,
+    load_verified_state,
+    majority_claim,
+    state_digest,
+)
 
 D1, D2, D3 = "1" * 64, "2" * 64, "3" * 64
 
@@ -38,6 +45,43 @@ def progress(epoch: int, digest: str = "") -> TrainingProgress:
 )
 def test_majority_claim(members, claim):
     assert majority_claim(members) == claim
+
+
+@pytest.mark.parametrize(
+    ("trainers", "applied"),
+    [
+        ({}, 0),
+        ({"t": progress(4)}, 4),
+        ({"t": progress(4), "u": progress(3)}, 3),  # one trainer ahead of the other is no majority
+        ({"t": progress(4), "u": progress(4), "v": progress(2)}, 4),
+        ({"t": progress(4), "s": TrainingProgress(epoch=99, samples=0, left=True)}, 4),  # one that left counts not
+    ],
+)
+def test_the_update_the_trainers_applied_is_what_a_strict_majority_of_them_announce(trainers, applied):
+    assert applied_by_trainers(trainers) == applied
+
+
+def test_members_that_sat_out_one_update_copy_the_one_that_took_part_once_its_trainers_vouch_for_it():
+    """Only "a" took update 1; the others agree with each other, so that by the records alone the group is at
+    update 1 (or split), and none of them would ever catch up."""
+    group = {"a": progress(2, D2), "b": progress(1, D1), "c": progress(1, D1)}
+    assert majority_claim({pid: p for pid, p in group.items() if pid != "b"}) is None
+
+    def claim(members, applied, comembers=("a", "b", "c", "d")):
+        decided = deciding(members, "b", comembers=comembers, applied=applied)
+        assert "b" not in members or "b" in decided  # its own record stays: it tells a whole read
+        return majority_claim({pid: p for pid, p in decided.items() if pid != "b"})
+
+    assert claim(group, applied=2) == (2, D2)
+    assert claim({**group, "d": progress(1, D1)}, applied=2) == (2, D2)  # outnumbered by those behind
+    assert claim(group, applied=0) is None  # no trainer's word: every record counts
+    # a stranger took part in no round with "b": it counts for nothing while a member "b" averaged with is up to
+    # date, however far ahead it claims to be
+    assert claim({**group, "s": progress(2, D3)}, applied=2) == (2, D2)
+    assert claim({**group, "s": progress(99, D3), "t": progress(99, D3)}, applied=2) == (2, D2)
+    # none of them left up to date: every record counts, as before any update
+    assert claim({"s": progress(2, D3), "c": progress(1, D1)}, applied=2) is None
+    assert claim({"s": progress(2, D3), "e": progress(2, D3), "c": progress(1, D1)}, applied=2) == (2, D3)
 
 
 def test_donors_are_those_that_announced_the_claim_starting_after_the_caller():

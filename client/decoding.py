@@ -55,7 +55,10 @@ class Decoding(Iterator[int]):
             self.model._run(self.session.settle())
 
     def close(self) -> None:
+        """End the generation: its steps and the session (with a check that still runs)."""
         self._tokens.close()
+        if self.session is not None and not self.session.closed:
+            self.model._run(self.session.close())
 
     def _decode(self, heads: HeadBatcher, prompt_ids: list[int], max_new_tokens: int, pick) -> Iterator[int]:
         model = self.model
@@ -78,6 +81,8 @@ class Decoding(Iterator[int]):
                 ids = torch.cat([ids, token.view(1, 1)], dim=1)
                 yield int(token)
                 new = token.view(1, 1)
+        except BaseException:  # closed early, or failed; run out, it stays open for settle() (close() ends it)
+            model._run(session.close())
+            raise
         finally:
             decoding.close()
-            model._run(session.close())

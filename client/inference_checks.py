@@ -14,8 +14,9 @@ Decoding does not wait for a check: one runs at a time, beside the steps. When i
 next step rewinds (InferenceSession.rewind): every span's cache is cut back to the positions the liar's answers had
 been verified up to, the liar's span is routed to other peers and its history replayed there, and the step raises
 OutputRewoundError naming that position. `generate()` then starts again from its prompt on the caches kept
-(client/model.py), and waits for the last check (`settle`) before it returns, making then the check that steps
-decoded meanwhile, or a failed check, were owed: a liar on the path costs a redo, not wrong text.
+(client/model.py), and waits for the last check (`settle`) before it returns, making then the checks that steps
+decoded meanwhile, or a failed check, were owed (a draw per span): a liar on the path costs a redo, not wrong
+text.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ class InferenceChecks:
         except Exception:  # a bug of ours must not cost the caller its step
             logger.exception("could not start a check of an inference session")
 
-    def _maybe_start(self, session: InferenceSession) -> None:
+    def _maybe_start(self, session: InferenceSession, spans: list[SpanSession] | None = None) -> None:
+        """Maybe start a check of one of `spans` (default: the session's) that has unverified positions."""
         running = self.task is not None and not self.task.done()
         if self.rate > 0 and running:
             self.owed = True
         if self.rate <= 0 or running or self.found is not None or self.rng.random() >= self.rate:
             return
-        candidates = [span for span in session.spans if span.verified < session.position and span.outputs]
+        candidates = [span for span in spans or session.spans if span.verified < session.position and span.outputs]
         if not candidates:
             return
         span = self.rng.choice(candidates)
@@ -82,7 +84,9 @@ class InferenceChecks:
             )
             self.owed = True
             return
-        if stands:
+        if stands is None:  # no other route answered, or none formed a majority: still to verify
+            self.owed = True
+        elif stands:
             span.verified = max(span.verified, position)
         else:
             self.caught += 1
@@ -94,14 +98,16 @@ class InferenceChecks:
         return found
 
     async def settle(self, session: InferenceSession) -> SpanSession | None:
-        """`liar()`, after waiting for the check that runs, if one does, and then for the one it owes: steps that
-        came while a check ran, or a check that failed, get their draw now (the session's position no longer
-        grows, so one more check at most). Otherwise, with checks slower than steps, the last steps of a generation
-        would stay unverified."""
+        """`liar()`, after waiting for the check that runs, if one does, and then for those it owes: when steps came
+        while a check ran, or a check verified nothing, each span with unverified positions gets a draw now, one
+        span after the other (a check verifies one span; the session's position no longer grows). Otherwise, with
+        checks slower than steps, the last steps of a generation would stay unverified."""
         await self._wait()
-        if self.owed and self.found is None:
-            self._maybe_start(session)
-            await self._wait()
+        if self.owed:
+            spans = list(session.spans)
+            for span in self.rng.sample(spans, len(spans)):
+                self._maybe_start(session, [span])
+                await self._wait()
         return self.liar()
 
     async def _wait(self) -> None:

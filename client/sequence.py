@@ -515,10 +515,12 @@ class RemoteSequence:
 
     async def check_inference(
         self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions
-    ) -> bool:
+    ) -> bool | None:
         """Whether `hop`'s answers to an inference session stand: its `outputs` at every position of the session's
-        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). False: its peer
-        was outvoted two to one (and banned if a fourth route confirmed it)."""
+        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). True: another
+        route agreed. False: its peer was outvoted two to one (and banned if a fourth route confirmed it). None:
+        not verified (no other route answered, or no majority formed)."""
+        made: list[Computed | None] = []
 
         async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
             return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
@@ -526,10 +528,13 @@ class RemoteSequence:
         async def recompute(excluded: frozenset[str]) -> Computed | None:
             route = await self._route_for_check(hop.start, hop.end, excluded)
             done = None if route is None else await verify.forward_on(route, inputs, forward)
-            return None if done is None else self._computed(done[0], route)
+            made.append(None if done is None else self._computed(done[0], route))
+            return made[-1]
 
         first = self._computed(outputs, [hop])
-        return await self.spot_checks.check("inference", (hop.start, hop.end), first, recompute) is first
+        if await self.spot_checks.check("inference", (hop.start, hop.end), first, recompute) is not first:
+            return False
+        return True if len(made) == 1 and made[0] is not None else None
 
     async def close(self) -> None:
         await self.pool.close()

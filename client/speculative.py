@@ -436,7 +436,10 @@ class SpeculativeDecoding(Iterator[int]):
             self.model._run(self.session.settle())
 
     def close(self) -> None:
+        """End the generation: its steps and the session (with a check that still runs)."""
         self._tokens.close()
+        if not self.session.closed:
+            self.model._run(self.session.close())
 
     def _logits(self, ids: torch.Tensor, sent: int, k: int) -> torch.Tensor:
         model = self.model
@@ -464,5 +467,6 @@ class SpeculativeDecoding(Iterator[int]):
                 produced += new.shape[1]
                 self.totals.add(1, k, n if k else 0, new.shape[1])
                 yield from new[0].tolist()
-        finally:
+        except BaseException:  # closed early, or failed; run out, it stays open for settle() (close() ends it)
             self.model._run(self.session.close())
+            raise

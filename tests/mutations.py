@@ -952,7 +952,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "owed-inference-check-skipped",
         "client/inference_checks.py",
-        "        if self.owed and self.found is None:\n",
+        "        if self.owed:\n",
         "        if False:  # MUTATION\n",
         "steps decoded while a slow check ran stay unverified when generate() returns: a liar there goes unseen",
         (
@@ -974,6 +974,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            getattr(owner, leaf).data = tensor  # MUTATION\n",
         "taking a block's weights out changes the tensors a saved graph holds: its backward computes with others",
         ("tests/peer/test_offload.py::test_a_backward_through_streamed_blocks_uses_the_weights_its_forward_used",),
+    ),
+    Mutation(
+        "decoding-run-out-ends-its-session",
+        "client/decoding.py",
+        "        finally:\n            decoding.close()\n",
+        "        finally:\n            decoding.close()\n            model._run(session.close())  # MUTATION\n",
+        "a caller that takes every token and then settles: the last steps' check is cancelled, a liar there unseen",
+        (
+            "tests/client/test_inference_checks.py::test_a_lie_in_the_last_step_is_caught_by_settle_after_the_tokens_ran_out",
+        ),
+    ),
+    Mutation(
+        "unverified-inference-check-stands",
+        "client/sequence.py",
+        "        return True if len(made) == 1 and made[0] is not None else None\n",
+        "        return True  # MUTATION\n",
+        "a check that no other peer could make marks the span's answers verified: they are never checked again",
+        (
+            "tests/client/test_inference_checks.py::test_answers_no_other_peer_can_recompute_are_never_taken_as_verified",
+        ),
     ),
     Mutation(
         "stage-member-ignores-its-trainers-word",

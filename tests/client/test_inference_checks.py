@@ -189,9 +189,48 @@ def test_the_apis_decoding_is_told_of_a_liar_and_its_next_generation_gives_the_l
         remote.shutdown()
 
 
+def test_a_lie_in_the_last_step_is_caught_by_settle_after_the_tokens_ran_out(fake_swarm, tiny_llama_local):
+    """A caller that takes every token (the iterator runs out) and then settles: the check of the last steps, still
+    running or owed when the last token came, is made, and catches the liar. Ending the iteration must not end the
+    session, nor cancel its check: only close() does."""
+    _, liar, *_ = _swarm(fake_swarm, [Fault("perturb", method="inference", after=11)])  # the 12th answer
+    prompt = _ids(1, 6, seed=36)
+
+    def greedy(ids, logits):
+        return logits.argmax(-1)
+
+    remote = fake_swarm.client(**CHECKED)
+    tokens = decode_tokens(remote, lm_head_batcher(remote), prompt[0].tolist(), 12, greedy)
+    try:
+        assert len(list(tokens)) == 12 and not tokens.session.closed
+        with pytest.raises(OutputRewoundError, match="wrong results"):
+            tokens.settle()
+        tokens.close()
+        assert tokens.session.closed and liar.peer_id in remote.sequence.bans.banned()
+    finally:
+        tokens.close()
+        remote.shutdown()
+
+
+def test_answers_no_other_peer_can_recompute_are_never_taken_as_verified(fake_swarm):
+    fake_swarm.add_peer(0, 2)
+    fake_swarm.add_peer(2, 4)
+    remote = fake_swarm.client(**CHECKED)
+    try:
+        with remote.inference_session(max_length=32) as session:
+            remote.generate(_ids(1, 6, seed=37), max_new_tokens=4, do_sample=False, pad_token_id=0)
+            checks = session.remote.checks
+            assert checks.started > 0 and checks.caught == 0
+            assert [span.verified for span in session.remote.spans] == [0, 0]
+        assert remote.sequence.spot_checks.stats.unverifiable >= checks.started
+    finally:
+        remote.shutdown()
+
+
 class _ScriptedSession:
     """What InferenceChecks reads of a session: one span's history, and a check_inference answered by `verdicts`
-    (True: stands, False: caught, an exception: the check could not be made), each once `release` is set."""
+    (True: stands, False: caught, None: nothing verified, an exception: the check could not be made), each once
+    `release` is set."""
 
     def __init__(self, verdicts: list):
         self.verdicts, self.release, self.checked_to = list(verdicts), asyncio.Event(), []
@@ -207,7 +246,7 @@ class _ScriptedSession:
         span.positions.append(torch.tensor([[self.position]]))
         self.position += 1
 
-    async def _check(self, hop, inputs, outputs, mask, positions) -> bool:
+    async def _check(self, hop, inputs, outputs, mask, positions) -> bool | None:
         self.checked_to.append(inputs.shape[1])
         await self.release.wait()
         verdict = self.verdicts.pop(0)
@@ -216,7 +255,9 @@ class _ScriptedSession:
         return verdict
 
 
-@pytest.mark.parametrize("first", [True, TimeoutError("the checker did not answer")], ids=["stood", "failed"])
+@pytest.mark.parametrize(
+    "first", [True, None, TimeoutError("the checker did not answer")], ids=["stood", "unverified", "failed"]
+)
 def test_steps_decoded_while_a_check_ran_are_checked_before_generate_returns(first):
     """Checks slower than steps (a loaded machine): the last steps of a generation drew no check of their own, and a
     failed check verified nothing; settle() makes the check they are owed, which catches a liar there."""
@@ -234,6 +275,23 @@ def test_steps_decoded_while_a_check_ran_are_checked_before_generate_returns(fir
         assert session.checked_to == [1, 4]  # the owed check covers every step
         assert liar is session.spans[0] and checks.caught == 1
         await checks.close()
+
+    asyncio.run(run())
+
+
+def test_a_check_that_verified_nothing_leaves_its_positions_to_verify():
+    """No other route answered (or none formed a majority): the span's answers are not verified by it, and settle()
+    checks them again."""
+
+    async def run():
+        session = _ScriptedSession([None, True])
+        checks = InferenceChecks(1.0, random.Random(0))
+        session.step()
+        checks.after_step(session)
+        session.release.set()
+        await asyncio.sleep(0)
+        assert await checks.settle(session) is None
+        assert session.checked_to == [1, 1] and session.spans[0].verified == 1 and checks.caught == 0
 
     asyncio.run(run())
 

@@ -19,7 +19,7 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import LoadStateDictConfig
 
-from peer.offload import Store, Streamer, block_bytes, take_out
+from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
@@ -204,6 +204,8 @@ def load_span(
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
                 _own_copies(layer)
+            else:
+                _align(layer)
             if stream is not None and i - start >= stream[0]:
                 take_out(stream[1], i, layer)
             layers.append(layer)
@@ -226,6 +228,16 @@ def _own_copies(module: nn.Module) -> None:
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             setattr(owner, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+
+
+def _align(module: nn.Module) -> None:
+    """Copy `module`'s parameters whose memory is not aligned (offload.ALIGNMENT: transformers' conversion of MoE
+    checkpoints leaves some at the file's offsets), so that a resident block computes exactly what the same block
+    streamed in does."""
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if param.data_ptr() % ALIGNMENT:
+                setattr(owner, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
 def _layer(path: Path, config: PretrainedConfig, i: int, tensors: dict[str, torch.Tensor]) -> nn.Module:

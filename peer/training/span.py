@@ -6,8 +6,9 @@
 - Apply, from the trainer, updates the float32 masters with the recipe's optimizer, learning rate for this update
   and the trainer's clipping factor, then casts them into the span's compute weights.
 - A member left out of a commit, or one that finds a majority of its group ahead, drops what it holds and copies
-  the group's state, checked against the digest the majority announces (swarm/training/state.py). A tie is broken
-  by the members of its last round that are not behind the update its trainers announce.
+  the group's state, checked against the digest the majority announces (swarm/training/state.py). Once it has
+  applied an update, the majority is that of the members of its last round not behind the update its trainers
+  announce.
 - An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
   lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good.
 
@@ -433,9 +434,9 @@ class SpanTraining:
         )
 
     def _deciding(self, members: dict[str, TrainingProgress]) -> dict[str, TrainingProgress]:
-        """The group's records this member decides by (state.deciding): a tie is broken by the members of the last
-        round applied here that are not behind the update its trainers announce (a strict majority of those still
-        live). Only trainers and members this one averaged with count: a stranger's records break no tie."""
+        """The group's records this member decides by (state.deciding): those of the members of the last round
+        applied here that are not behind the update its trainers announce (a strict majority of those still live).
+        Only trainers and members this one averaged with count: a stranger's records do not."""
         trainers = set(self.applied_round.trainers)
         applied = 0
         if trainers:

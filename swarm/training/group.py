@@ -39,8 +39,8 @@ class GroupMember:
         settings: the group's timing.
         swarm_key: a private swarm's key (state goes only to members whose signed progress is published).
         compression: how rounds send gradients (the run's recipe: every member must use the same).
-        deciding: picks the records this member decides by, out of every member's (a stage: state.deciding, to
-            break ties). None: every record counts.
+        deciding: picks the records this member decides by, out of every member's (a stage: state.deciding).
+            None: every record counts.
     """
 
     def __init__(

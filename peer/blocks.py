@@ -203,9 +203,7 @@ def load_span(
             layer = layer.to(device=device, dtype=dtype)
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
-                _own_copies(layer)
-            else:
-                _align(layer)
+            _own_copies(layer, misaligned_only=quantization == Quantization.NONE)
             if stream is not None and i - start >= stream[0]:
                 take_out(stream[1], i, layer)
             layers.append(layer)
@@ -221,22 +219,17 @@ def load_span(
     return span
 
 
-def _own_copies(module: nn.Module) -> None:
+def _own_copies(module: nn.Module, misaligned_only: bool = False) -> None:
     """Give `module`'s remaining parameters (norms, biases) memory of their own. Tensors read from a checkpoint map
     its whole file, and one small norm kept from a mapping keeps every page read through it resident: a quantized
-    block would otherwise hold the full-precision weights it was quantized from."""
-    for owner in module.modules():
-        for name, param in list(owner.named_parameters(recurse=False)):
-            setattr(owner, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+    block would otherwise hold the full-precision weights it was quantized from.
 
-
-def _align(module: nn.Module) -> None:
-    """Copy `module`'s parameters whose memory is not aligned (offload.ALIGNMENT: transformers' conversion of MoE
+    `misaligned_only`: only those whose memory is not aligned (offload.ALIGNMENT: transformers' conversion of MoE
     checkpoints leaves some at the file's offsets), so that a resident block computes exactly what the same block
     streamed in does."""
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
-            if param.data_ptr() % ALIGNMENT:
+            if not misaligned_only or param.data_ptr() % ALIGNMENT:
                 setattr(owner, name, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 

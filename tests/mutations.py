@@ -934,8 +934,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "quantized-blocks-map-checkpoint",
         "peer/blocks.py",
-        "                _own_copies(layer)\n",
-        "                pass  # MUTATION\n",
+        "            _own_copies(layer, misaligned_only=quantization == Quantization.NONE)\n",
+        "            pass  # MUTATION\n",
         "a quantized block's norms keep its checkpoint's mapping: the full-precision pages read stay resident",
         ("tests/peer/test_quantize.py::test_a_quantized_span_keeps_no_mapping_of_its_checkpoint",),
     ),

@@ -438,6 +438,8 @@ class SpanTraining:
         applied here that are not behind the update its trainers announce (a strict majority of those still live).
         Only trainers and members this one averaged with count: a stranger's records do not."""
         trainers = set(self.applied_round.trainers)
+        if not any(p.epoch > self.epoch for p in members.values()):
+            return members  # no claim to catch up to, whoever decides: the trainers' records need no read
         applied = 0
         if trainers:
             try:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.records import check_run_id
+from protocol.records import ADAPTER_NAME_PATTERN, check_run_id
 from protocol.vocab import Quantization, StrEnum, TrainMode, WireDType, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides
 from swarm.training.settings import AveragingSettings
@@ -73,6 +74,12 @@ class ClientConfig:
     """Which peers this client uses: those holding their weights as it says (`swarmlm peer --quantize`). Results
     of an int8 or nf4 swarm equal those of the model with its linear weights rounded the same way
     (peer/quantize.py), not the checkpoint's; peers of other quantizations are never used, nor compared with."""
+    adapter: str | None = None
+    """A named LoRA adapter that peers serve (`swarmlm peer --adapters NAME=DIR`): every request computes with it,
+    and only peers that announce it, all with the same digest, are used (the most announced, or the folder's)."""
+    adapter_path: str | None = None
+    """The adapter's folder, where this client has it: pins the peers' digest to it, and supplies what it replaces
+    whole (embeddings, norm, head), which the client computes; an adapter with such modules needs it."""
     min_session_lifetime_s: float = 60.0
     """A peer that ends an inference session at its `--session-lifetime-s` after at least this long is not at fault:
     the session is re-opened and replayed without banning it. Sooner, the peer is treated as failed (a peer that
@@ -110,6 +117,10 @@ class ClientConfig:
         for name in ("verify_fraction", "verify_inference"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.adapter is not None and not re.fullmatch(ADAPTER_NAME_PATTERN, str(self.adapter)):
+            raise ValueError(f"adapter must be 1-64 letters, digits, '_', '.' or '-', got {self.adapter!r}")
+        if self.adapter_path is not None and self.adapter is None:
+            raise ValueError("adapter_path is the folder of the adapter named by `adapter`: give adapter=NAME too")
 
 
 def _forward_steps(value: object) -> ForwardSteps:

@@ -28,6 +28,7 @@ from client.session import InferenceSession
 from protocol.errors import BadRequestError, ModelNotFoundError, OutputRewoundError
 from protocol.records import check_prefix, prefix_for_model
 from swarm.dht.node import start_dht, stop_dht
+from swarm.models.adapters import whole_modules
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         with torch.device("meta"):
             instance = cls(config)
         tensors = load_tensors(path, lambda name: name in LOCAL_TENSORS, dtype=dtype)
+        if config_options.adapter_path is not None:  # what the adapter replaces whole (swarm/models/adapters.py)
+            tensors.update(_adapter_modules(config_options, dtype))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
         if tied:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
@@ -321,3 +324,19 @@ class AutoDistributedModelForCausalLM:
     @staticmethod
     def from_pretrained(model: str, **kwargs) -> DistributedModelForCausalLM:
         return DistributedModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def _adapter_modules(options: ClientConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The embeddings, norm or head that the adapter folder replaces, in `dtype`.
+
+    Raises:
+        ValueError: the folder is not an adapter, or replaces something the client does not hold.
+    """
+    replaced = whole_modules(options.adapter_path, options.adapter)
+    unknown = sorted(set(replaced) - set(LOCAL_TENSORS))
+    if unknown:
+        raise ValueError(
+            f"adapter {options.adapter}: {options.adapter_path} replaces {unknown[:3]} whole, which neither this "
+            f"client ({sorted(LOCAL_TENSORS)}) nor the peers' LoRA layers hold"
+        )
+    return {name: tensor.to(dtype) for name, tensor in replaced.items()}

@@ -27,6 +27,7 @@ import hivemind
 import torch
 
 from client import checks, verify
+from client.adapters import serving_adapter
 from client.bans import BanList
 from client.config import ClientConfig
 from client.dialing import Dialer
@@ -42,6 +43,7 @@ from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
 from swarm.dht.snapshot import SwarmSnapshot
+from swarm.models.adapters import folder_digest
 from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
@@ -123,9 +125,15 @@ class RemoteSequence:
         self.dialer = Dialer(self.pool, self.bans)
         self.speeds = Speeds()  # what forward calls measured of each peer: caps what peers announce, for routing
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
+        # the adapter's digest that peers must announce (None: the most announced, client/adapters.py)
+        self.adapter_digest = folder_digest(config.adapter_path, config.adapter) if config.adapter_path else None
         self.spot_checks = SpotChecker(
             config.verify_fraction, self._ban_wrong_result, random.Random(config.verify_seed)
         )
+
+    def span(self, hop: RouteHop) -> pb.Span:
+        """What a request to `hop` asks for: its blocks of this model, with this client's adapter."""
+        return pb.Span(model=self.prefix, start=hop.start, end=hop.end, adapter=self.config.adapter or "")
 
     @property
     def paths(self) -> dict[str, str]:
@@ -163,14 +171,14 @@ class RemoteSequence:
             self.other_weights = Counter(
                 info.quantization for info in snapshot.online().values() if info.quantization != wanted
             )
-            snapshot = replace(
-                snapshot,
-                servers={
-                    pid: info
-                    for pid, info in snapshot.servers.items()
-                    if info.quantization == wanted and (self.run_id is None or info.run_id == self.run_id)
-                },
-            )
+            servers = {
+                pid: info
+                for pid, info in snapshot.servers.items()
+                if info.quantization == wanted and (self.run_id is None or info.run_id == self.run_id)
+            }
+            if self.config.adapter is not None:  # peers of another adapter, or none, compute something else too
+                servers = serving_adapter(servers, self.config.adapter, self.adapter_digest)
+            snapshot = replace(snapshot, servers=servers)
             self._snapshot = snapshot
             self._snapshot_at = time.monotonic()
             self.bans.observe(self._snapshot.expirations, read_at=began)
@@ -217,6 +225,11 @@ class RemoteSequence:
                         raise NoPeersError(
                             f"{exc}; of the peers left out because their weights are not {self.config.quantization} "
                             f"as this client asks, {others}: pass {ways} to use them"
+                        ) from exc
+                    if self.config.adapter is not None:
+                        raise NoPeersError(
+                            f"{exc}; this client uses only peers serving adapter {self.config.adapter!r} "
+                            f"(swarmlm peer --adapters {self.config.adapter}=DIR)"
                         ) from exc
                     raise
                 if str(exc) != waiting_for:  # once per change of what is missing, not every retry
@@ -284,7 +297,7 @@ class RemoteSequence:
         packer = Packer()
         request = packer.pack(
             pb.ForwardRequest(
-                span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+                span=self.span(hop),
                 hidden_states=packer.tensor(hidden.to(dtype), self.compression),
                 attention_mask=packer.optional(mask),
                 position_ids=packer.optional(positions),
@@ -313,7 +326,7 @@ class RemoteSequence:
             pb.BackwardRequest(
                 run_id=run_id,
                 epoch=epoch,
-                span=pb.Span(model=self.prefix, start=hop.start, end=hop.end),
+                span=self.span(hop),
                 hidden_states=packer.tensor(inputs.to(dtype), self.compression),
                 grad_outputs=packer.tensor(grad.to(dtype), self.compression),
                 attention_mask=packer.optional(mask),

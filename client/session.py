@@ -131,7 +131,7 @@ class InferenceSession:
         session_id, push_token = uuid.uuid4().hex, secrets.token_bytes(16)
         request = pb.InferenceRequest(
             open=pb.OpenSession(
-                span=pb.Span(model=self.sequence.prefix, start=hop.start, end=hop.end),
+                span=self.sequence.span(hop),
                 session_id=session_id,
                 max_length=self.max_length,
                 batch_size=self.batch_size,

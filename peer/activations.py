@@ -28,11 +28,13 @@ class Kept:
     positions: torch.Tensor | None
     nbytes: int
     expires: float = 0.0
+    adapter: str = ""  # the named adapter it computed with (peer/adapters.py)
 
-    def matches(self, blocks, hidden: torch.Tensor, mask, positions) -> bool:
+    def matches(self, blocks, hidden: torch.Tensor, mask, positions, adapter: str = "") -> bool:
         """Whether this graph computed exactly the forward a backward request describes."""
         return (
             self.blocks == blocks
+            and self.adapter == adapter
             and _equal(self.inputs.detach(), hidden)
             and _equal(self.mask, mask)
             and _equal(self.positions, positions)

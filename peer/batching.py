@@ -117,9 +117,11 @@ def forward_batch(
     positions: list[torch.Tensor],
     caches: list[DynamicCache],
     blocks: tuple[int, int],
+    adapters: list[str] | None = None,
 ) -> list[torch.Tensor]:
     """One step of several sessions over `blocks`: hidden[i] is [b_i, n_i, hidden], positions[i] [b_i, n_i]; n_i is
-    1 (a decode step), or more where can_batch(span, n_i) (a verification step of speculative decoding)."""
+    1 (a decode step), or more where can_batch(span, n_i) (a verification step of speculative decoding).
+    adapters[i]: the named adapter of session i ("": none; peer/adapters.py), each row through its own."""
     start, end = blocks
     types = span.types[start - span.start : end - span.start]
     device = span.device
@@ -140,15 +142,17 @@ def forward_batch(
             masks[kind] = step_mask(held_rows, new_rows, span.config._attn_implementation, states.dtype)
     view = BatchCache(caches, rows, new)
     position_embeddings = span.rotary(states, position_ids)
-    for index, kind in enumerate(types):
-        states = span.layer(start + index)(
-            states,
-            attention_mask=masks[kind],
-            position_ids=position_ids,
-            cache=view,
-            use_cache=True,
-            position_embeddings=position_embeddings,
-        )
+    per_row = [name for name, r in zip(adapters or [""] * len(rows), rows) for _ in range(r)]
+    with span.adapter_rows(per_row, len(per_row)):
+        for index, kind in enumerate(types):
+            states = span.layer(start + index)(
+                states,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                cache=view,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
     return [out[:, :n] for out, n in zip(states.split(rows), new)]
 
 
@@ -168,6 +172,7 @@ class Member:
     error: BaseException | None = None
     forward_s: float = 0.0  # how long the forward that computed this step took (peer/timings.py)
     shared_by: int = 1  # steps computed in that forward
+    adapter: str = ""  # the session's named adapter (peer/adapters.py); "" for none
 
     @property
     def rows(self) -> int:
@@ -296,6 +301,7 @@ class DecodeBatcher:
                     [m.positions for m in members],
                     [m.cache for m in members],
                     blocks,
+                    [m.adapter for m in members],
                 )
             except Exception as exc:
                 logger.warning("a batch of %d decode steps failed (%r); computing each alone", len(members), exc)
@@ -318,7 +324,13 @@ class DecodeBatcher:
             if span is None:
                 raise RuntimeError("this peer is moving to other blocks")
             member.output = span(
-                member.hidden, None, member.positions, member.cache, member.prefix_length, blocks=blocks
+                member.hidden,
+                None,
+                member.positions,
+                member.cache,
+                member.prefix_length,
+                blocks=blocks,
+                adapter=member.adapter,
             )
         except Exception as exc:
             member.error = exc

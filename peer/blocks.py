@@ -6,8 +6,9 @@ built on the meta device and filled with only their tensors, so a peer never hol
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import LoadStateDictConfig
 
+from peer.adapters import ServedAdapters
 from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
@@ -71,6 +73,7 @@ class BlockSpan(nn.Module):
         self.device = device or first.device
         self.streamer = streamer  # None: every block resident (else peer/offload.py streams some in)
         self.quantization = Quantization.NONE  # how its linear weights are held (set by load_span)
+        self.adapters: ServedAdapters | None = None  # named LoRA adapters beside its weights (peer/adapters.py)
         types = layer_types(config)
         self.types = types[start:end]
 
@@ -88,6 +91,22 @@ class BlockSpan(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
+    def adapter_rows(self, adapter: str | Sequence[str] | None, batch: int) -> contextlib.AbstractContextManager:
+        """The forwards inside compute row i through adapter `adapter[i]` (one name: every row; "" or None: none).
+
+        Raises:
+            BadRequestError: an adapter this span does not serve.
+        """
+        names = [adapter or ""] * batch if adapter is None or isinstance(adapter, str) else list(adapter)
+        if self.adapters is None:
+            if any(names):
+                raise BadRequestError(f"blocks {self.start}:{self.end} are served without adapters")
+            return contextlib.nullcontext()
+        try:
+            return self.adapters.rows(names)
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -97,13 +116,20 @@ class BlockSpan(nn.Module):
         prefix_length: int = 0,
         blocks: tuple[int, int] | None = None,
         between_layers: Callable[[], None] | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """Run blocks `blocks` (default: all of the span) on hidden states of shape [batch, seq, hidden].
 
         `prefix_length` tokens are already in `cache`; `attention_mask` covers prefix + new tokens.
         `between_layers` is called between layers, in the forward and (when it builds a graph) in its backward:
-        see peer/compute.py.
+        see peer/compute.py. `adapter`: the named LoRA adapter to compute with (peer/adapters.py); None: none.
         """
+        with self.adapter_rows(adapter, hidden_states.shape[0]):
+            return self._forward(
+                hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers
+            )
+
+    def _forward(self, hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers):
         start, end = blocks or (self.start, self.end)
         types = self.types[start - self.start : end - self.start]
         # masks are sized against the first cache layer of each attention type among the blocks run

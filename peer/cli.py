@@ -41,6 +41,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _adapter(text: str) -> tuple[str, str]:
+    name, sep, folder = text.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (e.g. poems=adapters/poems), got {text!r}")
+    return name, folder
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Serve a span of a model's blocks to the swarm.")
     p.add_argument("model", help="Hugging Face checkpoint folder, or a hub id already in the local cache")
@@ -63,6 +70,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=choices(Quantization),
         help="hold the blocks' linear weights as int8 (a quarter of float32's memory) or nf4 (about a seventh); "
         "only clients that ask for that quantization use the peer (default: none)",
+    )
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        type=_adapter,
+        default=[],
+        metavar="NAME=DIR",
+        help="also serve these LoRA adapters (peft adapter folders, as swarmlm export --adapter-only writes) under "
+        "their names: a client picks one per session (from_pretrained(..., adapter=NAME))",
     )
     p.add_argument(
         "--memory-budget",
@@ -296,6 +312,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         device=args.device,
         dtype=DTypeChoice(args.dtype),
         quantization=Quantization(args.quantize),
+        adapters=_named(args.adapters),
         memory_budget=args.memory_budget,
         offload=Offload(args.offload),
         cache_tokens=args.cache_tokens,
@@ -315,6 +332,14 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
     )
 
 
+def _named(adapters: list[tuple[str, str]]) -> dict[str, str]:
+    names = [name for name, _ in adapters]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--adapters names {repeated} more than once; give each adapter its own name")
+    return dict(adapters)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -324,7 +349,11 @@ def run(args: argparse.Namespace) -> int:
     from peer.server import PeerServer  # torch, transformers, hivemind: only once the flags are known good
 
     async def main() -> int:
-        server = PeerServer(config)
+        try:
+            server = PeerServer(config)  # reads the adapter folders: a wrong one stops it before it joins
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 1
         try:
             # the DHT process runs in a process group of its own (swarm/dht/node.py): a signal to our group
             # (Ctrl+C, kill -TERM -PGID) leaves it running, so shutdown() can still announce OFFLINE

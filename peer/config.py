@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peer.admission import WorkLimits
-from protocol.records import MAX_THROUGHPUT, check_run_id, max_update_period_s
+from protocol.records import ADAPTER_NAME_PATTERN, MAX_ADAPTERS, MAX_THROUGHPUT, check_run_id, max_update_period_s
 from protocol.vocab import DType, Offload, Quantization, StrEnum, TrainMode, choices
 from swarm.training.recipe import LRSchedule, RunRecipe, check_overrides, check_setting
 from swarm.training.settings import AveragingSettings
@@ -197,6 +197,9 @@ class PeerConfig:
     quantization: Quantization = Quantization.NONE
     """Hold the blocks' linear weights as int8 or nf4 (peer/quantize.py); only clients that ask for that
     quantization use the peer."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Named LoRA adapters to serve beside the weights, name -> peft adapter folder (peer/adapters.py); a client
+    picks one per session."""
     memory_budget: int | None = None
     """Bytes of block weights and KV cache resident at once (peer/offload.py); None: no budget."""
     offload: Offload = Offload.NONE
@@ -230,6 +233,25 @@ class PeerConfig:
     """Train the served blocks with the other peers of the same span and run; None serves them frozen."""
     swarm_key: SwarmKey | None = None
     """Key of a private swarm: its DHT and every call are gated by it (TLS and per-call tags); None: public."""
+
+    def _check_adapters(self) -> None:
+        if not self.adapters:
+            return
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise ValueError(f"a peer serves at most {MAX_ADAPTERS} adapters, got {len(self.adapters)}")
+        for name in self.adapters:
+            if not isinstance(name, str) or not re.fullmatch(ADAPTER_NAME_PATTERN, name):
+                raise ValueError(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        if self.training is not None:
+            raise ValueError("a training peer serves the run's own weights: drop --adapters or --train")
+        if self.quantization != Quantization.NONE:
+            raise ValueError(
+                f"adapters are served on full-precision weights only: drop --adapters or --quantize {self.quantization}"
+            )
+        if self.offload != Offload.NONE:
+            raise ValueError(
+                f"adapters are served on resident blocks only: drop --adapters or --offload {self.offload}"
+            )
 
     def _check_memory(self) -> None:
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -276,6 +298,7 @@ class PeerConfig:
             raise ValueError(
                 f"a training peer updates full-precision weights: drop --quantize {self.quantization} or --train"
             )
+        self._check_adapters()
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if not isinstance(self.serving, ServingLimits):

@@ -102,16 +102,23 @@ class PeerServicer:
         request: pb.ForwardRequest = received.message
 
         async def work():
-            blocks = self.served.blocks(request.span)
+            blocks, adapter = self.served.blocks(request.span), self.served.adapter(request.span)
             hidden, mask, positions = self.served.inputs(request, received.payload)
 
             span, keep_id = self.served.span, request.backward_id
 
             def run():
                 if keep_id and self.activations.enabled:
-                    return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions)
+                    return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions, adapter)
                 with torch.inference_mode():
-                    return span(hidden, mask, positions, blocks=blocks, between_layers=self.served.compute.checkpoint)
+                    return span(
+                        hidden,
+                        mask,
+                        positions,
+                        blocks=blocks,
+                        between_layers=self.served.compute.checkpoint,
+                        adapter=adapter,
+                    )
 
             tokens = hidden.shape[0] * hidden.shape[1]
             with self.served.admission.admit(tokens, hidden.nbytes):
@@ -125,7 +132,7 @@ class PeerServicer:
         request: pb.BackwardRequest = received.message
 
         async def work():
-            blocks = self.served.blocks(request.span)
+            blocks, adapter = self.served.blocks(request.span), self.served.adapter(request.span)
             hidden, mask, positions = self.served.inputs(request, received.payload)
             if not request.HasField("grad_outputs"):
                 raise BadRequestError("grad_outputs is missing")
@@ -144,9 +151,9 @@ class PeerServicer:
 
             def run():
                 kept = self.activations.pop(request.backward_id) if request.backward_id else None
-                if kept is None or not kept.matches(blocks, hidden, mask, positions):
+                if kept is None or not kept.matches(blocks, hidden, mask, positions, adapter):
                     # recompute the forward: the kept one expired, was evicted, or was kept by another peer
-                    kept = self._forward_graph(span, blocks, hidden, mask, positions)
+                    kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter)
                 if training is not None:
                     return training.backward(
                         kept.outputs, kept.inputs, grad.to(span.device), request.micro_batch, request.epoch
@@ -163,16 +170,20 @@ class PeerServicer:
 
         return await _unary(context, work)
 
-    def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions) -> Kept:
+    def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions, adapter: str = "") -> Kept:
         inputs = hidden.to(span.device).requires_grad_(True)
         with torch.enable_grad():
-            outputs = span(inputs, mask, positions, blocks=blocks, between_layers=self.served.compute.checkpoint)
-        return Kept(blocks, inputs, outputs, mask, positions, nbytes=0)
+            outputs = span(
+                inputs, mask, positions, blocks=blocks, between_layers=self.served.compute.checkpoint, adapter=adapter
+            )
+        return Kept(blocks, inputs, outputs, mask, positions, nbytes=0, adapter=adapter)
 
-    def _forward_keeping(self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions) -> torch.Tensor:
+    def _forward_keeping(
+        self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions, adapter: str
+    ) -> torch.Tensor:
         """Forward with autograd, keeping the graph for the backward with `keep_id` if it fits."""
         with ActivationStore.counting(span) as saved:  # only what is kept needs its size
-            kept = self._forward_graph(span, blocks, hidden, mask, positions)
+            kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter)
         kept.nbytes = saved.bytes
         self.activations.put(keep_id, kept)
         return kept.outputs.detach()

@@ -78,6 +78,7 @@ class Session:
     push_token: bytes = b""  # what the previous peer of the route shows to push steps into it (empty: none may)
     inbox: asyncio.Queue[InboxItem] | None = None  # the session's work
     reclaimed: bool = False  # told to end, to make room for another session
+    adapter: str = ""  # the named adapter it computes with (peer/adapters.py); "" for none
 
 
 @dataclass
@@ -304,6 +305,7 @@ class InferenceStreams:
     def _check_open(self, request: pb.OpenSession) -> tuple[int, int]:
         """The blocks of a session to open; raises BadRequestError for what cannot be opened."""
         blocks = self.served.blocks(request.span)
+        self.served.adapter(request.span)
         if len(request.push_token) > MAX_PUSH_TOKEN_BYTES:
             raise BadRequestError(f"a push token has at most {MAX_PUSH_TOKEN_BYTES} bytes")
         if not request.session_id:
@@ -347,6 +349,7 @@ class InferenceStreams:
                     self.served.span.new_cache(),
                     push_token=request.push_token,
                     inbox=stream.inbox,
+                    adapter=self.served.adapter(request.span),
                 )
                 self.sessions[session.session_id] = session
                 opening.callback(self.sessions.pop, session.session_id, None)
@@ -438,6 +441,7 @@ class InferenceStreams:
             session.position,
             asyncio.get_running_loop().create_future(),
             reset=lambda: _forget_step(session, span, 0),
+            adapter=session.adapter,
         )
         out = await self.batcher.step(session.blocks, member)
         clock.computed(member.forward_s, member.shared_by)
@@ -463,6 +467,7 @@ class InferenceStreams:
                         step.prefix_length + begin,
                         blocks=session.blocks,
                         between_layers=self.served.compute.checkpoint,
+                        adapter=session.adapter,
                     )
             except Exception:
                 _forget_step(session, span, step.prefix_length)  # some layers may have grown

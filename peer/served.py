@@ -53,6 +53,22 @@ class ServedSpan:
             )
         return span.start, span.end
 
+    def adapter(self, span: pb.Span) -> str:
+        """The named adapter a request asks for ("" for none), if this peer serves it.
+
+        Raises:
+            WrongSpanError: this peer does not serve it (another peer's record may list it).
+        """
+        if not span.adapter:
+            return ""
+        served = self.span.adapters.folders if self.span is not None and self.span.adapters is not None else {}
+        if span.adapter not in served:
+            raise WrongSpanError(
+                f"this peer serves no adapter {span.adapter[:64]!r} (it serves {sorted(served) or 'none'}); "
+                f"use a peer whose record lists it"
+            )
+        return span.adapter
+
     def inputs(self, message, payload: memoryview, prefix_length: int = 0):
         """A request's (hidden states, attention mask, position ids), checked against the span and the hard caps."""
         if not message.HasField("hidden_states"):

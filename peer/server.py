@@ -16,6 +16,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from peer.adapters import ServedAdapters, adapter_records, read_adapter
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.config import WILDCARD_HOSTS, PeerConfig
@@ -85,6 +86,7 @@ class PeerServer:
         self.training = None  # peer.training.SpanTraining with --train
         self._trainer: asyncio.Task | None = None
         self._shut_down = False
+        self.adapters = [read_adapter(name, folder) for name, folder in config.adapters.items()]
 
     @property
     def peer_id(self) -> str:
@@ -207,6 +209,11 @@ class PeerServer:
             quantization=cfg.quantization,
             stream=stream,
         )
+        if self.adapters:
+            self.span.adapters = await asyncio.to_thread(
+                ServedAdapters, self.span.layers, self.span.start, self.adapters
+            )
+            logger.info("serving adapters %s", ", ".join(f"{a.name} ({a.digest})" for a in self.adapters))
         cache_file = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         self.throughput = cfg.throughput or await asyncio.to_thread(
             measure_throughput, self.span, cache_file / "throughput.json"
@@ -327,6 +334,7 @@ class PeerServer:
             samples=self.training.samples if self.training else 0,
             joined_at=self.joined_at,
             quantization=str(self.config.quantization),
+            adapters=adapter_records(self.adapters),
         )
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:

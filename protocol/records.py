@@ -40,7 +40,9 @@ after: otherwise a peer that never finishes joining (or lies) would keep newcome
 _PeerId = pydantic.constr(pattern=PEER_ID_PATTERN)
 
 
-_RETIRED_FIELDS = ("adapters", "next_pings")
+_RETIRED_FIELDS = ("adapters", "next_pings")  # an empty "adapters" is what version 2 always sent
+MAX_ADAPTERS = 16
+ADAPTER_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
 
 
 class ServerState(enum.IntEnum):
@@ -61,6 +63,14 @@ class _Record(pydantic.BaseModel):
             return cls.model_validate(raw)
         except pydantic.ValidationError as exc:
             raise InvalidRecordError(f"invalid {cls.__name__} record: {exc.errors(include_url=False)}") from exc
+
+
+class AdapterInfo(_Record):
+    """A named LoRA adapter a peer serves for its blocks (`swarmlm peer --adapters NAME=DIR`, peer/adapters.py)."""
+
+    name: str = pydantic.Field(pattern=f"^{ADAPTER_NAME_PATTERN}$")
+    digest: str = pydantic.Field(pattern=r"^[0-9a-f]{16}$")  # of its folder's files: the same folder, the same digest
+    client_modules: bool = False  # it also replaces embeddings, norm or head, which the client applies from the folder
 
 
 class ServerInfo(_Record):
@@ -87,6 +97,9 @@ class ServerInfo(_Record):
     # how it holds its linear weights (peer/quantize.py); left out of the record when "none", so that clients that
     # predate it read unquantized peers' records as before and refuse quantized ones
     quantization: Literal["none", "int8", "nf4"] = "none"
+    # named adapters a client may pick per session; left out of the record when empty, as quantization is. Peers
+    # of version 2 and older announced an always empty list under this name, which still reads as none.
+    adapters: tuple[AdapterInfo, ...] = pydantic.Field(default=(), max_length=MAX_ADAPTERS)
 
     @pydantic.field_validator("state", mode="before")
     @classmethod
@@ -99,15 +112,23 @@ class ServerInfo(_Record):
     @classmethod
     def _drop_unused_fields(cls, value: Any) -> Any:
         """Peers of version 2 and older announced `adapters` and `next_pings`, always empty, and nothing read them;
-        their records stay valid without them, and a non-empty one is an unknown field."""
+        their records stay valid without them (an empty `adapters` reads as none), and a non-empty `next_pings` is
+        an unknown field."""
         if isinstance(value, dict) and any(value.get(name) in ([], (), {}) for name in _RETIRED_FIELDS):
             value = {k: v for k, v in value.items() if not (k in _RETIRED_FIELDS and v in ([], (), {}))}
         return value
 
-    @pydantic.field_validator("relays", mode="before")
+    @pydantic.field_validator("relays", "adapters", mode="before")
     @classmethod
     def _tuple_from_list(cls, value: Any) -> Any:
         return tuple(value) if isinstance(value, list) else value
+
+    @pydantic.model_validator(mode="after")
+    def _adapter_names_differ(self) -> ServerInfo:
+        names = [adapter.name for adapter in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names repeat: {names}")
+        return self
 
     @pydantic.model_validator(mode="after")
     def _span_is_ordered(self) -> ServerInfo:
@@ -121,6 +142,10 @@ class ServerInfo(_Record):
         wire["relays"] = list(self.relays)
         if self.quantization == "none":
             del wire["quantization"]
+        if self.adapters:
+            wire["adapters"] = [adapter.to_wire() for adapter in self.adapters]
+        else:
+            del wire["adapters"]
         return wire
 
 

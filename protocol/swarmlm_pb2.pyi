@@ -35,14 +35,16 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., compression: _Optional[_Union[Compression, str]] = ..., in_payload: _Optional[bool] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Span(_message.Message):
-    __slots__ = ("model", "start", "end")
+    __slots__ = ("model", "start", "end", "adapter")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     start: int
     end: int
-    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression", "backward_id", "payload")

@@ -51,6 +51,7 @@ def format_snapshot(
             + (f" {info.quantization}" if info.quantization != "none" else "")
             + f"  cache left {info.cache_tokens_left}"
             + (f"  training {info.run_id!r}: update {info.epoch}, {info.samples} samples" if info.run_id else "")
+            + (f"  adapters {', '.join(a.name for a in info.adapters)}" if info.adapters else "")
         )
     uncovered = snapshot.uncovered_blocks()
     lines.append(f"  uncovered blocks: {_ranges(uncovered)}" if uncovered else "  all blocks covered")

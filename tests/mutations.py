@@ -1013,6 +1013,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stranger's record ahead of the group counts once the trainers' word sets the stale members aside",
         ("tests/swarm/training/test_state.py",),
     ),
+    Mutation(
+        "adapter-rows-not-passed",
+        "peer/adapters.py",
+        '    return args, {**kwargs, "adapter_names": list(rows)}\n',
+        "    return None  # MUTATION\n",
+        "a peer serving adapters computes every session without its adapter",
+        ("tests/peer/test_adapters.py",),
+    ),
+    Mutation(
+        "batched-rows-lose-their-adapter",
+        "peer/batching.py",
+        '    per_row = [name for name, r in zip(adapters or [""] * len(rows), rows) for _ in range(r)]\n',
+        '    per_row = [""] * sum(rows)  # MUTATION\n',
+        "a decode step batched with other sessions forgets its session's adapter",
+        ("tests/peer/test_adapters.py",),
+    ),
+    Mutation(
+        "client-routes-past-the-adapter",
+        "client/sequence.py",
+        "                servers = serving_adapter(servers, self.config.adapter, self.adapter_digest)\n",
+        "                pass  # MUTATION\n",
+        "a client that names an adapter also routes through peers that do not serve it",
+        ("tests/integration/test_adapters.py",),
+    ),
 )
 
 

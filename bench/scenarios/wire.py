@@ -64,12 +64,21 @@ class EchoSpan:
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         self.config, self.dtype, self.start, self.end = _Config(hidden_size), dtype, 0, 1
         self.streamer = None  # it holds no blocks to stream in
+        self.adapters = None  # nor adapters
 
     def new_cache(self) -> _NoCache:
         return _NoCache()
 
     def __call__(
-        self, hidden, mask=None, positions=None, cache=None, prefix_length=0, blocks=None, between_layers=None
+        self,
+        hidden,
+        mask=None,
+        positions=None,
+        cache=None,
+        prefix_length=0,
+        blocks=None,
+        between_layers=None,
+        adapter=None,
     ):
         return hidden
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: routes, authorization, request checks, answers whole or streamed.
 
-    GET  /v1/models             the one model this server serves
+    GET  /v1/models             the model this server serves, and MODEL:ADAPTER for each adapter it serves
     POST /v1/completions        a prompt (text or token ids) continued
     POST /v1/chat/completions   messages through the tokenizer's chat template
     GET  /health                200 while every block is served by some usable peer, else 503
@@ -39,8 +39,11 @@ _ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health"
 CLIENT_GONE = "499"  # the status label of requests whose client disconnected (nginx's convention)
 
 
-def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
-    """An ASGI app serving `backend`; its metrics live in `app.state.metrics` (a registry of its own)."""
+def create_app(backend: Backend, config: ApiConfig, adapters: dict[str, Backend] | None = None) -> FastAPI:
+    """An ASGI app serving `backend` as `config.model_id`, and each of `adapters` (adapter name -> a backend whose
+    client computes with it, ClientConfig.adapter) as `{model_id}:{name}`; its metrics live in `app.state.metrics`
+    (a registry of its own)."""
+    backends = {config.model_id: backend, **{f"{config.model_id}:{name}": b for name, b in (adapters or {}).items()}}
     speculating = getattr(backend, "drafter", None) is not None  # swarmlm api --speculative
     metrics = ApiMetrics(backend.failovers, backend.speculative if speculating else None)
     runner = JobRunner(backend, metrics, config.max_concurrency, config.max_queued)
@@ -94,14 +97,19 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
             raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != config.model_id and name not in config.aliases:
+    def check_model(name: str) -> str:
+        """The id of the model a request names (an alias is the base model's)."""
+        if name in config.aliases:
+            return config.model_id
+        if name not in backends:
             raise ApiError(
                 404,
-                f"the model {name!r} does not exist on this server, which serves {config.model_id!r} (GET /v1/models)",
+                f"the model {name!r} does not exist on this server, which serves {', '.join(map(repr, backends))} "
+                f"(GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
+        return name
 
     # --- routes ---
 
@@ -134,21 +142,21 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         count(request, 200)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card() -> dict:
-        return {"id": config.model_id, "object": "model", "created": started, "owned_by": "swarmlm"}
+    def model_card(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "swarmlm"}
 
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
         count(request, 200)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(model_id) for model_id in backends]}
 
     @app.get("/v1/models/{name:path}")
     async def model(request: Request, name: str):
         authorize(request)
-        check_model(name)
+        model_id = check_model(name)
         count(request, 200)
-        return model_card()
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -164,7 +172,7 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         arrived = time.perf_counter()
         authorize(request)
         body = parse_body(await read_body(request, config.max_body_bytes), ChatRequest if chat else CompletionRequest)
-        check_model(body.model)
+        model_id = check_model(body.model)
         if chat:
             prompt_ids = await asyncio.to_thread(backend.encode_chat, body.chat_messages())
         else:
@@ -185,11 +193,11 @@ def create_app(backend: Backend, config: ApiConfig) -> FastAPI:
         watcher = asyncio.create_task(watch_disconnect(request, gone))
         job: Job | None = None
         try:
-            job = await runner.start(params, gone, arrived)
+            job = await runner.start(params, gone, arrived, backends[model_id])
             first = await job.next_event()
             if isinstance(first, Failed):
                 raise generation_error(first.error)
-            shape = Shape(chat=chat, model=config.model_id)
+            shape = Shape(chat=chat, model=model_id)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 stream = stream_events(request, job, first, shape, include_usage)

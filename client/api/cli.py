@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import sys
 
+from protocol.records import ADAPTER_NAME_PATTERN
 from protocol.vocab import DType, Quantization, choices
 from swarm.extras import require_extra
 from swarm.trust.swarmkey import SWARM_KEY_HELP, load_optional
@@ -103,8 +105,24 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="use only peers holding their weights so (swarmlm peer --quantize); answers are then the model's with "
         "its linear weights rounded the same way (default: none, the checkpoint's weights)",
     )
+    p.add_argument(
+        "--adapters",
+        nargs="+",
+        type=_adapter,
+        default=[],
+        metavar="NAME[=DIR]",
+        help="also serve the model with these LoRA adapters, which peers serve (swarmlm peer --adapters), as models "
+        "named MODEL:NAME; DIR: the adapter's folder, needed when it replaces the embeddings or head (default: none)",
+    )
     p.add_argument("--cache-dir", help="where the built-in model is converted to (default: ~/.cache/swarmlm)")
     return p
+
+
+def _adapter(text: str) -> tuple[str, str | None]:
+    name, sep, folder = text.partition("=")
+    if not name or (sep and not folder):
+        raise argparse.ArgumentTypeError(f"expected NAME or NAME=DIR (e.g. poems=adapters/poems), got {text!r}")
+    return name, folder or None
 
 
 def config_from_args(args: argparse.Namespace):
@@ -122,6 +140,14 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit(f"error: --draft-tokens must be >= 1, got {args.draft_tokens}")
     if args.speculative not in (None, "ngram") and not os.path.isdir(args.speculative):
         raise SystemExit(f"error: --speculative takes ngram or a local model's folder; {args.speculative!r} is neither")
+    names = [name for name, _ in args.adapters]
+    for name, folder in args.adapters:
+        if not re.fullmatch(ADAPTER_NAME_PATTERN, name) or names.count(name) > 1:
+            raise SystemExit(
+                f"error: --adapters: {name!r} must be a distinct name of 1-64 letters, digits, '_', '.', '-'"
+            )
+        if folder is not None and not os.path.isdir(folder):
+            raise SystemExit(f"error: --adapters {name}={folder}: no such folder")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         return ApiConfig(
@@ -248,28 +274,42 @@ def _serve(args, config, swarm_key, sock) -> int:
             f"tokenizer files beside its checkpoint"
         ) from None
     model_id = args.dht_prefix or prefix_for_model(args.model)
+
+    def connect(**options):
+        try:
+            return AutoDistributedModelForCausalLM.from_pretrained(
+                str(path),
+                initial_peers=args.initial_peers,
+                dht_prefix=args.dht_prefix,
+                dtype=args.dtype,
+                swarm_key=swarm_key,
+                wait_for_peers_s=args.wait_for_peers_s,
+                request_timeout_s=args.request_timeout_s,
+                quantization=args.quantization,
+                **options,
+            )
+        except (SwarmError, ValueError):
+            raise
+        except Exception as exc:  # hivemind's daemon errors: say which flag to check, without its traceback
+            raise SwarmError(
+                f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+
+    model, adapted = connect(), {}
     try:
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(path),
-            initial_peers=args.initial_peers,
-            dht_prefix=args.dht_prefix,
-            dtype=args.dtype,
-            swarm_key=swarm_key,
-            wait_for_peers_s=args.wait_for_peers_s,
-            request_timeout_s=args.request_timeout_s,
-            quantization=args.quantization,
-        )
-    except (SwarmError, ValueError):
-        raise
-    except Exception as exc:  # hivemind's daemon errors: say which flag to check, without its traceback
-        raise SwarmError(
-            f"could not join the swarm through --initial-peers {' '.join(args.initial_peers)}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    try:
+        for name, folder in args.adapters:  # a client each: its routes use only the peers serving that adapter
+            adapted[name] = connect(adapter=name, adapter_path=folder)
         aliases = tuple({args.model, str(path)} - {model_id})
         config = dataclasses.replace(config, model_id=model_id, aliases=aliases)
-        app = create_app(SwarmBackend(model, tokenizer, model_id, _drafter(args, model)), config)
+        app = create_app(
+            SwarmBackend(model, tokenizer, model_id, _drafter(args, model)),
+            config,
+            {
+                name: SwarmBackend(client, tokenizer, f"{model_id}:{name}", _drafter(args, client))
+                for name, client in adapted.items()
+            },
+        )
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
@@ -285,4 +325,5 @@ def _serve(args, config, swarm_key, sock) -> int:
         server.run(sockets=[sock])
         return 0
     finally:
-        model.shutdown()
+        for client in (model, *adapted.values()):
+            client.shutdown()

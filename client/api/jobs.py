@@ -151,8 +151,11 @@ class JobRunner:
         self._waiting: list[asyncio.Future] = []  # in arrival order
         self._jobs: set[Job] = set()
 
-    async def start(self, params: GenerationParams, gone: asyncio.Event, arrived_at: float) -> Job:
-        """Admit and start a job; raises ApiError(429) when the queue is full, ClientGone if the caller left.
+    async def start(
+        self, params: GenerationParams, gone: asyncio.Event, arrived_at: float, backend: Backend | None = None
+    ) -> Job:
+        """Admit and start a job on `backend` (None: the runner's); raises ApiError(429) when the queue is full,
+        ClientGone if the caller left.
 
         Once started, the job hears of a disconnect through `gone` too (its `client_gone` is called).
         """
@@ -184,7 +187,7 @@ class JobRunner:
         loop = asyncio.get_running_loop()
         job = Job(loop, params, self.metrics, arrived_at)
         self._jobs.add(job)
-        future = loop.run_in_executor(self._executor, job.run, self.backend)
+        future = loop.run_in_executor(self._executor, job.run, backend or self.backend)
         future.add_done_callback(lambda _: (self._jobs.discard(job), self._release()))
         waiter = asyncio.ensure_future(gone.wait())  # per-token reads then need no race with `gone`
         waiter.add_done_callback(lambda w: None if w.cancelled() else job.client_gone())

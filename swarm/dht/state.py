@@ -85,6 +85,7 @@ def _peer(peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot, live: bool, p
         "cache_tokens_left": info.cache_tokens_left,
         "dtype": info.dtype,
         "quantization": info.quantization,
+        "adapters": [{"name": a.name, "digest": a.digest, "client_modules": a.client_modules} for a in info.adapters],
         "version": info.version,
         "endpoint": info.endpoint,
         "transport": info.transport,

@@ -45,6 +45,9 @@ def test_the_command_is_listed_and_has_help():
         (["--wait-for-peers-s", "-2"], "--wait-for-peers-s must be >= 0"),
         (["--speculative", "/no/such/model"], "--speculative takes ngram or a local model's folder"),
         (["--speculative", "ngram", "--draft-tokens", "0"], "--draft-tokens must be >= 1, got 0"),
+        (["--adapters", "poems", "poems"], "--adapters: 'poems' must be a distinct name"),
+        (["--adapters", "po/ems"], "--adapters: 'po/ems' must be a distinct name"),
+        (["--adapters", "law=/no/such/folder"], "--adapters law=/no/such/folder: no such folder"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_heavy(flags, words):

@@ -247,7 +247,8 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
 
 def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
     """LoRA peers train adapters only, as the local LoRA reference does on the same batches; the export (adapters
-    merged) is what the swarm computes and generates, and what the reference computes."""
+    merged) is what the swarm computes and generates, and what the reference computes; the adapters exported alone
+    and served by frozen peers (`--adapters`) compute it too."""
     # the recipe (lr 3e-2, LoRA) is the peers's: a trainer that gives no lr adopts it
     config = TrainConfig(run_id="lora", batch_size=4, micro_batch_size=2, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
@@ -336,6 +337,17 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
                     model.generate(prompt, max_new_tokens=8, do_sample=False),
                     exported.generate(prompt, max_new_tokens=8, do_sample=False),
                 )
+            # the exported adapter, served by two frozen peers and chosen per session, is the same model again
+            for span in ("0:2", "2:4"):
+                swarm.start_peer(model_path, "--blocks", span, "--adapters", f"trained={adapter}")
+            served = AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_path), initial_peers=swarm.initial_peers, adapter="trained", adapter_path=str(adapter)
+            )
+            try:
+                with torch.no_grad():
+                    torch.testing.assert_close(served(ids).logits, adapted(ids).logits, atol=1e-4, rtol=0)
+            finally:
+                served.shutdown()
 
             # training requests that do not fit get typed errors, and the peers train on
             sequence = model.sequence

@@ -38,6 +38,7 @@ class DoublingSpan:
     """Stands in for a BlockSpan: the output is twice the input; `fail` makes the next call raise."""
 
     dtype, start, end = torch.float32, 0, 2
+    adapters = None
 
     def __init__(self):
         self.fail = False
@@ -46,7 +47,7 @@ class DoublingSpan:
     def new_cache(self) -> _Cache:
         return _Cache()
 
-    def __call__(self, hidden, mask, positions, cache, prefix_length, blocks, between_layers):
+    def __call__(self, hidden, mask, positions, cache, prefix_length, blocks, between_layers, adapter=None):
         self.calls += 1
         if self.fail:
             self.fail = False

@@ -71,6 +71,7 @@ def test_peers_are_listed_by_span_with_every_announced_field():
         "cache_tokens_left": 64,
         "dtype": "float32",
         "quantization": "none",
+        "adapters": [],
         "version": "1",
         "endpoint": "127.0.0.1:5000",
         "transport": "direct",

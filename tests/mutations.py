@@ -1014,6 +1014,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/training/test_state.py",),
     ),
     Mutation(
+        "int8-losses-not-fed-back",
+        "swarm/training/codec.py",
+        "                    self._residuals[part] = lost\n",
+        "                    pass  # MUTATION\n",
+        "8-bit rounds forget what each part lost: the same rounding adds up round after round",
+        ("tests/swarm/training/test_codec.py", "tests/swarm/training/test_rounds.py"),
+    ),
+    Mutation(
         "adapter-rows-not-passed",
         "peer/adapters.py",
         '    return args, {**kwargs, "adapter_names": list(rows)}\n',

@@ -10,8 +10,8 @@ trained on the bundled Shakespeare plays. Its parts run one after the other, eac
     wire dtype   the 1-trainer run again with activations and gradients sent as bfloat16, then as blockwise int8
                  (`--wire-dtype`): final loss against --local (the loss effect of the compression)
     averaging    seconds per group all-reduce in those peers' logs vs two bare hivemind averagers of a stage's size
-    compression  the 2-trainer run again with --averaging-compression float16: final loss against the float64 run
-                 (same batches), and the bytes the rounds sent per trained sample
+    compression  the 2-trainer run again with --averaging-compression float16, then int8: final loss against the
+                 float64 run (same batches), and the bytes the rounds sent per trained sample
     pipelining   2 peers behind 20 ms one-way delay proxies: --max-in-flight 4 vs 1, tokens/s
     default      (full preset) tokens/s of the default model, seq 128, batch 4, vs --local
 
@@ -59,9 +59,10 @@ NOTES = {
     "wire": "same batches as the local run (seed 0); hidden states and gradients travel compressed both ways "
     "(bfloat16: 2 bytes a value; int8: 1 byte plus 4 per block of 64), so the swarm's loss differs from the local "
     "run's by the compression's effect only",
-    "compression": "the 2-trainer run (same seeds, so the same batches) with --averaging-compression float16: "
-    "every round of the stages and of the trainers sends float16 parts scaled per part; the loss differs from the "
-    "float64 run's by the compression's effect only (the members of a group still end identical)",
+    "compression": "the 2-trainer run (same seeds, so the same batches) with --averaging-compression float16 "
+    "(parts scaled per part) or int8 (blocks of 64 values with a scale each, error feedback): every round of the "
+    "stages and of the trainers sends them so; the loss differs from the float64 run's by the compression's effect "
+    "only (the members of a group still end identical)",
     "bytes": "bytes of the parts every peer and trainer sent to the others' reducers in their rounds (their answers, "
     "as large, come on top), over the samples the trainers trained",
     "rates": f"tokens/s: median of the per-step figures of --log-json after the first {SKIP} steps; a swarm step "
@@ -290,26 +291,31 @@ class TrainSwarm:
         if self.two_swarm is None:
             raise RuntimeError("the 2-trainer part failed: there is no float64 run to compare with")
         plain, plain_bytes = self.two_swarm
-        runs, names = self._two_trainers_run("float16", ("--averaging-compression", "float16"))
-        ours = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
-        variant = f"2 trainers x batch {self.small.batch_size}, 2 peers per stage, {len(ours)} steps"
-        curves = {"swarm, float64 rounds": plain, "swarm, float16 rounds": ours}
-        fidelity = self._fidelity(variant, ours, plain, NOTES["compression"], curves)
-        fidelity.reference_name = "the same run, float64 rounds"
-        return [
-            fidelity,
-            Row(
-                "train_swarm",
-                tr.TRAIN_MODEL,
-                variant,
-                "round bytes sent per sample",
-                "bytes",
-                Summary.of([self._round_bytes_per_sample(runs, names)]),
-                Summary.of([plain_bytes]),
-                "the same run, float64 rounds",
-                extra={"notes": [NOTES["bytes"]]},
-            ),
-        ]
+        rows, curves = [], {"swarm, float64 rounds": plain}
+        for codec in ("float16", "int8"):
+            runs, names = self._two_trainers_run(codec, ("--averaging-compression", codec))
+            ours = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
+            variant = (
+                f"2 trainers x batch {self.small.batch_size}, 2 peers per stage, {len(ours)} steps, {codec} rounds"
+            )
+            curves[f"swarm, {codec} rounds"] = ours
+            fidelity = self._fidelity(variant, ours, plain, NOTES["compression"], dict(curves))
+            fidelity.reference_name = "the same run, float64 rounds"
+            rows += [
+                fidelity,
+                Row(
+                    "train_swarm",
+                    tr.TRAIN_MODEL,
+                    variant,
+                    "round bytes sent per sample",
+                    "bytes",
+                    Summary.of([self._round_bytes_per_sample(runs, names)]),
+                    Summary.of([plain_bytes]),
+                    "the same run, float64 rounds",
+                    extra={"notes": [NOTES["bytes"]]},
+                ),
+            ]
+        return rows
 
     def averaging(self) -> list[Row]:
         if not self.rounds_s:

@@ -9,7 +9,9 @@ it counts the bytes of the parts it sends.
 With a lossy compression (`compressed`), hivemind would hand each member its own value plus the compressed
 difference from the average, a different rounding on every member, and members compare digests of the result.
 So a reducer answers the compressed average itself, the same bytes to every sender, and keeps for its own part
-what those bytes decode to: every member ends with identical tensors.
+what those bytes decode to: every member ends with identical tensors. Compressed parts are decoded by the round's
+own codec, not by the one their message names (hivemind's registry, which has no codec for int8 parts:
+swarm/training/codec.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from typing import AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartReducer
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import CompressionInfo
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +78,47 @@ class RoundRunner(AllReduceRunner):
             tuple(part.shape for part in parts), len(self.sender_peer_ids), [part.dtype for part in parts]
         )
         self.failed_reducers: set[PeerID] = set()
+        self._answers: dict[int, asyncio.Future] = {}  # part index -> its encoded average, the same for every sender
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         try:
-            if self.compressed and peer_id == self.peer_id:
+            if not self.compressed:
+                await super()._communicate_with_peer(peer_id)
+            elif peer_id == self.peer_id:
                 await self._reduce_own_parts()
             else:
-                await super()._communicate_with_peer(peer_id)
+                await self._exchange_parts(peer_id)
         except BaseException:
             self.failed_reducers.add(peer_id)
+            raise
+
+    async def _exchange_parts(self, peer_id: PeerID) -> None:
+        """hivemind's exchange with another member's reducer: our parts to it, its averages back, decoded by our codec."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def decode(message):
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                return self._decode(message.tensor_part)
+
+            part_index = 0
+            async for averaged in amap_in_executor(
+                decode,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(f"{peer_id} answered {part_index} parts, not the parts it was sent")
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
     async def _reduce_own_parts(self) -> None:
@@ -93,11 +127,21 @@ class RoundRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, tensor_part, weight=1.0)
-            decoded = deserialize_torch_tensor(self._encode(averaged))
+            decoded = self._decode(await self._answer(part_index, averaged))
             self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
 
-    def _encode(self, tensor: torch.Tensor):
-        return self.tensor_part_container.compression.compress(tensor, CompressionInfo.from_tensor(tensor))
+    async def _answer(self, part_index: int, averaged: torch.Tensor):
+        """The average of a part of ours as sent, encoded once: every sender gets the same bytes, and a codec with
+        error feedback (int8) sees each average once. Its part is known by the group and its index in our share."""
+        if part_index not in self._answers:
+            info = CompressionInfo.from_tensor(averaged, key=("average", self.ordered_peer_ids)).get_part(part_index, 0)
+            self._answers[part_index] = asyncio.get_running_loop().run_in_executor(
+                None, self.tensor_part_container.compression.compress, averaged, info
+            )
+        return await asyncio.shield(self._answers[part_index])
+
+    def _decode(self, serialized) -> torch.Tensor:
+        return self.tensor_part_container.compression.extract(serialized)
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for message in super()._generate_input_for_peer(peer_index):
@@ -113,7 +157,7 @@ class RoundRunner(AllReduceRunner):
         part_index = 0
         try:
             async for tensor_part in amap_in_executor(
-                lambda msg: deserialize_torch_tensor(msg.tensor_part),
+                lambda msg: self._decode(msg.tensor_part),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -121,10 +165,10 @@ class RoundRunner(AllReduceRunner):
                     averaged = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=1.0
                     )
-                    part_index += 1
                 except BannedException:
                     break  # the sender was banned: nothing more is owed to it
-                answer = await asyncio.get_running_loop().run_in_executor(None, self._encode, averaged)
+                answer = await self._answer(part_index, averaged)
+                part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=answer)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -28,7 +28,7 @@ from protocol.vocab import StrEnum, TrainMode, choices
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-AVERAGING_COMPRESSIONS = ("none", "float16")  # swarm/training/rounds.py COMPRESSIONS has their codecs
+AVERAGING_COMPRESSIONS = ("none", "float16", "int8")  # swarm/training/rounds.py COMPRESSIONS has their codecs
 MASTER_DTYPES = ("float32",)  # the dtype policy: master weights, accumulators and optimizer state
 MAX_LORA_RANK = 1 << 16
 RECIPE_TTL_S = MAX_RECORD_TTL_S - CLOCK_SKEW_S  # what the DHT still takes from a node with a skewed clock

@@ -46,13 +46,15 @@ from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter, 
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.training.allreduce import RoundRunner, round_group_id
+from swarm.training.codec import Int8Compression
 from swarm.training.members import OwnerCache, verified_progress
 from swarm.training.process import bounded_call, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
-# hivemind's codecs by our names; its 8-bit ones (UNIFORM_8BIT, QUANTILE_8BIT) fail to decode with numpy 2
-COMPRESSIONS = {"none": NoCompression(), "float16": ScaledFloat16Compression()}
+# the codecs by our names (hivemind's 8-bit ones, UNIFORM_8BIT and QUANTILE_8BIT, fail to decode with numpy 2);
+# a member's averager process gets its own copy of each, so that int8's error feedback is that member's
+COMPRESSIONS = {"none": NoCompression(), "float16": ScaledFloat16Compression(), "int8": Int8Compression()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +69,10 @@ class RoundSettings:
     start_timeout_s: float = 60.0
     """How long the averager process may take to start."""
     compression: str = "none"
-    """How parts travel: "none" (float64, exact) or "float16" (each part scaled by its mean and deviation, a
-    quarter of the bytes; every member still ends with identical tensors: swarm/training/allreduce.py)."""
+    """How parts travel: "none" (float64, exact), "float16" (each part scaled by its mean and deviation, a
+    quarter of the bytes) or "int8" (blocks of 64 values with a scale each, an eighth of the bytes, with error
+    feedback: swarm/training/codec.py); compressed, every member still ends with identical tensors
+    (swarm/training/allreduce.py)."""
 
     def __post_init__(self) -> None:
         for name in ("sender_timeout_s", "part_size_bytes", "start_timeout_s"):
@@ -344,10 +348,23 @@ class RoundAverager(DecentralizedAverager):
                         local[index].add_(output)
                     index += 1
             except Exception as exc:
+                self._settle_feedback(complete=False)
                 return [*runner.problems(), f"the all-reduce failed: {exc!r}"], runner.sent_bytes
             finally:
                 await outputs.aclose()  # on a timeout too: stops its tasks, which hold the shared tensors
-            return runner.problems(), runner.sent_bytes
+            problems = runner.problems()
+            self._settle_feedback(complete=not problems)
+            return problems, runner.sent_bytes
+
+    def _settle_feedback(self, complete: bool) -> None:
+        """int8's error feedback keeps what a complete round's parts lost, and forgets a failed round's."""
+        codec = self.allreduce_kwargs["compression"]
+        if not isinstance(codec, Int8Compression):
+            return
+        if complete:
+            codec.commit()
+        else:
+            codec.discard()
 
     def _round_registered(self) -> asyncio.Event:
         if self._rounds_changed is None:

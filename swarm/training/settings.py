@@ -113,7 +113,8 @@ def add_recipe_arguments(t) -> None:
     t.add_argument(
         "--averaging-compression",
         choices=AVERAGING_COMPRESSIONS,
-        help=f"how rounds send gradients: none (float64, exact) or float16 (a quarter of the bytes, lossy) "
+        help=f"how rounds send gradients: none (float64, exact), float16 (a quarter of the bytes, lossy) or int8 "
+        f"(an eighth, lossy, with error feedback) "
         f"{default(d.averaging_compression)}",
     )
 

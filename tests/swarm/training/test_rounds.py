@@ -130,6 +130,37 @@ def test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identi
     assert 0 < sent[0] <= sent[1] / 3.9, sent  # float16, and each part's mean and deviation
 
 
+def test_int8_rounds_send_an_eighth_of_the_bytes_feed_back_what_they_lost_and_every_member_ends_identical(swarm):
+    """The same gradients averaged again and again: with error feedback the mean over rounds closes in on the exact
+    average (each round's loss is fed into the next), without it the same rounding repeats every round."""
+    int8 = dataclasses.replace(SETTINGS, compression="int8")
+    averagers = swarm(3, settings=int8)
+    members = [a.member_id for a in averagers]
+    expected = mean_of(range(3))
+    scale = max(float(t.abs().max()) for t in expected)
+    rounds = []
+    for i in range(6):
+        results = run_round(averagers, members, f"int8-{i}".encode())
+        first, *others = results.values()
+        assert first.complete and all(other.complete for other in others), [r.reason for r in results.values()]
+        for other in others:
+            assert all(torch.equal(a, b) for a, b in zip(first.tensors, other.tensors))
+        rounds.append(first.tensors)
+        if i == 0:
+            sent = sum(r.sent_bytes for r in results.values())
+            exact = 2 * sum(t.numel() for t in expected) * 8
+            assert 0 < sent <= exact / 7, (sent, exact)  # 64 codes and a float32 scale per 64 float64 values, padded
+
+    def error(tensors) -> float:
+        return max(float((got - want).abs().max()) for got, want in zip(tensors, expected)) / scale
+
+    once = error(rounds[0])
+    assert 0 < once < 2e-2  # one rounding of each member's parts and of the average
+    mean = [sum(parts) / len(rounds) for parts in zip(*rounds)]
+    # the losses cancel (without feedback every round would send the same bytes: the mean no better than one)
+    assert error(mean) < once / 4, (error(mean), once)
+
+
 def test_a_round_of_one_returns_its_own_tensors_at_once(swarm):
     [averager] = swarm(1)
     tensors = member_tensors(7)

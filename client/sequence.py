@@ -34,6 +34,7 @@ from client.dialing import Dialer
 from client.retry import Attempts, blame, describe, is_retriable
 from client.routing import RouteHop, plan_forward_route, plan_inference_route
 from client.speeds import Speeds
+from client.splitting import route_caps, row_chunks
 from client.transport import ChannelPool
 from client.verify import Computed, SpotChecker
 from protocol import swarmlm_pb2 as pb
@@ -292,7 +293,25 @@ class RemoteSequence:
             prefix_length=prefix_length,
         )
 
+    def caps(self, hops) -> tuple[int, int]:
+        """What every peer of `hops` takes in one request, as their records say (client/splitting.py)."""
+        servers = self._snapshot.servers if self._snapshot else {}
+        return route_caps(servers.get(hop.peer_id) for hop in hops)
+
     async def _call_forward(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
+        """One hop's forward, in pieces of rows where the whole would exceed the peer's caps (nothing is then kept
+        for the backward, which recomputes)."""
+        batch, length = hidden.shape[:2]
+        caps = self.caps([hop])
+        if batch * length <= caps[0] and batch * length * length <= caps[1]:
+            return await self._forward_request(hop, hidden, mask, positions, backward_id)
+        pieces = []
+        for begin, end in row_chunks(batch, length, caps):
+            rows = _rows(begin, end, batch, mask, positions)
+            pieces.append(await self._forward_request(hop, hidden[begin:end], *rows, ""))
+        return torch.cat(pieces)
+
+    async def _forward_request(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
         request = packer.pack(
@@ -318,6 +337,21 @@ class RemoteSequence:
 
     async def _call_backward(
         self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str, training: TrainingTag | None = None
+    ) -> torch.Tensor:
+        """One hop's backward, in pieces of rows where the whole would exceed the peer's caps (not a training
+        step's: a micro-batch counts once, whole, and the trainer sizes it)."""
+        batch, length = inputs.shape[:2]
+        caps = self.caps([hop])
+        if training is not None or (batch * length <= caps[0] and batch * length * length <= caps[1]):
+            return await self._backward_request(hop, inputs, grad, mask, positions, backward_id, training)
+        pieces = []
+        for begin, end in row_chunks(batch, length, caps):
+            rows = _rows(begin, end, batch, mask, positions)
+            pieces.append(await self._backward_request(hop, inputs[begin:end], grad[begin:end], *rows, "", None))
+        return torch.cat(pieces)
+
+    async def _backward_request(
+        self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str, training: TrainingTag | None
     ) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
@@ -372,6 +406,7 @@ class RemoteSequence:
             route = await self.plan(block, end, inference=False, refresh=refresh)
             for hop in route:
                 backward_id = uuid.uuid4().hex if keep_for_backward else ""
+                row_chunks(*hidden.shape[:2], self.caps([hop]))  # a row over the caps is ours to shorten, not a fault
                 try:
                     output = await self._call_forward(hop, hidden, mask, positions, backward_id)
                 except Exception as exc:
@@ -421,6 +456,8 @@ class RemoteSequence:
     ) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
         attempts = self.attempts(attempt)  # each re-routed hop's backward counts from its depth of re-routing
+        if training is None:
+            row_chunks(*inputs.shape[:2], self.caps([hop]))  # as in forward: ours to shorten
         try:
             grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
         except Exception as exc:
@@ -553,6 +590,14 @@ class RemoteSequence:
         await self.pool.close()
         if self._p2p is not None:  # its tasks live on this loop: end them before the loop does
             await self._p2p.shutdown()
+
+
+def _rows(begin: int, end: int, batch: int, mask, positions) -> tuple:
+    """The mask and positions of rows [begin, end) of a batch (positions of one row serve every row)."""
+    mask = mask[begin:end] if mask is not None else None
+    if positions is not None and positions.shape[0] == batch and batch > 1:
+        positions = positions[begin:end]
+    return mask, positions
 
 
 class RemoteBlocks(torch.autograd.Function):

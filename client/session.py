@@ -30,6 +30,7 @@ from client.inference_checks import InferenceChecks
 from client.retry import Attempts, blame, describe
 from client.routing import RouteHop
 from client.sequence import RemoteSequence
+from client.splitting import step_chunks
 from client.transport import InferenceStream
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import (
@@ -391,6 +392,13 @@ class InferenceSession:
             mask = torch.cat([self.mask, self.mask.new_ones(batch, new)], dim=1)
         if not self.spans:
             self.spans = await self._open_first_route()
+        caps = self.sequence.caps(span.hop for span in self.spans)
+        if batch * new > caps[0] or batch * new * (self.position + new) > caps[1]:  # in steps the peers take
+            prefix, outputs = self.position, []
+            for begin, end in step_chunks(batch, new, prefix, caps):
+                piece_mask = mask[:, : prefix + end] if mask is not None else None
+                outputs.append(await self.step(hidden[:, begin:end], piece_mask, positions[:, begin:end]))
+            return torch.cat(outputs, dim=1)
 
         index, attempts = 0, self.sequence.attempts()  # a failed hop and a failed re-route each count
         while index < len(self.spans):

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from protocol.errors import MessageTooLargeError, OverloadedError, SequenceTooLongError
+from protocol.records import DEFAULT_MAX_ATTENTION_COST, DEFAULT_MAX_REQUEST_TOKENS
 
 
 @dataclass(frozen=True)
 class WorkLimits:
-    max_request_tokens: int = 8192
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     """Tokens (batch x new tokens) in one forward, backward or inference step."""
-    max_attention_cost: int = 1 << 26
+    max_attention_cost: int = DEFAULT_MAX_ATTENTION_COST
     """Attention work of one request: batch x new tokens x attended tokens (one 8192-token sequence)."""
     max_queued_tokens: int = 1 << 16
     """Tokens of all requests admitted and not yet answered."""

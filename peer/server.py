@@ -37,6 +37,8 @@ from peer.reach import Reach
 from peer.throughput import measure_throughput
 from protocol import swarmlm_pb2 as pb
 from protocol.records import (
+    MAX_CACHE_TOKENS,
+    MAX_COUNT,
     MAX_THROUGHPUT,
     PROTOCOL_VERSION,
     ModelRecord,
@@ -335,6 +337,9 @@ class PeerServer:
             joined_at=self.joined_at,
             quantization=str(self.config.quantization),
             adapters=adapter_records(self.adapters),
+            # a cap beyond what a record holds is no cap a client could meet anyway
+            max_request_tokens=min(self.config.serving.work.max_request_tokens, MAX_CACHE_TOKENS),
+            max_attention_cost=min(self.config.serving.work.max_attention_cost, MAX_COUNT),
         )
 
     async def _announce(self, state: ServerState, timeout_s: float = 30.0) -> None:

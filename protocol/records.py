@@ -42,6 +42,8 @@ _PeerId = pydantic.constr(pattern=PEER_ID_PATTERN)
 
 _RETIRED_FIELDS = ("adapters", "next_pings")  # an empty "adapters" is what version 2 always sent
 MAX_ADAPTERS = 16
+DEFAULT_MAX_REQUEST_TOKENS = 8192  # a peer's caps on one request when its record names none (peer/admission.py)
+DEFAULT_MAX_ATTENTION_COST = 1 << 26
 ADAPTER_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
 
 
@@ -100,6 +102,10 @@ class ServerInfo(_Record):
     # named adapters a client may pick per session; left out of the record when empty, as quantization is. Peers
     # of version 2 and older announced an always empty list under this name, which still reads as none.
     adapters: tuple[AdapterInfo, ...] = pydantic.Field(default=(), max_length=MAX_ADAPTERS)
+    # its caps on one request (batch x new tokens; that times the tokens attended), so that clients split what
+    # would exceed them; left out of the record at their defaults, as quantization is
+    max_request_tokens: int = pydantic.Field(default=DEFAULT_MAX_REQUEST_TOKENS, ge=1, le=MAX_CACHE_TOKENS)
+    max_attention_cost: int = pydantic.Field(default=DEFAULT_MAX_ATTENTION_COST, ge=1, le=MAX_COUNT)
 
     @pydantic.field_validator("state", mode="before")
     @classmethod
@@ -146,6 +152,12 @@ class ServerInfo(_Record):
             wire["adapters"] = [adapter.to_wire() for adapter in self.adapters]
         else:
             del wire["adapters"]
+        for name, default in (
+            ("max_request_tokens", DEFAULT_MAX_REQUEST_TOKENS),
+            ("max_attention_cost", DEFAULT_MAX_ATTENTION_COST),
+        ):
+            if wire[name] == default:
+                del wire[name]
         return wire
 
 

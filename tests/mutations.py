@@ -109,6 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        step.prefix_length + begin,\n"
         "                        blocks=session.blocks,\n"
         "                        between_layers=self.served.compute.checkpoint,\n"
+        "                        adapter=session.adapter,\n"
         "                    )\n",
         "                    out = span(\n"
         "                        hidden[:, begin:end],\n"
@@ -118,6 +119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                        step.prefix_length + begin,\n"
         "                        blocks=session.blocks,\n"
         "                        between_layers=self.served.compute.checkpoint,\n"
+        "                        adapter=session.adapter,\n"
         "                    )\n"
         "                    if step.prefix_length:  # MUTATION\n"
         "                        rewind_cache(session.cache, step.prefix_length)\n"
@@ -258,7 +260,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "kept-activations-unchecked",
         "peer/handler.py",
-        "if kept is None or not kept.matches(blocks, hidden, mask, positions):",
+        "if kept is None or not kept.matches(blocks, hidden, mask, positions, adapter):",
         "if kept is None:  # MUTATION",
         "a backward uses activations kept under its id even for other inputs",
         ("tests/peer/test_activations.py::test_backward_uses_kept_activations_and_matches_recompute",),
@@ -910,8 +912,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "quantized-peers-used-by-default",
         "client/sequence.py",
-        "                    if info.quantization == wanted and (",
-        "                    if True and (  # MUTATION\n",
+        "                if info.quantization == wanted and (",
+        "                if True and (  # MUTATION\n",
         "a client routes through peers whose weights are rounded, computing another model than it asked for",
         ("tests/integration/test_quantized.py",),
     ),
@@ -942,8 +944,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "compressed-reducer-keeps-exact-part",
         "swarm/training/allreduce.py",
-        "            if self.compressed and peer_id == self.peer_id:\n",
-        "            if False:  # MUTATION\n",
+        "            decoded = self._decode(await self._answer(part_index, averaged))\n",
+        "            decoded = averaged  # MUTATION\n",
         "a reducer of a compressed round keeps its own part exact: it ends unlike the members it answered",
         (
             "tests/swarm/training/test_rounds.py::test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identical",
@@ -1012,6 +1014,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    trusted = {peer: p for peer, p in members.items() if peer != me and p.epoch >= applied}  # MUTATION\n",
         "a stranger's record ahead of the group counts once the trainers' word sets the stale members aside",
         ("tests/swarm/training/test_state.py",),
+    ),
+    Mutation(
+        "forward-over-the-caps-sent-whole",
+        "client/sequence.py",
+        "        if batch * length <= caps[0] and batch * length * length <= caps[1]:\n",
+        "        if True:  # MUTATION\n",
+        "a forward over a peer's announced caps is sent whole: every peer refuses it",
+        ("tests/client/test_splitting.py",),
+    ),
+    Mutation(
+        "prompt-over-the-caps-sent-whole",
+        "client/session.py",
+        "        if batch * new > caps[0] or batch * new * (self.position + new) > caps[1]:  # in steps the peers take\n",
+        "        if False:  # MUTATION\n",
+        "a prompt over the peers' announced caps is sent as one step: every peer refuses it",
+        ("tests/client/test_splitting.py",),
     ),
     Mutation(
         "int8-losses-not-fed-back",

@@ -130,6 +130,7 @@ class FakePeer:
         key: int,
     ):
         self.swarm, self.start, self.end, self.throughput = swarm, start, end, throughput
+        self.work = limits.work  # its caps on one request, which its record announces
         self.key, self.identity = key, _identity(key)
         self.peer_id = self.identity.peer_id
         self.endpoint = announce or f"peer{index}.in-memory:{index + 1}"
@@ -183,6 +184,8 @@ class FakePeer:
             dtype="float32",
             version=PROTOCOL_VERSION,
             endpoint=self.endpoint,
+            max_request_tokens=self.work.max_request_tokens,
+            max_attention_cost=self.work.max_attention_cost,
         )
 
     def kill(self) -> None:

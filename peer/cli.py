@@ -8,9 +8,9 @@ import logging
 import math
 
 from peer.admission import WorkLimits
-from peer.config import DTypeChoice, PeerConfig, ServingLimits, TrainingConfig, TransportMode
+from peer.config import DTypeChoice, PeerConfig, QuantizeChoice, ServingLimits, TrainingConfig, TransportMode
 from protocol.errors import SwarmError
-from protocol.vocab import Offload, Quantization, TrainMode, choices
+from protocol.vocab import Offload, TrainMode, choices
 from swarm.runtime import run_until_signal, wait_for_signal
 from swarm.training.recipe import RunRecipe
 from swarm.training.settings import (
@@ -66,10 +66,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quantize",
-        default=Quantization.NONE.value,
-        choices=choices(Quantization),
+        default=QuantizeChoice.NONE.value,
+        choices=choices(QuantizeChoice),
         help="hold the blocks' linear weights as int8 (a quarter of float32's memory) or nf4 (about a seventh); "
-        "only clients that ask for that quantization use the peer (default: none)",
+        "only clients that ask for that quantization use the peer; auto: the least rounding at which the blocks "
+        "asked for fit in --memory-budget or half the free memory (the peer logs how many fit at each) "
+        "(default: none)",
     )
     p.add_argument(
         "--adapters",
@@ -311,7 +313,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         relay=args.relay,
         device=args.device,
         dtype=DTypeChoice(args.dtype),
-        quantization=Quantization(args.quantize),
+        quantization=QuantizeChoice(args.quantize),
         adapters=_named(args.adapters),
         memory_budget=args.memory_budget,
         offload=Offload(args.offload),

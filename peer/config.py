@@ -34,6 +34,16 @@ class DTypeChoice(StrEnum):
     FLOAT16 = DType.FLOAT16.value
 
 
+class QuantizeChoice(StrEnum):
+    """How a peer is told to hold its linear weights: one of protocol.vocab.Quantization, or auto (peer/capacity.py:
+    the least rounding at which the blocks asked for fit)."""
+
+    NONE = Quantization.NONE.value
+    INT8 = Quantization.INT8.value
+    NF4 = Quantization.NF4.value
+    AUTO = "auto"
+
+
 def _member(vocabulary: type[StrEnum], name: str, value: object) -> StrEnum:
     """`value` as a member of `vocabulary` (a plain string is accepted), or a ValueError naming the field."""
     if value not in choices(vocabulary):
@@ -194,9 +204,10 @@ class PeerConfig:
     device: str = "cpu"
     dtype: DTypeChoice = DTypeChoice.AUTO
     """Compute dtype: auto (the checkpoint's), float32, bfloat16 or float16."""
-    quantization: Quantization = Quantization.NONE
+    quantization: QuantizeChoice = QuantizeChoice.NONE
     """Hold the blocks' linear weights as int8 or nf4 (peer/quantize.py); only clients that ask for that
-    quantization use the peer."""
+    quantization use the peer. auto: the least rounding at which the blocks asked for fit (peer/capacity.py); full
+    precision for a training peer or one serving adapters."""
     adapters: dict[str, str] = field(default_factory=dict)
     """Named LoRA adapters to serve beside the weights, name -> peft adapter folder (peer/adapters.py); a client
     picks one per session."""
@@ -244,7 +255,7 @@ class PeerConfig:
                 raise ValueError(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
         if self.training is not None:
             raise ValueError("a training peer serves the run's own weights: drop --adapters or --train")
-        if self.quantization != Quantization.NONE:
+        if self.quantization not in (QuantizeChoice.NONE, QuantizeChoice.AUTO):
             raise ValueError(
                 f"adapters are served on full-precision weights only: drop --adapters or --quantize {self.quantization}"
             )
@@ -291,10 +302,10 @@ class PeerConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         object.__setattr__(self, "transport", _member(TransportMode, "transport", self.transport))
         object.__setattr__(self, "dtype", _member(DTypeChoice, "dtype", self.dtype))
-        object.__setattr__(self, "quantization", _member(Quantization, "quantization", self.quantization))
+        object.__setattr__(self, "quantization", _member(QuantizeChoice, "quantization", self.quantization))
         object.__setattr__(self, "offload", _member(Offload, "offload", self.offload))
         self._check_memory()
-        if self.training is not None and self.quantization != Quantization.NONE:
+        if self.training is not None and self.quantization not in (QuantizeChoice.NONE, QuantizeChoice.AUTO):
             raise ValueError(
                 f"a training peer updates full-precision weights: drop --quantize {self.quantization} or --train"
             )

@@ -19,7 +19,8 @@ from hivemind.utils import get_dht_time
 from peer.adapters import ServedAdapters, adapter_records, read_adapter
 from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
-from peer.config import WILDCARD_HOSTS, PeerConfig
+from peer.capacity import capacity, choose_quantization, held_bytes, room
+from peer.config import WILDCARD_HOSTS, PeerConfig, QuantizeChoice
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
 from peer.offload import (
@@ -28,7 +29,6 @@ from peer.offload import (
     HostStore,
     MemoryPlan,
     Store,
-    block_bytes,
     kv_token_bytes,
     plan_memory,
 )
@@ -89,6 +89,9 @@ class PeerServer:
         self._trainer: asyncio.Task | None = None
         self._shut_down = False
         self.adapters = [read_adapter(name, folder) for name, folder in config.adapters.items()]
+        # how the blocks hold their linear weights; --quantize auto is decided once the blocks are known
+        auto = config.quantization == QuantizeChoice.AUTO
+        self.quantization = Quantization.NONE if auto else Quantization(config.quantization)
 
     @property
     def peer_id(self) -> str:
@@ -188,11 +191,12 @@ class PeerServer:
     async def _serve_blocks(self, blocks: tuple[int, int]) -> None:
         """Announce JOINING for `blocks`, load them, then serve them and announce ONLINE."""
         cfg = self.config
+        self.quantization = self._quantization(blocks)
         self.blocks, self.state, self.joined_at = blocks, ServerState.JOINING, get_dht_time()
         if not self.throughput:  # until measured: nonzero, so newcomers see these blocks as taken
             self.throughput = cfg.throughput or 1.0
         await self._announce(self.state)
-        held = f", {cfg.quantization} weights" if cfg.quantization != Quantization.NONE else ""
+        held = f", {self.quantization} weights" if self.quantization != Quantization.NONE else ""
         logger.info("loading blocks %d:%d of %s (%s%s) on %s", *blocks, cfg.model, self.dtype, held, cfg.device)
         stream = None
         if cfg.memory_budget is not None:
@@ -208,7 +212,7 @@ class PeerServer:
             *blocks,
             dtype=self.dtype,
             device=torch.device(cfg.device),
-            quantization=cfg.quantization,
+            quantization=self.quantization,
             stream=stream,
         )
         if self.adapters:
@@ -287,10 +291,25 @@ class PeerServer:
             await asyncio.to_thread(fetch_snapshot, self.dht, self.prefix, self.num_layers)
         )
 
-    def _memory_plan(self, blocks: tuple[int, int]) -> MemoryPlan:
-        """How `--memory-budget` holds `blocks` (block sizes from the checkpoint's headers, before quantization)."""
+    def _quantization(self, blocks: tuple[int, int]) -> Quantization:
+        """How `blocks` hold their weights: as --quantize says, or with auto the least rounding at which they fit
+        (peer/capacity.py); says how many blocks fit at each first."""
         cfg = self.config
-        sizes = block_bytes(self.path, self.model_config, *blocks, self.dtype)
+        found = capacity(self.path, self.model_config, self.dtype, room(cfg.device, cfg.memory_budget), range(*blocks))
+        logger.info("%s", found.describe(self.num_layers))
+        if cfg.quantization != QuantizeChoice.AUTO:
+            return Quantization(cfg.quantization)
+        if cfg.training is not None or cfg.adapters:  # full precision: they train or adapt the weights as they are
+            return Quantization.NONE
+        asked = cfg.blocks is not None or cfg.num_blocks is not None
+        chosen = choose_quantization(found, blocks[1] - blocks[0] if asked else None)
+        logger.info("--quantize auto: %s for blocks %d:%d", chosen, *blocks)
+        return chosen
+
+    def _memory_plan(self, blocks: tuple[int, int]) -> MemoryPlan:
+        """How `--memory-budget` holds `blocks` (block sizes from the checkpoint's headers, as quantized)."""
+        cfg = self.config
+        sizes = [held_bytes(self.path, self.model_config, i, self.dtype, self.quantization) for i in range(*blocks)]
         token_bytes = kv_token_bytes(self.model_config, *blocks, self.dtype)
         return plan_memory(sizes, token_bytes, cfg.cache_tokens, cfg.memory_budget, cfg.offload)
 
@@ -335,7 +354,7 @@ class PeerServer:
             epoch=self.training.epoch if self.training else 0,
             samples=self.training.samples if self.training else 0,
             joined_at=self.joined_at,
-            quantization=str(self.config.quantization),
+            quantization=str(self.quantization),
             adapters=adapter_records(self.adapters),
             # a cap beyond what a record holds is no cap a client could meet anyway
             max_request_tokens=min(self.config.serving.work.max_request_tokens, MAX_CACHE_TOKENS),

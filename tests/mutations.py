@@ -1032,6 +1032,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_splitting.py",),
     ),
     Mutation(
+        "auto-rounds-more-than-it-must",
+        "peer/capacity.py",
+        "        if found.blocks(mode) >= wanted:\n            return mode\n",
+        "        if found.blocks(mode) >= wanted:\n            return Quantization.NF4  # MUTATION\n",
+        "--quantize auto takes nf4 whenever the blocks fit: peers round weights they could hold in full",
+        ("tests/peer/test_capacity.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

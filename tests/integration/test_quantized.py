@@ -9,16 +9,20 @@ checkpoint's. The rounding itself is tests/peer/test_quantize.py's.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
 from client.training.export import fetch_peer_weights
+from peer.capacity import capacity
 from peer.quantize import dequantized_copy_
 from protocol.errors import BadRequestError, NoPeersError
 from protocol.records import prefix_for_model
 from protocol.vocab import Quantization
+from swarm.models.checkpoint import load_config
 from tests.helpers.generation import ATOL, assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, make_tiny
 from tests.helpers.processes import Swarm
@@ -75,3 +79,23 @@ def test_a_client_that_asks_for_no_quantization_uses_no_quantized_peer_and_says_
             remote(_ids(1, 4, seed=3))
     finally:
         remote.shutdown()
+
+
+def test_auto_rounds_only_as_far_as_the_blocks_must_to_fit_and_says_what_fits(quantized_swarm):
+    """`--quantize auto` with a budget that holds the 4 blocks as int8 but not in full: the peer logs how many
+    blocks fit at each setting, takes int8, announces it, and loads within the budget."""
+    swarm, path = quantized_swarm
+    config = load_config(path)
+    found = capacity(path, config, torch.float32, 1, range(4))
+    budget = 4 * found.per_block[Quantization.INT8] + 1024
+    assert found.per_block[Quantization.NONE] * 4 > budget
+    peer = swarm.start_peer(
+        path, "--blocks", "0:4", "--memory-budget", str(budget), "--quantize", "auto", "--dht-prefix", "tiny-auto"
+    )
+    try:
+        (info,) = swarm.wait_online("tiny-auto", [(0, 4)], timeout_s=120).online().values()
+        assert info.quantization == "int8"
+        assert "--quantize auto: int8 for blocks 0:4" in peer.stderr(), peer.logs()
+        assert re.search(r"blocks that fit in \S+ KiB: none \d, int8 4, nf4 4 \(of 4\)", peer.stderr()), peer.logs()
+    finally:
+        assert swarm.terminate(peer, timeout_s=60) == 0, peer.logs()

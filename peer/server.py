@@ -6,12 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import random
 from pathlib import Path
 
 import grpc
-import psutil
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -24,7 +22,6 @@ from peer.config import WILDCARD_HOSTS, PeerConfig, QuantizeChoice
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
 from peer.offload import (
-    MIN_CACHE_TOKENS,
     DiskStore,
     HostStore,
     MemoryPlan,
@@ -321,21 +318,11 @@ class PeerServer:
         return DiskStore(device, cache_dir / "offload")
 
     def _blocks_that_fit(self) -> int:
-        """As many blocks as fit in half the free memory (the rest is left for cache and the system), or with
-        `--memory-budget`, beside the least KV cache it allows."""
-        c = self.model_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        attn = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        one_block = (attn + mlp) * torch.empty((), dtype=self.dtype).element_size()
-        if self.config.memory_budget is not None:
-            per_block = one_block + MIN_CACHE_TOKENS * kv_token_bytes(c, 0, 1, self.dtype)
-            return max(1, min(self.num_layers, self.config.memory_budget // per_block))
-        if self.config.device.startswith("cuda"):
-            free = torch.cuda.mem_get_info(torch.device(self.config.device))[0]
-        else:
-            free = psutil.virtual_memory().available
-        return max(1, min(self.num_layers, math.floor(free * 0.5 / one_block)))
+        """As many blocks as fit at this peer's quantization, each beside its share of a least KV cache, in
+        `--memory-budget` or half the free memory (peer/capacity.py)."""
+        cfg = self.config
+        found = capacity(self.path, self.model_config, self.dtype, room(cfg.device, cfg.memory_budget))
+        return max(1, min(self.num_layers, found.blocks(self.quantization)))
 
     def _server_info(self, state: ServerState) -> ServerInfo:
         return ServerInfo(

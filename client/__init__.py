@@ -2,7 +2,9 @@
 
 The core (top-level modules):
 - model: DistributedModelForCausalLM / AutoDistributedModelForCausalLM (local embeddings, norm, head)
-- sequence: the remote blocks: routes on a cached directory, forward/backward with autograd, spot checks drawn
+- sequence: the remote blocks: routes on a cached directory, forward/backward with autograd, spot checks drawn;
+  hops: what its calls carry and keep (hop records, training tags); hop_checks: its spot checks, run
+- splitting: requests cut to the caps peers announce; adapters: the peers serving the named LoRA adapter asked for
 - session: inference sessions with server-side KV caches, steps pushed peer to peer, failover by replay
 - retry: what a peer's failure costs a request (blame, ban, re-route, back-off), for sequence and session alike
 - bans: BanList, the peers to avoid for now; dialing: Dialer, each peer's address and round trip, its key proved

@@ -8,7 +8,8 @@ bad input fails immediately). Routes are planned on a cached directory (client/r
 peer's ping answered (client/dialing.py).
 
 A random share of forward and backward hops (`verify_fraction`) is recomputed on other peers: the answer of a
-peer outvoted two to one is replaced, and the peer banned where a fourth route confirms it (client/verify.py).
+peer outvoted two to one is replaced, and the peer banned where a fourth route confirms it (client/verify.py
+decides, client/hop_checks.py runs the checks).
 """
 
 from __future__ import annotations
@@ -20,26 +21,28 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 
 import hivemind
 import torch
 
-from client import checks, verify
+from client import checks
 from client.adapters import serving_adapter
 from client.bans import BanList
 from client.config import ClientConfig
 from client.dialing import Dialer
-from client.retry import Attempts, blame, describe, is_retriable
+from client.hop_checks import HopChecks
+from client.hops import HopRecord, TakenBackward, TrainingTag
+from client.retry import Attempts, describe
 from client.routing import RouteHop, plan_forward_route, plan_inference_route
 from client.speeds import Speeds
 from client.splitting import route_caps, row_chunks
 from client.transport import ChannelPool
-from client.verify import Computed, SpotChecker
+from client.verify import SpotChecker
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import parse_dtype
-from protocol.errors import NoPeersError, SwarmError
+from protocol.errors import NoPeersError
 from protocol.packing import Packer
 from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
@@ -48,35 +51,6 @@ from swarm.models.adapters import folder_digest
 from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainingTag:
-    """Marks backward calls as training steps of `run_id`, computed against each stage's update `epochs`."""
-
-    run_id: str
-    epochs: Mapping[tuple[int, int], int]
-    micro_batch: tuple[str, int, int] | None = None
-    """(trainer, index, samples): the micro-batch's id, which a peer adds to its update once."""
-
-
-@dataclass(frozen=True, eq=False)  # identity: its tensors have no truth value
-class TakenBackward:
-    """A training backward that a peer answered: what to send again if that peer leaves before its stage updates."""
-
-    hop: RouteHop
-    inputs: torch.Tensor
-    grad: torch.Tensor
-
-
-@dataclass
-class HopRecord:
-    """What one hop of a forward pass was sent, kept for its backward."""
-
-    hop: RouteHop
-    inputs: torch.Tensor
-    backward_id: str = ""
-    """Under which id the peer was asked to keep this hop's activations ("" if it was not)."""
 
 
 class RemoteSequence:
@@ -131,6 +105,7 @@ class RemoteSequence:
         self.spot_checks = SpotChecker(
             config.verify_fraction, self._ban_wrong_result, random.Random(config.verify_seed)
         )
+        self.hop_checks = HopChecks(self)
 
     def span(self, hop: RouteHop) -> pb.Span:
         """What a request to `hop` asks for: its blocks of this model, with this client's adapter."""
@@ -477,7 +452,7 @@ class RemoteSequence:
             grad = await self._backward_hop(record, grad, mask, positions, attempts.count, training, done)
         return grad
 
-    # --- spot checks (client/verify.py) ---
+    # --- spot checks (client/verify.py decides, client/hop_checks.py runs them) ---
 
     def _draw_check(self) -> bool:
         # a training run's peers change their weights as it goes: two of them agree only at the same epoch
@@ -488,103 +463,21 @@ class RemoteSequence:
         self.speeds.forget(peer_id)
         return self.bans.ban(peer_id, at_least_s)
 
-    async def _route_for_check(self, start: int, end: int, excluded: frozenset[str]) -> list[RouteHop] | None:
-        """A route over blocks [start, end) avoiding `excluded`, now (no waiting); None if there is none."""
-        try:
-            snapshot = await self.snapshot()
-            await self.dialer.measure_rtts(snapshot, only=self._serving(snapshot, start, end))
-            hops = plan_forward_route(
-                snapshot,
-                start,
-                end,
-                banned=self.bans.banned(snapshot.expirations) | self.avoid | excluded | self.dialer.unreachable(),
-                rng=self.spot_checks.rng,
-                model_name=self.prefix,
-                uniform=True,
-            )
-        except SwarmError as exc:  # NoPeersError, or the directory could not be read: the caller's work goes on
-            logger.debug("no route to check blocks %d:%d on: %s", start, end, exc)
-            return None
-        return self.dialer.on_paths(hops)
-
-    async def _checker_call(self, hop: RouteHop, call: Awaitable[torch.Tensor]) -> torch.Tensor | None:
-        """A check's own call: a peer that fails it is banned as usual, and the check is given up (None)."""
-        try:
-            return await call
-        except Exception as exc:
-            # blamed outside training, any SwarmError is the peer's fault (so it is reported); anything else is ours
-            if not is_retriable(await blame(exc, hop, self.report_failure)):
-                raise
-            return None
-
-    def _computed(self, value: torch.Tensor, route: list[RouteHop], records: list | None = None) -> Computed:
-        return Computed(
-            value, tuple(hop.peer_id for hop in route), tuple(self.hop_dtype(hop) for hop in route), records or []
-        )
-
     async def _spot_check_forward(
         self, record: HopRecord, output: torch.Tensor, mask, positions
     ) -> tuple[torch.Tensor, list[HopRecord]]:
-        """`record`'s hop computed again elsewhere; the output to use and the records of the route it came from."""
-        hop = record.hop
-
-        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
-            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
-
-        async def recompute(excluded: frozenset[str]) -> Computed | None:
-            route = await self._route_for_check(hop.start, hop.end, excluded)
-            done = None if route is None else await verify.forward_on(route, record.inputs, forward)
-            return None if done is None else self._computed(done[0], route, [HopRecord(*sent) for sent in done[1]])
-
-        chosen = await self.spot_checks.check(
-            "forward", (hop.start, hop.end), self._computed(output, [hop], [record]), recompute
-        )
-        return chosen.value, chosen.records
+        return await self.hop_checks.forward(record, output, mask, positions)
 
     async def _spot_check_backward(
         self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask, positions
     ) -> torch.Tensor:
-        """`record`'s backward computed again elsewhere; the gradient to use."""
-        hop = record.hop
-
-        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
-            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
-
-        async def backward(other: RouteHop, hidden: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-            return await self._checker_call(other, self._call_backward(other, hidden, grad_out, mask, positions, ""))
-
-        async def recompute(excluded: frozenset[str]) -> Computed | None:
-            route = await self._route_for_check(hop.start, hop.end, excluded)
-            done = None if route is None else await verify.backward_on(route, record.inputs, grad, forward, backward)
-            return None if done is None else self._computed(done, route)
-
-        chosen = await self.spot_checks.check(
-            "backward", (hop.start, hop.end), self._computed(grad_inputs, [hop]), recompute
-        )
-        return chosen.value
+        return await self.hop_checks.backward(record, grad, grad_inputs, mask, positions)
 
     async def check_inference(
         self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions
     ) -> bool | None:
-        """Whether `hop`'s answers to an inference session stand: its `outputs` at every position of the session's
-        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). True: another
-        route agreed. False: its peer was outvoted two to one (and banned if a fourth route confirmed it). None:
-        not verified (no other route answered, or no majority formed)."""
-        made: list[Computed | None] = []
-
-        async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
-            return await self._checker_call(other, self._call_forward(other, hidden, mask, positions, ""))
-
-        async def recompute(excluded: frozenset[str]) -> Computed | None:
-            route = await self._route_for_check(hop.start, hop.end, excluded)
-            done = None if route is None else await verify.forward_on(route, inputs, forward)
-            made.append(None if done is None else self._computed(done[0], route))
-            return made[-1]
-
-        first = self._computed(outputs, [hop])
-        if await self.spot_checks.check("inference", (hop.start, hop.end), first, recompute) is not first:
-            return False
-        return True if len(made) == 1 and made[0] is not None else None
+        """Whether `hop`'s answers to an inference session stand (client/hop_checks.py `HopChecks.inference`)."""
+        return await self.hop_checks.inference(hop, inputs, outputs, mask, positions)
 
     async def close(self) -> None:
         await self.pool.close()

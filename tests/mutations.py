@@ -989,7 +989,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unverified-inference-check-stands",
-        "client/sequence.py",
+        "client/hop_checks.py",
         "        return True if len(made) == 1 and made[0] is not None else None\n",
         "        return True  # MUTATION\n",
         "a check that no other peer could make marks the span's answers verified: they are never checked again",

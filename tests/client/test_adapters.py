@@ -1,13 +1,21 @@
-"""Which peers a client that names an adapter uses (client/adapters.py), and how it is configured."""
+"""Which peers a client that names an adapter uses (client/adapters.py), how it is configured, and sessions through
+an adapter on in-memory peers: failover and speculative decoding stay on the adapter's peers and equal local peft."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from client.adapters import serving_adapter
 from client.config import ClientConfig
 from protocol.errors import BadRequestError
 from protocol.records import AdapterInfo, ServerInfo, ServerState
+from tests.helpers.adapters import local_peft, save_random_adapter
+from tests.helpers.fake_swarm import Fault
+from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.models import VOCAB_SIZE
 
 ONE, TWO = "1111111111111111", "2222222222222222"
 
@@ -45,3 +53,34 @@ def test_adapter_settings_are_checked():
         ClientConfig(initial_peers=peers, adapter="no/slash")
     with pytest.raises(ValueError, match="give adapter=NAME too"):
         ClientConfig(initial_peers=peers, adapter_path="dir")
+
+
+@pytest.fixture(scope="module")
+def poems(tiny_llama_path, tmp_path_factory) -> Path:
+    return save_random_adapter(tiny_llama_path, tmp_path_factory.mktemp("poems") / "poems", seed=1)
+
+
+def test_a_session_with_an_adapter_survives_a_crash_and_replays_through_the_same_adapter(
+    fake_swarm, tiny_llama_path, poems
+):
+    """The peer of 2:4 crashes mid-generation: the session replays its history on the other peer serving the
+    adapter, never on the plain peer (which is the fastest), and the tokens are local peft's."""
+    fake_swarm.add_peer(0, 2, adapters={"poems": poems})
+    failing = fake_swarm.add_peer(2, 4, throughput=1000, adapters={"poems": poems}, faults=[Fault("crash", after=20)])
+    fake_swarm.add_peer(2, 4, adapters={"poems": poems})
+    plain = fake_swarm.add_peer(0, 4, throughput=1e6)
+    local = local_peft(tiny_llama_path, poems)
+    ids = torch.randint(3, VOCAB_SIZE, (1, 6), generator=torch.Generator().manual_seed(7))
+    expected = generate_with_logits(local, ids, max_new_tokens=36, do_sample=False)
+    remote = fake_swarm.client(adapter="poems")
+    try:
+        with remote.inference_session(max_length=64) as session:
+            got = generate_with_logits(remote, ids, max_new_tokens=36, do_sample=False)
+            assert failing.server.down and session.recoveries >= 1
+        assert_same_generation(got, expected)
+        assert plain.answered == {}, "the plain peer computed for a session that named an adapter"
+        # speculative decoding (n-gram drafts, several tokens checked a step) through the adapter: the same tokens
+        drafted = remote.generate(ids, max_new_tokens=20, prompt_lookup_num_tokens=3, pad_token_id=0)
+        assert drafted.tolist() == local.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0).tolist()
+    finally:
+        remote.shutdown()

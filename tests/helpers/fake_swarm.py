@@ -36,6 +36,7 @@ from client.loop import BackgroundLoop
 from client.model import DistributedModelForCausalLM
 from client.sequence import RemoteSequence
 from client.transport import ChannelPool
+from peer.adapters import ServedAdapters, adapter_records, read_adapter
 from peer.blocks import load_span
 from peer.cache import CacheBudget
 from peer.config import ServingLimits
@@ -128,6 +129,7 @@ class FakePeer:
         faults: list[Fault],
         announce: str | None,
         key: int,
+        adapters: dict[str, Path] | None = None,
     ):
         self.swarm, self.start, self.end, self.throughput = swarm, start, end, throughput
         self.work = limits.work  # its caps on one request, which its record announces
@@ -149,9 +151,11 @@ class FakePeer:
             prove=functools.partial(prove_identity, self.identity),
             forwarder=self.forwarder,
         )
-        self.servicer.set_span(
-            load_span(swarm.model_path, config, start, end, dtype=torch.float32, device=torch.device("cpu"))
-        )
+        span = load_span(swarm.model_path, config, start, end, dtype=torch.float32, device=torch.device("cpu"))
+        self.adapters = [read_adapter(name, folder) for name, folder in (adapters or {}).items()]
+        if self.adapters:  # as `swarmlm peer --adapters NAME=DIR` serves them (peer/adapters.py)
+            span.adapters = ServedAdapters(span.layers, span.start, self.adapters)
+        self.servicer.set_span(span)
         self.server = MemoryServer(self.servicer, self)
         self.in_directory = True
         self.expiration = 0.0  # of its latest record: a crashed or stopped peer announces no more
@@ -184,6 +188,7 @@ class FakePeer:
             dtype="float32",
             version=PROTOCOL_VERSION,
             endpoint=self.endpoint,
+            adapters=adapter_records(self.adapters),
             max_request_tokens=self.work.max_request_tokens,
             max_attention_cost=self.work.max_attention_cost,
         )
@@ -339,11 +344,13 @@ class FakeSwarm:
         faults: list[Fault] = (),
         announce: str | None = None,
         key_of: FakePeer | None = None,
+        adapters: dict[str, Path] | None = None,
     ) -> FakePeer:
         """A peer serving blocks [start, end), ONLINE in the directory from now on.
 
         With `announce`, its record names that endpoint (another peer's, say) and its own server is reached by nobody.
         With `key_of`, it holds that peer's key: the same peer id (that peer should have left the directory).
+        With `adapters` (name -> peft folder), it serves those LoRA adapters too, as `swarmlm peer --adapters` does.
         """
         peer = FakePeer(
             self,
@@ -356,6 +363,7 @@ class FakeSwarm:
             faults=list(faults),
             announce=announce,
             key=key_of.key if key_of is not None else len(self.peers),
+            adapters=adapters,
         )
         self.peers.append(peer)
         if announce is None:

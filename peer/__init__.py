@@ -17,6 +17,10 @@
 - cache: the KV-cache token budget
 - timings: where inference steps spend their time (phase timers, reported by Info)
 - blocks: loading a span of decoder layers from a checkpoint and running it
+- quantize, offload, capacity: int8/nf4 weights, blocks streamed beyond a memory budget, how many blocks fit at
+  each setting (`--quantize auto`)
+- experts: MoE experts kept on the device N a layer, the rest in host memory (`--expert-cache`)
+- adapters: named LoRA adapters served beside the weights, chosen per request (`--adapters`)
 - throughput: measuring and caching the peer's speed
 - training: a training peer's optimizer, gradient accumulation and group updates (`--train`)
 - lora: LoRA adapters for a span (`--train-mode lora`), and checkpoint-named weights for export

@@ -145,6 +145,8 @@ def forward_batch(
     per_row = [name for name, r in zip(adapters or [""] * len(rows), rows) for _ in range(r)]
     with span.adapter_rows(per_row, len(per_row)):
         for index, kind in enumerate(types):
+            if span.expert_caches is not None:
+                span.expert_caches.before(start + index, states)
             states = span.layer(start + index)(
                 states,
                 attention_mask=masks[kind],

@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import LoadStateDictConfig
 
 from peer.adapters import ServedAdapters
+from peer.experts import ExpertCaches
 from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
@@ -74,6 +75,7 @@ class BlockSpan(nn.Module):
         self.streamer = streamer  # None: every block resident (else peer/offload.py streams some in)
         self.quantization = Quantization.NONE  # how its linear weights are held (set by load_span)
         self.adapters: ServedAdapters | None = None  # named LoRA adapters beside its weights (peer/adapters.py)
+        self.expert_caches: ExpertCaches | None = None  # experts kept off the device but N a layer (peer/experts.py)
         types = layer_types(config)
         self.types = types[start:end]
 
@@ -157,6 +159,8 @@ class BlockSpan(nn.Module):
                 between_layers()
                 if hidden_states.requires_grad:  # the backward passes here too
                     hidden_states.register_hook(lambda grad: between_layers())
+            if self.expert_caches is not None:
+                self.expert_caches.before(start + index, hidden_states)
             hidden_states = self.layer(start + index)(
                 hidden_states,
                 attention_mask=masks[kind],

@@ -74,6 +74,20 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "(default: none)",
     )
     p.add_argument(
+        "--expert-cache",
+        type=int,
+        default=0,
+        metavar="N",
+        help="mixture-of-experts models: keep N experts of each layer on the device, the rest in host memory, "
+        "brought in when the router picks them (default: 0, every expert resident)",
+    )
+    p.add_argument(
+        "--expert-prefetch",
+        action="store_true",
+        help="with --expert-cache: bring in the experts the next layer's router would pick before it runs, "
+        "guessed from the hidden state entering the layer before (default: off; measured in bench/experts.py)",
+    )
+    p.add_argument(
         "--adapters",
         nargs="+",
         type=_adapter,
@@ -315,6 +329,8 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         dtype=DTypeChoice(args.dtype),
         quantization=QuantizeChoice(args.quantize),
         adapters=_named(args.adapters),
+        expert_cache=args.expert_cache,
+        expert_prefetch=args.expert_prefetch,
         memory_budget=args.memory_budget,
         offload=Offload(args.offload),
         cache_tokens=args.cache_tokens,

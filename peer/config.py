@@ -211,6 +211,12 @@ class PeerConfig:
     adapters: dict[str, str] = field(default_factory=dict)
     """Named LoRA adapters to serve beside the weights, name -> peft adapter folder (peer/adapters.py); a client
     picks one per session."""
+    expert_cache: int = 0
+    """Experts of each MoE layer kept on the device (the rest in host memory, brought in when picked:
+    peer/experts.py); 0 keeps every expert resident."""
+    expert_prefetch: bool = False
+    """With expert_cache: bring in the experts the next layer's router would pick, before that layer runs (off by
+    default: on the random test models it lowers the hit rate, bench/experts.py)."""
     memory_budget: int | None = None
     """Bytes of block weights and KV cache resident at once (peer/offload.py); None: no budget."""
     offload: Offload = Offload.NONE
@@ -310,6 +316,12 @@ class PeerConfig:
                 f"a training peer updates full-precision weights: drop --quantize {self.quantization} or --train"
             )
         self._check_adapters()
+        if self.expert_cache < 0:
+            raise ValueError(f"expert_cache must be >= 0 (0: every expert resident), got {self.expert_cache}")
+        if self.expert_cache and self.training is not None:
+            raise ValueError("a training peer updates every expert: drop --expert-cache or --train")
+        if self.expert_cache and self.offload != Offload.NONE:
+            raise ValueError(f"--expert-cache keeps blocks resident: drop --expert-cache or --offload {self.offload}")
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if not isinstance(self.serving, ServingLimits):

@@ -19,6 +19,7 @@ from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.capacity import capacity, choose_quantization, held_bytes, room
 from peer.config import WILDCARD_HOSTS, PeerConfig, QuantizeChoice
+from peer.experts import install_expert_cache
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
 from peer.offload import (
@@ -212,6 +213,9 @@ class PeerServer:
             quantization=self.quantization,
             stream=stream,
         )
+        if cfg.expert_cache:
+            await asyncio.to_thread(install_expert_cache, self.span, cfg.expert_cache, prefetch=cfg.expert_prefetch)
+            logger.info("experts: %d a layer on %s, the rest in host memory", cfg.expert_cache, cfg.device)
         if self.adapters:
             self.span.adapters = await asyncio.to_thread(
                 ServedAdapters, self.span.layers, self.span.start, self.adapters
@@ -411,6 +415,19 @@ class PeerServer:
             batched_steps=self.servicer.streams.batcher.batched_steps,
             pushed_steps=self.forwarder.pushed if self.forwarder is not None else 0,
             step_timings=self.servicer.streams.step_timings.message(),
+            **self._expert_counts(),
+        )
+
+    def _expert_counts(self) -> dict[str, int]:
+        caches = getattr(self.span, "expert_caches", None)
+        if caches is None:
+            return {}
+        stats = caches.stats
+        return dict(
+            expert_hits=stats.hits,
+            expert_misses=stats.misses,
+            expert_prefetched=stats.prefetched,
+            expert_prefetch_used=stats.prefetch_used,
         )
 
     async def shutdown(self) -> None:
@@ -418,6 +435,8 @@ class PeerServer:
         if self._shut_down:
             return
         self._shut_down = True
+        if getattr(self.span, "expert_caches", None) is not None:
+            logger.info("%s", self.span.expert_caches.stats.describe())
         if self.dht is None:
             return  # it never got as far as joining: nothing to stop
         for task in (self._announcer, self._rebalancer, self._trainer):

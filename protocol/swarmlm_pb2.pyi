@@ -363,7 +363,7 @@ class InfoRequest(_message.Message):
     def __init__(self, param_digest: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings", "round", "held", "applied_samples", "applied_round")
+    __slots__ = ("peer_id", "model", "start", "end", "version", "dtype", "cache_tokens_left", "throughput", "max_message_bytes", "open_sessions", "run_id", "epoch", "samples", "param_digest", "train_mode", "updating", "identity_proof", "queued_work", "abandoned_work", "decode_batches", "batched_steps", "pushed_steps", "step_timings", "round", "held", "applied_samples", "applied_round", "expert_hits", "expert_misses", "expert_prefetched", "expert_prefetch_used")
     class StepTimings(_message.Message):
         __slots__ = ("steps", "parse_s", "wait_s", "compute_s", "reply_s")
         STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +404,10 @@ class InfoResponse(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HITS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PREFETCH_USED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     model: str
     start: int
@@ -431,7 +435,11 @@ class InfoResponse(_message.Message):
     held: _containers.RepeatedCompositeFieldContainer[TrainerIndices]
     applied_samples: int
     applied_round: RoundStatus
-    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ..., applied_round: _Optional[_Union[RoundStatus, _Mapping]] = ...) -> None: ...
+    expert_hits: int
+    expert_misses: int
+    expert_prefetched: int
+    expert_prefetch_used: int
+    def __init__(self, peer_id: _Optional[str] = ..., model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., version: _Optional[str] = ..., dtype: _Optional[str] = ..., cache_tokens_left: _Optional[int] = ..., throughput: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., open_sessions: _Optional[int] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., samples: _Optional[int] = ..., param_digest: _Optional[str] = ..., train_mode: _Optional[str] = ..., updating: _Optional[bool] = ..., identity_proof: _Optional[bytes] = ..., queued_work: _Optional[int] = ..., abandoned_work: _Optional[int] = ..., decode_batches: _Optional[int] = ..., batched_steps: _Optional[int] = ..., pushed_steps: _Optional[int] = ..., step_timings: _Optional[_Union[InfoResponse.StepTimings, _Mapping]] = ..., round: _Optional[_Union[RoundStatus, _Mapping]] = ..., held: _Optional[_Iterable[_Union[TrainerIndices, _Mapping]]] = ..., applied_samples: _Optional[int] = ..., applied_round: _Optional[_Union[RoundStatus, _Mapping]] = ..., expert_hits: _Optional[int] = ..., expert_misses: _Optional[int] = ..., expert_prefetched: _Optional[int] = ..., expert_prefetch_used: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("span", "adapters")

@@ -1040,6 +1040,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_capacity.py",),
     ),
     Mutation(
+        "expert-cache-overflows",
+        "peer/experts.py",
+        "        while len(self.resident) >= self.capacity:\n",
+        "        while False:  # MUTATION\n",
+        "the expert cache never evicts: every expert a layer ever picked stays on the device",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
+        "expert-picks-wrong-rows",
+        "peer/experts.py",
+        "                top_k_pos, token_idx = torch.where(mask[expert])\n",
+        "                token_idx, top_k_pos = torch.where(mask[expert])  # MUTATION\n",
+        "a cached expert computes the wrong tokens, weighted by the wrong router scores",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

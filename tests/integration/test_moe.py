@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import AutoDistributedModelForCausalLM
+from protocol import swarmlm_pb2 as pb
 from protocol.records import prefix_for_model
 from tests.helpers.generation import ATOL, ActAfter, assert_same_generation, generate_with_logits
 from tests.helpers.models import MOE_CONFIGS, VOCAB_SIZE, save_random_model
@@ -71,6 +72,34 @@ def test_logits_and_greedy_tokens_equal_the_local_model(moe_swarm, family):
         assert_same_generation(generate_with_logits(remote, prompt, max_new_tokens=16, do_sample=False), expected)
     finally:
         remote.shutdown()
+
+
+def test_a_peer_with_one_expert_a_layer_on_the_device_computes_the_same_and_counts_its_cache(moe_swarm):
+    """`--expert-cache 1` (peer/experts.py): the Qwen3-MoE model from one peer holding one expert of each layer at a
+    time, exact against the local model; Info reports its hits, misses and prefetches."""
+    swarm, paths, _ = moe_swarm
+    path = paths["qwen3_moe"]
+    peer = swarm.start_peer(
+        path, "--blocks", "0:4", "--expert-cache", "1", "--expert-prefetch", "--dht-prefix", "qwen3-moe-cached"
+    )
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    remote = AutoDistributedModelForCausalLM.from_pretrained(
+        str(path), initial_peers=swarm.initial_peers, dht_prefix="qwen3-moe-cached"
+    )
+    try:
+        ids = _ids(2, 11, seed=4)
+        with torch.no_grad():
+            torch.testing.assert_close(remote(ids).logits, local(ids).logits, atol=ATOL, rtol=0)
+        prompt = _ids(1, 6, seed=5)
+        expected = generate_with_logits(local, prompt, max_new_tokens=12, do_sample=False)
+        assert_same_generation(generate_with_logits(remote, prompt, max_new_tokens=12, do_sample=False), expected)
+        (hop,) = remote._run(remote.sequence.plan(0, 4, inference=False))
+        info = remote._run(remote.sequence.pool.unary(hop.endpoint, "info", pb.InfoRequest(), 10.0))
+        assert info.expert_misses > 0 and info.expert_hits > 0 and info.expert_prefetched > 0, info
+    finally:
+        remote.shutdown()
+        assert swarm.terminate(peer, timeout_s=60) == 0, peer.logs()
+    assert "expert cache:" in peer.stderr() and "hit rate" in peer.stderr(), peer.logs()
 
 
 def test_mixtral_generation_survives_the_death_of_a_peer_on_its_route(moe_swarm):

@@ -1,0 +1,157 @@
+"""Mixture-of-experts offloading (`swarmlm peer --expert-cache N`): per layer, at most N experts are resident on the
+compute device; the others wait in host memory and come in when the router picks them.
+
+transformers 5 keeps a layer's experts as two 3-d parameters (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in a
+module whose forward takes the router's choices (Mixtral, Qwen2-MoE, Qwen3-MoE alike). `CachedExperts` takes that
+module's place: it holds each expert's two matrices apart, keeps the N most recently used on the device (LRU), and
+computes the chosen experts as transformers' eager loop does, so outputs equal the resident layer's to rounding.
+
+Speculative prefetch, as in Eliseev and Mazur's MoE offloading: before a layer runs, the next layer's router is
+applied to the hidden state entering this one (normalized as that router's input is), and the experts it would
+pick are brought in. The residual stream changes little from one layer to the next, so the guess is often right;
+a wrong guess costs a load and may evict an expert still needed. It is off by default (`--expert-prefetch`): on
+random test models the guess is right for only about a third of the experts it brings, and it lowers the hit rate
+at 2 and 4 experts a layer (bench/experts.py); trained models, whose residual stream changes less from layer to
+layer, are where the paper's gains come from, and none was at hand to measure. A load is made when asked for
+(prefetched or not), not yet overlapped with compute. On a CPU the device is host memory, so nothing is saved
+there: only the mechanism and its hit rate are exercised; the saving is on a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ExpertStats:
+    """Counts over every cached layer of a peer, since start."""
+
+    hits: int = 0  # experts the router picked that were resident
+    misses: int = 0  # experts the router picked that had to be loaded then
+    prefetched: int = 0  # experts loaded ahead on a guess
+    prefetch_used: int = 0  # of those, the ones the router then picked while still resident
+
+    @property
+    def hit_rate(self) -> float:
+        used = self.hits + self.misses
+        return self.hits / used if used else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"expert cache: {self.hits} hits, {self.misses} misses (hit rate {self.hit_rate:.1%}), "
+            f"{self.prefetched} prefetched, {self.prefetch_used} of them used"
+        )
+
+
+class CachedExperts(nn.Module):
+    """A layer's experts with at most `capacity` of them on `device` (the rest in host memory)."""
+
+    def __init__(self, experts: nn.Module, capacity: int, device: torch.device, stats: ExpertStats):
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.capacity, self.device, self.stats = capacity, device, stats
+        pin = device.type == "cuda"
+        with torch.no_grad():
+            self.host = [
+                tuple(
+                    (t.detach().to("cpu").clone().pin_memory() if pin else t.detach().to("cpu").clone())
+                    for t in (experts.gate_up_proj[e], experts.down_proj[e])
+                )
+                for e in range(self.num_experts)
+            ]
+        self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self.guessed: set[int] = set()  # prefetched and not yet used
+        self._lock = threading.Lock()  # forwards run on the compute thread, and on the event loop for tiny steps
+
+    def _load(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if expert in self.resident:
+            self.resident.move_to_end(expert)
+            return self.resident[expert]
+        while len(self.resident) >= self.capacity:
+            evicted, _ = self.resident.popitem(last=False)
+            self.guessed.discard(evicted)
+        weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
+        self.resident[expert] = weights
+        return weights
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Bring in `experts` (a guess of what the router will pick, most likely first), into half the cache at most:
+        the other half keeps what LRU kept (on the test models, guesses that fill the cache evict more hits than they
+        bring)."""
+        with self._lock:
+            for expert in experts[: max(1, self.capacity // 2)]:
+                if expert not in self.resident:
+                    self._load(expert)
+                    self.guessed.add(expert)
+                    self.stats.prefetched += 1
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            chosen = [int(e) for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0] if e < self.num_experts]
+        with self._lock:
+            for expert in chosen:
+                if expert in self.resident:
+                    self.stats.hits += 1
+                    if expert in self.guessed:
+                        self.stats.prefetch_used += 1
+                else:
+                    self.stats.misses += 1
+                self.guessed.discard(expert)
+                # as transformers' eager loop computes it, expert by expert in index order
+                gate_up, down = self._load(expert)
+                top_k_pos, token_idx = torch.where(mask[expert])
+                gate, up = F.linear(hidden_states[token_idx], gate_up).chunk(2, dim=-1)
+                out = F.linear(self.act_fn(gate) * up, down) * top_k_weights[token_idx, top_k_pos, None]
+                final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+class ExpertCaches:
+    """The cached experts of a span's layers, and the prefetch of the next layer's guess."""
+
+    def __init__(self, layers: nn.ModuleList, first: int, capacity: int, device: torch.device, *, prefetch: bool):
+        self.stats, self.prefetching, self.first = ExpertStats(), prefetch, first
+        self.layers: dict[int, tuple[nn.Module, CachedExperts]] = {}
+        for j, layer in enumerate(layers):
+            mlp = getattr(layer, "mlp", None)
+            experts = getattr(mlp, "experts", None)
+            if experts is None or getattr(experts, "gate_up_proj", None) is None:
+                continue  # a dense layer (Qwen2-MoE's mlp_only_layers)
+            cached = CachedExperts(experts, capacity, device, self.stats)
+            mlp.experts = cached
+            self.layers[first + j] = (layer, cached)
+
+    def before(self, index: int, hidden: torch.Tensor) -> None:
+        """Layer `index` is about to run on `hidden`: guess and bring in the experts of the next one."""
+        found = self.layers.get(index + 1) if self.prefetching else None
+        if found is None:
+            return
+        layer, cached = found
+        with torch.no_grad():
+            flat = layer.post_attention_layernorm(hidden).reshape(-1, hidden.shape[-1])
+            _, _, picked = layer.mlp.gate(flat)
+            counts = torch.bincount(picked.reshape(-1), minlength=cached.num_experts)
+        cached.prefetch([int(e) for e in torch.argsort(counts, descending=True) if counts[e] > 0])
+
+
+def install_expert_cache(span, capacity: int, *, prefetch: bool = True) -> ExpertCaches:
+    """Replace the experts of `span`'s MoE layers by CachedExperts of `capacity` (span.expert_caches is set).
+
+    Raises:
+        ValueError: the span has no experts, or capacity < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"an expert cache holds at least 1 expert a layer, got {capacity}")
+    caches = ExpertCaches(span.layers, span.start, capacity, span.device, prefetch=prefetch)
+    if not caches.layers:
+        raise ValueError(f"blocks {span.start}:{span.end} have no experts to cache: drop --expert-cache")
+    span.expert_caches = caches
+    return caches

@@ -1,0 +1,61 @@
+"""Experts offloaded with an LRU cache and prefetch (peer/experts.py): exact against resident experts, and counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.blocks import load_span
+from peer.experts import install_expert_cache
+from swarm.models.checkpoint import load_config
+from tests.helpers.models import MOE_CONFIGS, save_random_model
+
+SPANS = {"mixtral": (1, 4), "qwen2_moe": (0, 3), "qwen3_moe": (0, 4)}  # qwen2_moe's block 1 is dense
+
+
+@pytest.fixture(scope="module", params=sorted(SPANS))
+def moe(request, tmp_path_factory):
+    family = request.param
+    path = save_random_model(MOE_CONFIGS[family](4), tmp_path_factory.mktemp(family), seed=3)
+    return family, path
+
+
+def _span(path, blocks):
+    return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("capacity, prefetch", [(1, False), (1, True), (2, True)])
+def test_cached_experts_compute_what_resident_ones_do(moe, capacity, prefetch):
+    family, path = moe
+    blocks = SPANS[family]
+    resident, cached = _span(path, blocks), _span(path, blocks)
+    caches = install_expert_cache(cached, capacity, prefetch=prefetch)
+    num_experts = next(iter(caches.layers.values()))[1].num_experts
+    hidden = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = resident(hidden)
+        got = cached(hidden)
+        # decode steps through a cache, one token at a time: the experts come and go
+        cache_a, cache_b = resident.new_cache(), cached.new_cache()
+        resident(hidden[:, :4], cache=cache_a), cached(hidden[:, :4], cache=cache_b)
+        for t in range(4, 9):
+            step_a = resident(hidden[:, t : t + 1], cache=cache_a, prefix_length=t)
+            step_b = cached(hidden[:, t : t + 1], cache=cache_b, prefix_length=t)
+            torch.testing.assert_close(step_b, step_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    stats = caches.stats
+    assert stats.misses > 0 and stats.hits + stats.misses > 0
+    assert all(len(c.resident) <= capacity for _, c in caches.layers.values())
+    assert (stats.prefetched > 0) == prefetch
+    assert capacity < num_experts
+
+
+def test_the_span_must_have_experts_and_the_cache_one_slot(tmp_path):
+    from tests.helpers.models import llama_config
+
+    dense = save_random_model(llama_config(2), tmp_path / "llama", seed=1)
+    with pytest.raises(ValueError, match="no experts to cache"):
+        install_expert_cache(_span(dense, (0, 2)), 2)
+    moe = save_random_model(MOE_CONFIGS["mixtral"](2), tmp_path / "mixtral", seed=1)
+    with pytest.raises(ValueError, match="at least 1 expert"):
+        install_expert_cache(_span(moe, (0, 2)), 0)

@@ -12,12 +12,20 @@ from protocol.errors import MessageTooLargeError
 from protocol.records import DEFAULT_MAX_ATTENTION_COST, DEFAULT_MAX_REQUEST_TOKENS, ServerInfo
 
 
+MIN_CAP_TOKENS = 16
+"""Caps below this are not honoured (a peer that announces them refuses what a client then sends, and is treated as
+failing): a peer announcing tiny caps could otherwise make every client routed through it send one token a call."""
+MIN_CAP_COST = MIN_CAP_TOKENS * MIN_CAP_TOKENS
+
+
 def route_caps(records: Iterable[ServerInfo | None]) -> tuple[int, int]:
-    """(tokens, attention cost) that every peer of a route takes in one request (a peer of no record: the defaults)."""
+    """(tokens, attention cost) that every peer of a route takes in one request (a peer of no record: the defaults),
+    never below MIN_CAP_TOKENS and MIN_CAP_COST."""
     tokens, cost = DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_MAX_ATTENTION_COST
     for info in records:
         if info is not None:
-            tokens, cost = min(tokens, info.max_request_tokens), min(cost, info.max_attention_cost)
+            tokens = min(tokens, max(info.max_request_tokens, MIN_CAP_TOKENS))
+            cost = min(cost, max(info.max_attention_cost, MIN_CAP_COST))
     return tokens, cost
 
 

@@ -37,6 +37,8 @@ def test_pieces_fit_every_cap_and_cover_the_request():
     info = ServerInfo(state=ServerState.ONLINE, start_block=0, end_block=2, throughput=1.0, cache_tokens_left=8,
                       dtype="float32", version="3", endpoint="a:1", max_request_tokens=100)  # fmt: skip
     assert route_caps([info, None]) == (100, info.max_attention_cost)
+    tiny = info.model_copy(update={"max_request_tokens": 1, "max_attention_cost": 1})
+    assert route_caps([tiny]) == (16, 256)  # a liar's tiny caps are not honoured below these
     assert route_caps([]) == (DEFAULT_MAX_REQUEST_TOKENS, info.max_attention_cost)
     assert "max_request_tokens" in info.to_wire() and "max_attention_cost" not in info.to_wire()
 

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from protocol.errors import MessageTooLargeError
 from protocol.records import DEFAULT_MAX_ATTENTION_COST, DEFAULT_MAX_REQUEST_TOKENS, ServerInfo
 
-
 MIN_CAP_TOKENS = 16
 """Caps below this are not honoured (a peer that announces them refuses what a client then sends, and is treated as
 failing): a peer announcing tiny caps could otherwise make every client routed through it send one token a call."""

@@ -393,7 +393,7 @@ class RemoteSequence:
                     break
                 hop_records = [HopRecord(hop, hidden, backward_id)]
                 if self._draw_check():
-                    output, hop_records = await self._spot_check_forward(hop_records[0], output, mask, positions)
+                    output, hop_records = await self.hop_checks.forward(hop_records[0], output, mask, positions)
                 records.extend(hop_records)
                 hidden, block = output, hop.end
         self.last_route = [record.hop for record in records]
@@ -444,7 +444,7 @@ class RemoteSequence:
             if done is not None:
                 done.append(TakenBackward(hop, inputs, grad))
             if training is None and self._draw_check():
-                grad_inputs = await self._spot_check_backward(record, grad, grad_inputs, mask, positions)
+                grad_inputs = await self.hop_checks.backward(record, grad, grad_inputs, mask, positions)
             return grad_inputs
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
@@ -462,16 +462,6 @@ class RemoteSequence:
         self.dialer.forget(peer_id)
         self.speeds.forget(peer_id)
         return self.bans.ban(peer_id, at_least_s)
-
-    async def _spot_check_forward(
-        self, record: HopRecord, output: torch.Tensor, mask, positions
-    ) -> tuple[torch.Tensor, list[HopRecord]]:
-        return await self.hop_checks.forward(record, output, mask, positions)
-
-    async def _spot_check_backward(
-        self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask, positions
-    ) -> torch.Tensor:
-        return await self.hop_checks.backward(record, grad, grad_inputs, mask, positions)
 
     async def check_inference(
         self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
-from safetensors.torch import load_file
+from safetensors.torch import load
 from torch import nn
 
 from protocol.records import ADAPTER_NAME_PATTERN, AdapterInfo
@@ -78,7 +78,8 @@ def read_adapter(name: str, path: str | Path) -> AdapterFolder:
         if settings.get(field):
             raise ValueError(f"adapter {name}: {path} uses {what} ({field}), which peers cannot serve yet")
     tensors, client_modules = {}, False
-    for key, tensor in load_file(weights_file).items():
+    weights = weights_file.read_bytes()  # once: for the tensors and for the digest
+    for key, tensor in load(weights).items():
         match = _LAYER_TENSOR.match(key)
         if match:
             tensors[int(match[1]), match[2], match[3]] = tensor
@@ -89,7 +90,7 @@ def read_adapter(name: str, path: str | Path) -> AdapterFolder:
             )
         else:
             client_modules = True
-    return AdapterFolder(name, path, config, tensors, folder_digest(path, name), client_modules)
+    return AdapterFolder(name, path, config, tensors, folder_digest(path, name, weights), client_modules)
 
 
 def adapter_records(folders: Sequence[AdapterFolder]) -> tuple[AdapterInfo, ...]:

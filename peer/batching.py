@@ -142,8 +142,8 @@ def forward_batch(
             masks[kind] = step_mask(held_rows, new_rows, span.config._attn_implementation, states.dtype)
     view = BatchCache(caches, rows, new)
     position_embeddings = span.rotary(states, position_ids)
-    per_row = [name for name, r in zip(adapters or [""] * len(rows), rows) for _ in range(r)]
-    with span.adapter_rows(per_row, len(per_row)):
+    per_row = [name for name, r in zip(adapters, rows) for _ in range(r)] if adapters and any(adapters) else None
+    with span.adapter_rows(per_row, sum(rows)):
         for index, kind in enumerate(types):
             if span.expert_caches is not None:
                 span.expert_caches.before(start + index, states)

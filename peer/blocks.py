@@ -99,6 +99,8 @@ class BlockSpan(nn.Module):
         Raises:
             BadRequestError: an adapter this span does not serve.
         """
+        if self.adapters is None and not adapter:  # the common case, on every forward: nothing to build
+            return contextlib.nullcontext()
         names = [adapter or ""] * batch if adapter is None or isinstance(adapter, str) else list(adapter)
         if self.adapters is None:
             if any(names):

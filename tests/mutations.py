@@ -1074,8 +1074,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "batched-rows-lose-their-adapter",
         "peer/batching.py",
-        '    per_row = [name for name, r in zip(adapters or [""] * len(rows), rows) for _ in range(r)]\n',
-        '    per_row = [""] * sum(rows)  # MUTATION\n',
+        "    per_row = [name for name, r in zip(adapters, rows) for _ in range(r)] if adapters and any(adapters) else None\n",
+        "    per_row = None  # MUTATION\n",
         "a decode step batched with other sessions forgets its session's adapter",
         ("tests/peer/test_adapters.py",),
     ),

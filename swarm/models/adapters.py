@@ -34,11 +34,12 @@ def adapter_files(path: str | Path, name: str) -> tuple[Path, Path]:
     return config_file, weights_file
 
 
-def folder_digest(path: str | Path, name: str = "") -> str:
-    """16 hex digits of the SHA-256 of the folder's config and weights files: the same folder, the same digest."""
+def folder_digest(path: str | Path, name: str = "", weights: bytes | None = None) -> str:
+    """16 hex digits of the SHA-256 of the folder's config and weights files: the same folder, the same digest.
+    `weights`: the weights file's bytes, when the caller has read them already."""
     config_file, weights_file = adapter_files(path, name or str(path))
     digest = hashlib.sha256(config_file.read_bytes())
-    digest.update(weights_file.read_bytes())
+    digest.update(weights if weights is not None else weights_file.read_bytes())
     return digest.hexdigest()[:16]
 
 

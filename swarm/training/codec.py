@@ -18,6 +18,7 @@ parts by the codec their message names, so swarm/training/allreduce.py decodes e
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -81,9 +82,7 @@ class Int8Compression(CompressionBase):
                 f"a part of compression {serialized.compression}, not int8: members disagree on the recipe"
             )
         shape = tuple(serialized.size)
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if len(serialized.buffer) != int8_nbytes(numel):
             raise ValueError(f"an int8 part of {numel} values has {len(serialized.buffer)} bytes")
         data = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.uint8)

@@ -56,7 +56,10 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 # a stage peer's round (peer/training/span.py): "update N of run 'R': averaged S samples (H here) among M members in Ts"
-_ROUND = re.compile(r"averaged \d+ samples \(\d+ here\) among (\d+) members in ([0-9.]+)s(?:, (\d+) bytes sent)?")
+# a round of gradients, or a sync of a run with local steps (peer/training/span.py)
+_ROUND = re.compile(
+    r"(?:averaged \d+ samples \(\d+ here\)|synced) among (\d+) members in ([0-9.]+)s(?:, (\d+) bytes sent)?"
+)
 _ONLINE = "ONLINE: serving blocks"
 _UPDATE = re.compile(r"update (\d+) of run '([^']*)': averaged")
 

@@ -144,6 +144,9 @@ _RECIPE_FIELDS = (
     "train_mode",
     "lora_rank",
     "averaging_compression",
+    "local_steps",
+    "outer_lr",
+    "outer_momentum",
 )
 
 
@@ -182,7 +185,13 @@ class TrainConfig:
     lora_rank: int | None = None
     """Rank of the LoRA adapters (train_mode lora)."""
     averaging_compression: str | None = None
-    """How rounds send gradients: none (exact) or float16."""
+    """How rounds send gradients: none (exact), float16 or int8."""
+    local_steps: int | None = None
+    """Updates between the trainers' rounds (1: every update; H > 1: DiLoCo, swarm/training/outer.py)."""
+    outer_lr: float | None = None
+    """The outer step's learning rate (local_steps > 1)."""
+    outer_momentum: float | None = None
+    """The outer step's Nesterov momentum (local_steps > 1)."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     step_timeout_s: float = 60.0
     """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""

@@ -67,6 +67,9 @@ _RECIPE_FIELDS = {
     "mode": "train_mode",
     "lora_rank": "lora_rank",
     "averaging_compression": "averaging_compression",
+    "local_steps": "local_steps",
+    "outer_lr": "outer_lr",
+    "outer_momentum": "outer_momentum",
 }
 
 
@@ -101,7 +104,13 @@ class TrainingConfig:
     lora_rank: int | None = None
     """Rank of the LoRA adapters."""
     averaging_compression: str | None = None
-    """How rounds send gradients: none (exact) or float16."""
+    """How rounds send gradients: none (exact), float16 or int8."""
+    local_steps: int | None = None
+    """Updates between the group's rounds (1: every update; H > 1: DiLoCo, swarm/training/outer.py)."""
+    outer_lr: float | None = None
+    """The outer step's learning rate (local_steps > 1)."""
+    outer_momentum: float | None = None
+    """The outer step's Nesterov momentum (local_steps > 1)."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     save_dir: str | None = None
     """Save the span's weights and optimizer state here, and resume from them on restart."""

@@ -12,6 +12,9 @@ trained on the bundled Shakespeare plays. Its parts run one after the other, eac
     averaging    seconds per group all-reduce in those peers' logs vs two bare hivemind averagers of a stage's size
     compression  the 2-trainer run again with --averaging-compression float16, then int8: final loss against the
                  float64 run (same batches), and the bytes the rounds sent per trained sample
+    local steps  the 2-trainer run again with --local-steps 4 (DiLoCo: inner AdamW steps on each member's own
+                 gradients, a sync of the weights' change every 4 updates): final loss and round bytes per sample
+                 against the synchronous float64 run
     pipelining   2 peers behind 20 ms one-way delay proxies: --max-in-flight 4 vs 1, tokens/s
     default      (full preset) tokens/s of the default model, seq 128, batch 4, vs --local
 
@@ -63,6 +66,9 @@ NOTES = {
     "(parts scaled per part) or int8 (blocks of 64 values with a scale each, error feedback): every round of the "
     "stages and of the trainers sends them so; the loss differs from the float64 run's by the compression's effect "
     "only (the members of a group still end identical)",
+    "local": "the 2-trainer run (same seeds, so the same batches) with --local-steps 4 and DiLoCo's outer step (lr "
+    "0.7, Nesterov momentum 0.9): between syncs every member of a stage and every trainer steps on its own micro-batches "
+    "alone; the loss differs from the synchronous run's by the algorithm, not by rounding",
     "bytes": "bytes of the parts every peer and trainer sent to the others' reducers in their rounds (their answers, "
     "as large, come on top), over the samples the trainers trained",
     "rates": f"tokens/s: median of the per-step figures of --log-json after the first {SKIP} steps; a swarm step "
@@ -121,6 +127,7 @@ class TrainSwarm:
             ("wire dtype", self.wire_dtypes),
             ("averaging", self.averaging),
             ("compression", self.compression),
+            ("local steps", self.local_steps),
             ("pipelining", self.pipelining),
         ]
         if not self.plan.quick:
@@ -316,6 +323,31 @@ class TrainSwarm:
                 ),
             ]
         return rows
+
+    def local_steps(self) -> list[Row]:
+        if self.two_swarm is None:
+            raise RuntimeError("the 2-trainer part failed: there is no synchronous run to compare with")
+        plain, plain_bytes = self.two_swarm
+        runs, names = self._two_trainers_run("local4", ("--local-steps", "4"))
+        ours = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
+        variant = f"2 trainers x batch {self.small.batch_size}, 2 peers per stage, {len(ours)} steps, --local-steps 4"
+        curves = {"swarm, a round every update": plain, "swarm, --local-steps 4": ours}
+        fidelity = self._fidelity(variant, ours, plain, NOTES["local"], curves)
+        fidelity.reference_name = "the same run, a round every update"
+        return [
+            fidelity,
+            Row(
+                "train_swarm",
+                tr.TRAIN_MODEL,
+                variant,
+                "round bytes sent per sample",
+                "bytes",
+                Summary.of([self._round_bytes_per_sample(runs, names)]),
+                Summary.of([plain_bytes]),
+                "the same run, a round every update",
+                extra={"notes": [NOTES["bytes"]]},
+            ),
+        ]
 
     def averaging(self) -> list[Row]:
         if not self.rounds_s:

@@ -39,6 +39,7 @@ class CoTrainers:
         state: returns (epoch, state tensors) for a trainer that joins: a consistent copy.
         stages_epoch: returns the latest update every stage has applied (blocking), None when unknown.
         compression: how rounds send gradients (the run's recipe).
+        digest_of: the digest this trainer announces of a state, which a copy must match (GroupMember).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class CoTrainers:
         stages_epoch: Callable[[], int | None],
         swarm_key: SwarmKey | None = None,
         compression: str = "none",
+        digest_of: Callable[[Sequence[torch.Tensor]], str] = state_digest,
     ):
         self.config = config
         self.stages_epoch = stages_epoch
@@ -68,6 +70,7 @@ class CoTrainers:
             swarm_key=swarm_key,
             progress_ttl_s=TRAINER_PROGRESS_TTL_S,
             compression=compression,
+            digest_of=digest_of,
         )
         self._publisher = threading.Thread(target=self._publish_forever, name="trainer-progress", daemon=True)
 

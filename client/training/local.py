@@ -3,7 +3,9 @@
 `swarmlm train --local` runs it; the tests and the `train_swarm` benchmark compare the swarm against it. An update
 follows the run's recipe as the swarm applies it: mean gradients of the step's micro-batches (weighted by their
 samples), clipped by their global norm, then the optimizer with the schedule's learning rate for that update and
-weight decay spared on norms, biases and embeddings; all in float32. In a LoRA run (`--train-mode lora`) the
+weight decay spared on norms, biases and embeddings; all in float32. With local steps (`--local-steps H`), every H
+updates end with the outer step of one worker (swarm/training/outer.py), as a run whose stages have one member each
+and one trainer computes it. In a LoRA run (`--train-mode lora`) the
 decoder layers get the adapters a peer adds (peer/lora.py: the same initialization, by block and layer name) and
 only those train there, with the embeddings, final norm and head, as in the swarm.
 """
@@ -20,6 +22,7 @@ from client.config import TrainConfig
 from client.training.trainer import StepResult, lm_loss, local_named_parameters, local_parameters
 from protocol.vocab import TrainMode
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
+from swarm.training.outer import OuterStep, sync_due
 from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
 
 
@@ -43,6 +46,12 @@ class LocalTrainer:
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = make_optimizer(self.recipe, self.model, self.params)
+        # local steps (DiLoCo): one worker's inner steps, and its outer step every local_steps updates
+        self.outer = (
+            OuterStep(self.params, lr=self.recipe.outer_lr, momentum=self.recipe.outer_momentum)
+            if self.recipe.local_steps > 1
+            else None
+        )
         self.steps_done = steps_done
 
     def step(self, batch: torch.Tensor) -> StepResult:
@@ -66,6 +75,8 @@ class LocalTrainer:
             set_lr(self.optimizer, lr_at(self.recipe, self.steps_done))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.outer is not None and sync_due(self.steps_done, self.recipe.local_steps):
+                self.outer.apply(self.outer.pseudo_gradients())
         self.steps_done += 1
         return StepResult(
             self.steps_done,
@@ -86,17 +97,23 @@ class LocalTrainer:
 
     def state_dict(self) -> dict:
         """What a resumed reference needs besides its weights: its update count and optimizer statistics."""
-        return {
+        state = {
             "epoch": self.steps_done,
             "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)],
         }
+        if self.outer is not None:
+            state["outer"] = [t.detach().cpu().clone() for t in self.outer.state()]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         live = state_tensors(self.optimizer)
         if len(state["optimizer"]) != len(live) or any(s.shape != t.shape for s, t in zip(state["optimizer"], live)):
             raise ValueError("the saved optimizer state does not fit this model")
+        outer = self.outer.state() if self.outer is not None else []
+        if len(state.get("outer", [])) != len(outer):
+            raise ValueError("the save is of a run with other local steps (--local-steps): resume it with the same")
         with torch.no_grad():
-            for dst, src in zip(live, state["optimizer"]):
+            for dst, src in zip([*live, *outer], [*state["optimizer"], *state.get("outer", [])]):
                 dst.copy_(src)
         self.steps_done = int(state["epoch"])
         set_step_count(self.optimizer, self.steps_done)

@@ -47,6 +47,7 @@ from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
 from swarm.training.group import TRAINER_PROGRESS_TTL_S
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
+from swarm.training.outer import OuterStep, sync_due
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 from swarm.training.state import state_digest
 
@@ -123,6 +124,11 @@ class SwarmTrainer:
         except BaseException:
             stop_dht(self.dht)
             raise
+        self.outer = (
+            OuterStep(self.params, lr=self.recipe.outer_lr, momentum=self.recipe.outer_momentum)
+            if self.recipe.local_steps > 1
+            else None
+        )
         self.stages = Stages(self.sequence, config.run_id)
         self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local")
         self.epoch = epoch
@@ -137,6 +143,7 @@ class SwarmTrainer:
                 stages_epoch=self._stages_epoch,
                 swarm_key=self.sequence.config.swarm_key,
                 compression=self.recipe.averaging_compression,
+                digest_of=self._vouched,
             )
             self._join_trainers()
         except BaseException:
@@ -258,7 +265,11 @@ class SwarmTrainer:
         for span in members:
             if not ledger.complete(span, len(micro)):
                 raise AssertionError(f"stage {span} does not hold every micro-batch once: {ledger.holdings(span)}")
-        trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
+        if self.outer is None:
+            trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
+        else:  # local steps: each trainer steps on its own gradients; the trainers only agree on who is in
+            trainers = await self.trainers.rendezvous(epoch, batch.shape[0])
+            mean = [s / batch.shape[0] for s in sums]
 
         update = Update(
             self.stages,
@@ -272,6 +283,7 @@ class SwarmTrainer:
             redo=lambda span, pid: self._fence(span, pid, epoch, ledger),
             round_timeout_s=self.config.averaging.averaging_timeout_s,
             trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
+            local_steps=self.outer is not None,
         )
         done = await update.average()
         trainers, mean = await self._settle_with_stages(epoch, sums, batch.shape[0], trainers, mean, done)
@@ -280,6 +292,8 @@ class SwarmTrainer:
         scale = clip_scale(total_norm, self.recipe.max_grad_norm)
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
+        if self.outer is not None and sync_due(epoch, self.recipe.local_steps):
+            await self._sync(epoch, trainers)
         self.epoch = epoch + 1
         self.trainers.publish(
             TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest))
@@ -328,6 +342,8 @@ class SwarmTrainer:
             return trainers, mean
         if not set(kept) <= set(trainers) or self.trainer_id not in kept:
             raise TrainingFaultError(f"the stages' rounds of update {epoch} hold trainers {kept}, not {list(trainers)}")
+        if self.outer is not None:  # local steps: this trainer's mean is its own, whoever else is in
+            return {t: trainers[t] for t in kept}, mean
         logger.warning(
             "update %d: trainers %s died before the stages took their micro-batches; their parts' gradients are left "
             "out too",
@@ -464,17 +480,42 @@ class SwarmTrainer:
             logger.warning("could not read the stages' updates: %r", exc)
             return None
 
+    async def _sync(self, epoch: int, trainers: dict[str, int]) -> None:
+        """The trainers' sync after update `epoch` of a run with local steps: their pseudo-gradients averaged (each
+        trainer weighs the same), then the outer step. A sync the trainers cannot agree on is skipped, as a stage
+        skips a failed one: the next carries the change."""
+        deltas = await self._local(self.outer.pseudo_gradients)
+        try:
+            _, averaged = await self.trainers.settle(
+                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.attempt
+            )
+        except TrainingFaultError as exc:
+            logger.warning(
+                "update %d: the trainers' sync failed (%s); the next sync carries this one's change", epoch, exc
+            )
+            return
+        await self._local(lambda: self.outer.apply(averaged))
+
     # --- the trainer's own parts ---
 
     def state(self) -> list[torch.Tensor]:
-        """The trainer's part of the run's state: its parameters, then the optimizer's statistics."""
-        return [*(p.data for p in self.params), *state_tensors(self.optimizer)]
+        """The trainer's part of the run's state: its parameters, then the optimizer's statistics (with local steps,
+        then the weights at the last sync and the outer momentum)."""
+        outer = self.outer.state() if self.outer is not None else []
+        return [*(p.data for p in self.params), *state_tensors(self.optimizer), *outer]
+
+    def _vouched(self, state: list[torch.Tensor]) -> str:
+        """The digest trainers announce of `state`: all of it, or with local steps the part they share between syncs
+        (the weights at the last sync and the outer momentum, the state's last tensors)."""
+        if self.outer is None:
+            return state_digest(state)
+        return state_digest(state[len(state) - len(self.outer.state()) :])
 
     def _shared_state(self) -> tuple[int, list[torch.Tensor]]:
         return self.epoch or 0, [t.detach().cpu().clone() for t in self.state()]
 
     def _digest(self) -> str:
-        return state_digest(self.state())
+        return self._vouched(self.state())
 
     def _load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -496,15 +537,21 @@ class SwarmTrainer:
 
     def state_dict(self) -> dict:
         """What a resumed trainer needs besides its weights: its update count and optimizer statistics."""
-        return {"epoch": self.epoch, "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)]}
+        state = {"epoch": self.epoch, "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)]}
+        if self.outer is not None:
+            state["outer"] = [t.detach().cpu().clone() for t in self.outer.state()]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         live = state_tensors(self.optimizer)
         saved = state["optimizer"]
         if len(saved) != len(live) or any(s.shape != t.shape for s, t in zip(saved, live)):
             raise ValueError("the saved optimizer state does not fit this model's trainer parts")
+        outer = self.outer.state() if self.outer is not None else []
+        if len(state.get("outer", [])) != len(outer):
+            raise ValueError("the save is of a run with other local steps (--local-steps): resume it with the same")
         with torch.no_grad():
-            for dst, src in zip(live, saved):
+            for dst, src in zip([*live, *outer], [*saved, *state.get("outer", [])]):
                 dst.copy_(src)
         self.epoch = int(state["epoch"])
         set_step_count(self.optimizer, self.epoch)

@@ -48,6 +48,12 @@ class Averaged:
     members: tuple[Member, ...]
     trainers: tuple[str, ...]
     """The trainers whose micro-batches it holds."""
+    digests: dict[str, str] | None = None
+    """With local steps: each member's digest of its own gradients (peer id -> digest), which Apply names; then
+    grad_digest is unused and grad_sq_norm is the mean of the members'."""
+
+    def digest_of(self, peer_id: str) -> str:
+        return self.grad_digest if self.digests is None else self.digests[peer_id]
 
 
 class Update:
@@ -67,12 +73,16 @@ class Update:
         redo: Redo,
         round_timeout_s: float,
         trainers_alive: Callable[[], Awaitable[set[str]]] | None = None,
+        local_steps: bool = False,
     ):
+        """`local_steps`: the run's members step on their own gradients (recipe local_steps > 1), so the members of
+        a stage report different gradients of one round."""
         self.stages, self.run_id, self.prefix, self.epoch = stages, run_id, prefix, epoch
         self.trainer, self.trainers = trainer, trainers
         self.members, self.ledger, self.redo = members, ledger, redo
         self.round_timeout_s = round_timeout_s
         self.trainers_alive = trainers_alive
+        self.local_steps = local_steps
         self.faults: list[str] = []  # what went wrong and was repaired, for the step's log line
         self.version = 0  # of this trainer's latest commit
         self.applied_seen = False  # whether the last look saw a member that applied the update
@@ -211,17 +221,18 @@ class Update:
                 return None
             if not decided and any(s.version < self.version for _, s in mine):
                 return None  # a round this trainer asked to replace: another trainer's retry may replace it yet
-            seen = {(s.round_id, s.grad_digest) for _, s in mine}
+            seen = {(s.round_id, "" if self.local_steps else s.grad_digest) for _, s in mine}
             if len(seen) != 1:
                 return None  # members averaged different things: not done (their rounds fail, or a retry fixes it)
             first = mine[0][1]
             done[span] = Averaged(
                 first.round_id,
                 first.grad_digest,
-                first.grad_sq_norm,
+                sum(s.grad_sq_norm for _, s in mine) / len(mine) if self.local_steps else first.grad_sq_norm,
                 first.samples,
                 tuple(m for m, _ in mine),
                 tuple(sorted(first.trainers)),
+                {m.peer_id: s.grad_digest for m, s in mine} if self.local_steps else None,
             )
         return done
 
@@ -268,7 +279,7 @@ class Update:
                 span=pb.Span(model=self.prefix, start=span[0], end=span[1]),
                 epoch=self.epoch,
                 round_id=averaged.round_id,
-                grad_digest=averaged.grad_digest,
+                grad_digest=averaged.digest_of(member.peer_id),
                 clip_scale=clip_scale,
             )
             deadline = time.monotonic() + self.round_timeout_s

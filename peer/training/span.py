@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import statistics
@@ -41,6 +42,7 @@ from protocol.vocab import TrainMode
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
+from swarm.training.outer import OuterStep, sync_due
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
 from swarm.training.state import applied_by_trainers, deciding, state_digest
 
@@ -80,6 +82,13 @@ class SpanTraining:
         ]
         masters_named = [(name, m) for (name, _), m in zip(named, self.masters)]
         self.optimizer = make_optimizer(recipe, span.layers, masters_named)
+        # with local steps (DiLoCo), rounds average the weights' change every H updates, not each update's gradients
+        self.outer = (
+            OuterStep(self.masters, lr=recipe.outer_lr, momentum=recipe.outer_momentum)
+            if recipe.local_steps > 1
+            else None
+        )
+        self._mid_update = False  # while an update is applied: no consistent state to share
         self.accumulators = Accumulators(self.masters)
         self.epoch = 0
         self.commits = Commits(0)
@@ -218,7 +227,9 @@ class SpanTraining:
             scale = len(plan.members) / max(plan.samples, 1)
             began = time.perf_counter()
             sent_bytes = 0
-            if len(plan.members) == 1:
+            if self.outer is not None:  # local steps: each member steps on its own gradients (None: it holds none)
+                averaged = [t / samples for t in total] if samples else None
+            elif len(plan.members) == 1:
                 averaged = [t / max(plan.samples, 1) for t in total]
             else:
                 # a retry comes as a new commit version, whose plan has a new id: late parts of a failed round
@@ -241,22 +252,31 @@ class SpanTraining:
                 epoch=self.epoch,
                 state=pb.RoundStatus.AVERAGED,
                 round_id=plan.round_id,
-                grad_digest=digest(averaged),
-                grad_sq_norm=float(sum(float(t.pow(2).sum()) for t in averaged)),
+                grad_digest=digest(averaged or []),
+                grad_sq_norm=float(sum(float(t.pow(2).sum()) for t in averaged or [])),
                 samples=plan.samples,
                 trainers=plan.trainers,
                 version=plan.version,
             )
-            logger.info(
-                "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs, %d bytes sent",
-                self.epoch,
-                self.run_id,
-                plan.samples,
-                samples,
-                len(plan.members),
-                time.perf_counter() - began,
-                sent_bytes,
-            )
+            if self.outer is not None:
+                logger.info(
+                    "update %d of run %r: averaged its own %d of %d samples (a local step)",
+                    self.epoch,
+                    self.run_id,
+                    samples,
+                    plan.samples,
+                )
+            else:
+                logger.info(
+                    "update %d of run %r: averaged %d samples (%d here) among %d members in %.2fs, %d bytes sent",
+                    self.epoch,
+                    self.run_id,
+                    plan.samples,
+                    samples,
+                    len(plan.members),
+                    time.perf_counter() - began,
+                    sent_bytes,
+                )
         except asyncio.CancelledError:
             raise
         except HeldMismatch as exc:
@@ -290,7 +310,10 @@ class SpanTraining:
         if not 0 < request.clip_scale <= 1:
             raise BadRequestError(f"clip_scale must lie in (0, 1], got {request.clip_scale}")
         averaged, scale = self._averaged, request.clip_scale
-        await compute(lambda: self._apply(averaged, scale, status))
+        if self.outer is None:
+            await compute(lambda: self._apply(averaged, scale, status))
+        else:
+            await self._apply_local_steps(averaged, scale, status, compute)
         response = pb.ApplyResponse(
             epoch=self.epoch, param_digest=await compute(self.digest), applied_samples=status.samples
         )
@@ -302,6 +325,17 @@ class SpanTraining:
     def _apply(self, averaged: list[torch.Tensor], scale: float, status: pb.RoundStatus) -> None:
         """The update (of round `status`): the optimizer on the float32 masters, then the compute weights cast from
         them."""
+        self._mid_update = True
+        try:
+            self._inner_step(averaged, scale)
+            self._finish_apply(status)
+        finally:
+            self._mid_update = False
+
+    def _inner_step(self, averaged: list[torch.Tensor] | None, scale: float) -> None:
+        """The recipe's optimizer on the float32 masters (averaged None: no gradients here, nothing moves)."""
+        if averaged is None:
+            return
         lr = lr_at(self.recipe, self.epoch)
         with self._lock, torch.no_grad():
             for master, g in zip(self.masters, averaged):
@@ -311,6 +345,65 @@ class SpanTraining:
             set_step_count(self.optimizer, self.epoch)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    async def _apply_local_steps(
+        self, own: list[torch.Tensor] | None, scale: float, status: pb.RoundStatus, compute: Compute
+    ) -> None:
+        """An update of a run with local steps: the inner step on this member's own gradients; after every H-th,
+        the sync: the members of the update's round average their pseudo-gradients, and each applies the outer
+        step. A sync round that fails is skipped (the weights' change then waits for the next sync), so that every
+        member keeps the same weights at the last sync."""
+        self._mid_update = True
+        try:
+            await compute(lambda: self._inner_step(own, scale))
+            if sync_due(self.epoch, self.recipe.local_steps):
+                deltas = await compute(self.outer.pseudo_gradients)
+                averaged = await self._average_sync(deltas, status)
+                if averaged is not None:
+                    await compute(lambda: self._outer_step(averaged))
+            await compute(lambda: self._finish_apply(status))
+        finally:
+            self._mid_update = False
+
+    async def _average_sync(self, deltas: list[torch.Tensor], status: pb.RoundStatus) -> list[torch.Tensor] | None:
+        """The mean pseudo-gradients of the update's members (None: the round failed)."""
+        plan = self._plan
+        members = plan.members if plan is not None and plan.round_id == status.round_id else ()
+        if len(members) <= 1:
+            return deltas
+        began = time.perf_counter()
+        result = await asyncio.to_thread(
+            self.group.average,
+            deltas,
+            round_id=hashlib.sha256(bytes.fromhex(status.round_id) + b"|outer").digest(),
+            members=list(members),
+            timeout_s=self.config.averaging.averaging_timeout_s,
+        )
+        if not result.complete:
+            logger.warning(
+                "update %d of run %r: the sync round failed (%s); the next sync carries this one's change",
+                self.epoch,
+                self.run_id,
+                result.reason,
+            )
+            return None
+        logger.info(
+            "update %d of run %r: synced among %d members in %.2fs, %d bytes sent",
+            self.epoch,
+            self.run_id,
+            len(members),
+            time.perf_counter() - began,
+            result.sent_bytes,
+        )
+        return result.tensors
+
+    def _outer_step(self, averaged: list[torch.Tensor]) -> None:
+        with self._lock:
+            self.outer.apply(averaged)
+
+    def _finish_apply(self, status: pb.RoundStatus) -> None:
+        """Cast the compute weights from the masters and move to the next update."""
+        with self._lock, torch.no_grad():
             for param, master in zip(self.params, self.masters):
                 if param is not master:
                     param.copy_(master)
@@ -341,19 +434,30 @@ class SpanTraining:
     # --- state ---
 
     def state(self) -> list[torch.Tensor]:
-        """The trainable state, as the group shares it: float32 masters, then the optimizer's statistics."""
-        return [*self.masters, *state_tensors(self.optimizer)]
+        """The trainable state, as the group shares it: float32 masters, then the optimizer's statistics (with local
+        steps, then the weights at the last sync and the outer momentum)."""
+        outer = self.outer.state() if self.outer is not None else []
+        return [*self.masters, *state_tensors(self.optimizer), *outer]
+
+    def vouched(self, state: list[torch.Tensor]) -> str:
+        """The digest members announce of `state`: all of it, or with local steps the part every member shares
+        between syncs (the weights at the last sync and the outer momentum, the state's last tensors)."""
+        if self.outer is None:
+            return state_digest(state)
+        return state_digest(state[len(state) - len(self.outer.state()) :])
 
     def digest(self) -> str:
         """The digest of the state this member vouches for (compute thread: it reads every state tensor)."""
         with self._lock:
             if self._digest is None or self._digest[0] != self.epoch:
-                self._digest = (self.epoch, state_digest(self.state()))
+                self._digest = (self.epoch, self.vouched(self.state()))
             return self._digest[1]
 
     def shared_state(self) -> tuple[int, list[torch.Tensor]]:
         """(epoch, a copy of the state) for a joiner: consistent, never half an update."""
         with self._lock:
+            if self._mid_update:
+                raise RuntimeError(f"update {self.epoch} is being applied; ask again")
             return self.epoch, [t.detach().cpu().clone() for t in self.state()]
 
     def load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:
@@ -431,6 +535,7 @@ class SpanTraining:
             swarm_key=swarm_key,
             compression=self.recipe.averaging_compression,
             deciding=self._deciding,
+            digest_of=self.vouched,
         )
 
     def _deciding(self, members: dict[str, TrainingProgress]) -> dict[str, TrainingProgress]:

@@ -18,7 +18,7 @@ from protocol.records import TrainingProgress
 from swarm.training.members import GroupProgress, progress_key
 from swarm.training.rounds import RoundAverager, RoundResult, RoundSettings
 from swarm.training.settings import AveragingSettings
-from swarm.training.state import VerifiedState, load_verified_state, majority_claim
+from swarm.training.state import VerifiedState, load_verified_state, majority_claim, state_digest
 from swarm.trust.swarmkey import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class GroupMember:
         compression: how rounds send gradients (the run's recipe: every member must use the same).
         deciding: picks the records this member decides by, out of every member's (a stage: state.deciding).
             None: every record counts.
+        digest_of: the digest this member announces of a state (default: of all of it), which a copy must match.
     """
 
     def __init__(
@@ -55,8 +56,9 @@ class GroupMember:
         progress_ttl_s: float | None = None,
         compression: str = "none",
         deciding: Callable[[dict[str, TrainingProgress]], dict[str, TrainingProgress]] | None = None,
+        digest_of: Callable[[Sequence[torch.Tensor]], str] = state_digest,
     ):
-        self.key, self.settings, self._deciding = key, settings, deciding
+        self.key, self.settings, self._deciding, self.digest_of = key, settings, deciding, digest_of
         self.progress = GroupProgress(dht, key, ttl_s=progress_ttl_s or 4 * settings.progress_period_s)
         self.peer_id = self.progress.peer_id
         # hivemind's averager sets SIGINT to be ignored in *this* process before it forks; RoundAverager puts it back
@@ -111,7 +113,11 @@ class GroupMember:
             StateDownloadError: none within the timeout.
         """
         return load_verified_state(
-            self.averager, members or self.voters, like=like, timeout_s=self.settings.load_state_timeout_s
+            self.averager,
+            members or self.voters,
+            like=like,
+            timeout_s=self.settings.load_state_timeout_s,
+            digest_of=self.digest_of,
         )
 
     def serve_state(self, serve: bool = True) -> None:

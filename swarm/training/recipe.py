@@ -57,6 +57,9 @@ _SETTINGS: dict[str, tuple[str, float, bool, Any]] = {
     "lora_rank": ("int", 1, True, MAX_LORA_RANK),
     "master_dtype": ("choice", 0, True, MASTER_DTYPES),
     "averaging_compression": ("choice", 0, True, AVERAGING_COMPRESSIONS),
+    "local_steps": ("int", 1, True, MAX_COUNT),
+    "outer_lr": ("float", 0.0, False, math.inf),
+    "outer_momentum": ("float", 0.0, True, 0.999),
 }
 _ENUMS = {"lr_schedule": LRSchedule, "train_mode": TrainMode}
 
@@ -143,6 +146,14 @@ class RunRecipe:
     averaging_compression: str = "none"
     """How rounds send gradients: "none" (float64, exact) or "float16" (scaled per part: a quarter of the bytes,
     lossy, the same on every member; swarm/training/allreduce.py)."""
+    local_steps: int = 1
+    """Updates between a group's rounds (DiLoCo's H; swarm/training/outer.py). 1: a round averages every update's
+    gradients; H > 1: each member steps on its own gradients, and every H updates the group averages the change of
+    its weights and applies the outer optimizer."""
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate (local_steps > 1; DiLoCo's default)."""
+    outer_momentum: float = 0.9
+    """The outer optimizer's Nesterov momentum (local_steps > 1; DiLoCo's default)."""
 
     @property
     def lora_alpha(self) -> float:
@@ -199,6 +210,12 @@ class RunRecipe:
             + (f" rank {self.lora_rank}" if self.train_mode == TrainMode.LORA else "")
             + f", {self.master_dtype} master"
             + (f", {self.averaging_compression} averaging" if self.averaging_compression != "none" else "")
+            + (
+                f", rounds every {self.local_steps} updates (outer lr {self.outer_lr:g}, momentum "
+                f"{self.outer_momentum:g})"
+                if self.local_steps > 1
+                else ""
+            )
         )
 
 

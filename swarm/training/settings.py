@@ -117,6 +117,25 @@ def add_recipe_arguments(t) -> None:
         f"(an eighth, lossy, with error feedback) "
         f"{default(d.averaging_compression)}",
     )
+    t.add_argument(
+        "--local-steps",
+        type=int,
+        metavar="H",
+        help=f"updates between rounds: 1 averages every update's gradients; H > 1 steps on local gradients and "
+        f"averages the weights' change every H updates with an outer Nesterov step (DiLoCo) {default(d.local_steps)}",
+    )
+    t.add_argument(
+        "--outer-lr",
+        type=float,
+        metavar="LR",
+        help=f"the outer step's learning rate with --local-steps above 1 {default(f'{d.outer_lr:g}')}",
+    )
+    t.add_argument(
+        "--outer-momentum",
+        type=float,
+        metavar="M",
+        help=f"the outer step's Nesterov momentum with --local-steps above 1 {default(f'{d.outer_momentum:g}')}",
+    )
 
 
 def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,5 +149,8 @@ def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "total_steps",
         "max_grad_norm",
         "averaging_compression",
+        "local_steps",
+        "outer_lr",
+        "outer_momentum",
     )
     return {name: getattr(args, name) for name in names}

@@ -123,6 +123,7 @@ def load_verified_state(
     like: Sequence[torch.Tensor],
     timeout_s: float,
     retry_s: float = 1.0,
+    digest_of: Callable[[Sequence[torch.Tensor]], str] = state_digest,
 ) -> VerifiedState:
     """Download the state that a strict majority of the group vouches for, from a member that vouches for it.
 
@@ -133,6 +134,8 @@ def load_verified_state(
         like: this member's own state tensors, whose shapes and dtypes a download must have.
         timeout_s: give up after this long.
         retry_s: pause between passes.
+        digest_of: the digest members announce of a state (default: of all of it; a run with local steps vouches
+            for the part its members share, swarm/training/outer.py).
 
     Raises:
         StateDownloadError: no majority claim, or no donor sent a state with the claimed digest, within `timeout_s`;
@@ -168,10 +171,12 @@ def load_verified_state(
                 tried[donor] = f"download failed: {exc}"
                 logger.warning("could not download the state of %s: %s", donor, exc)
                 continue
-            got = state_digest(tensors)
             if [(t.shape, t.dtype) for t in tensors] != schema:
                 tried[donor] = "a state of other shapes or dtypes"
-            elif got != claim[1]:
+                logger.warning("refused the state of %s: %s", donor, tried[donor])
+                continue
+            got = digest_of(tensors)  # after the schema check: digest_of may take the state apart
+            if got != claim[1]:
                 tried[donor] = f"digest {got[:12]} is not the majority's {claim[1][:12]}"
             else:
                 logger.info("copied the state of epoch %d (digest %s) from %s", claim[0], got[:12], donor)

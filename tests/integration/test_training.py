@@ -374,3 +374,106 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             if trainer is not None:
                 trainer.close()
             model.shutdown()
+
+
+def train_in_threads(trainers, batch: torch.Tensor, swarm) -> list:
+    """One step of every trainer at once, each on its share of `batch`."""
+    share = batch.shape[0] // len(trainers)
+    results = [None] * len(trainers)
+
+    def run(i):
+        results[i] = trainers[i].step(batch[share * i : share * (i + 1)])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(trainers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(results), f"a trainer did not finish its step\n{swarm.format_logs()}"
+    return results
+
+
+def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path):
+    """With --local-steps 2, one peer per stage and one trainer compute what the one-process reference computes:
+    inner AdamW steps, and every second update the outer Nesterov step, for blocks and trainer parts alike."""
+    steps, local_steps = 4, 2
+    config = TrainConfig(run_id="diloco", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
+    with Swarm(tmp_path / "swarm") as swarm:
+        swarm.start_bootstrap()
+        for start, end in [(0, 2), (2, 4)]:
+            swarm.start_peer(
+                model_path, "--blocks", f"{start}:{end}", *peer_flags("diloco", 8), "--local-steps", str(local_steps)
+            )
+        swarm.wait_online(prefix_for_model(str(model_path)), [(0, 2), (2, 4)], timeout_s=120)
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+        )
+        trainer = None
+        try:
+            trainer = SwarmTrainer(model, config)  # adopts the run's recipe: local steps and DiLoCo's outer step
+            assert trainer.recipe.local_steps == local_steps and trainer.recipe.outer_lr == 0.7
+            local = LocalTrainer(model_path, dataclasses.replace(config, local_steps=local_steps))
+            initial = {name: p.detach().clone() for name, p in local.model.named_parameters()}
+            generator = torch.Generator().manual_seed(0)
+            for step in range(steps):
+                batch = torch.randint(3, VOCAB_SIZE, (8, SEQ_LEN), generator=generator)
+                (result,) = train_in_threads([trainer], batch, swarm)
+                reference = local.step(batch)
+                assert result.loss == pytest.approx(reference.loss, rel=1e-4), step
+                assert result.stage_samples == {(0, 2): 8, (2, 4): 8}, result
+                local_state = local.model.state_dict()
+                for span in [(0, 2), (2, 4)]:
+                    (weights,) = group_weights(model, span)
+                    assert max_difference(weights, {name: local_state[name] for name in weights}) < LOCAL_ATOL
+                for name, p in model.named_parameters():
+                    assert float((p - local_state[name]).detach().abs().max()) < LOCAL_ATOL, (step, name)
+            # the outer step moved the weights from where AdamW alone would: the reference did take it
+            moved = local.outer.momenta[0].abs().max()
+            assert moved > 0 and not torch.equal(local.outer.anchors[0], initial[next(iter(initial))])
+        finally:
+            if trainer is not None:
+                trainer.close()
+            model.shutdown()
+
+
+def test_local_steps_keep_a_group_together_at_each_sync(model_path, tmp_path):
+    """Two peers in a stage and two trainers, --local-steps 2: between syncs each member steps on its own
+    micro-batches (the members differ); after each sync both members, and both trainers, hold the same weights
+    again. Every micro-batch is still applied once."""
+    spans = [(0, 2), (0, 2), (2, 4)]
+    config = TrainConfig(run_id="diloco-pairs", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
+    with Swarm(tmp_path / "swarm") as swarm:
+        swarm.start_bootstrap()
+        for start, end in spans:
+            swarm.start_peer(
+                model_path, "--blocks", f"{start}:{end}", *peer_flags("diloco-pairs", 16), "--local-steps", "2"
+            )
+        swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
+        models = [
+            AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+            )
+            for _ in range(2)
+        ]
+        trainers = []
+        try:
+            trainers = [SwarmTrainer(model, config) for model in models]
+            generator = torch.Generator().manual_seed(0)
+            for step in range(4):
+                batch = torch.randint(3, VOCAB_SIZE, (16, SEQ_LEN), generator=generator)
+                results = train_in_threads(trainers, batch, swarm)
+                for result in results:
+                    assert result.stage_samples == {(0, 2): 16, (2, 4): 16}, result
+                    assert result.trainer_samples == 16, result
+                synced = step % 2 == 1
+                first, second = group_weights(models[0], (0, 2))
+                apart = max_difference(first, second)
+                assert (apart < GROUP_ATOL) if synced else (apart > 1e-5), (step, apart)
+                parts = [dict(m.named_parameters()) for m in models]
+                apart = max(float((p - parts[1][name]).detach().abs().max()) for name, p in parts[0].items())
+                assert (apart < GROUP_ATOL) if synced else (apart > 1e-5), (step, "trainers", apart)
+        finally:
+            for trainer in trainers:
+                trainer.close()
+            for model in models:
+                model.shutdown()

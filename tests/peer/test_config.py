@@ -141,6 +141,9 @@ def test_the_recipe_flags_are_not_given_unless_passed():
         "--train-mode=lora",
         "--lora-rank=4",
         "--averaging-compression=float16",
+        "--local-steps=8",
+        "--outer-lr=0.5",
+        "--outer-momentum=0",
     )
     assert config.training.recipe() == RunRecipe(
         optimizer="sgd",
@@ -154,6 +157,9 @@ def test_the_recipe_flags_are_not_given_unless_passed():
         train_mode=TrainMode.LORA,
         lora_rank=4,
         averaging_compression="float16",
+        local_steps=8,
+        outer_lr=0.5,
+        outer_momentum=0.0,
     )
     assert config.training.recipe_overrides().keys() == RunRecipe().to_wire().keys() - {"master_dtype"}
 

@@ -99,7 +99,7 @@ def test_the_wire_form_is_plain_and_round_trips():
     "change, words",
     [
         (lambda w: w.pop("lr"), "exactly the settings"),
-        (lambda w: w.update(local_steps=4), "exactly the settings"),  # a setting this version cannot honour
+        (lambda w: w.update(inner_steps=4), "exactly the settings"),  # a setting this version cannot honour
         (lambda w: w.update(lr=1), "lr must be a number, got 1"),  # the wire carries a float as a float
         (lambda w: w.update(batch_size=32.0), "batch_size must be an integer"),
         (lambda w: w.update(lr=-1.0), "lr must be finite and > 0.0"),
@@ -130,6 +130,9 @@ def test_equal_recipes_have_equal_digests_and_any_difference_changes_it():
         train_mode="full",
         lora_rank=8,
         averaging_compression="float16",
+        local_steps=8,
+        outer_lr=0.5,
+        outer_momentum=0.0,
     )
     assert set(others) == {f.name for f in dataclasses.fields(RunRecipe)} - {"master_dtype"}  # only float32 exists
     for name, value in others.items():

@@ -1,0 +1,53 @@
+"""DiLoCo's outer step (`--local-steps H`, Douillard et al. 2023): rounds every H updates instead of every update.
+
+Between syncs each member of a group applies its inner optimizer (the recipe's) to its own gradients alone. After
+every H-th update the group averages its *pseudo-gradients* (the weights at the last sync minus the weights now)
+and each member applies them from the last sync's weights with Nesterov momentum: the outer optimizer, whose
+defaults are DiLoCo's (lr 0.7, momentum 0.9). One round per H updates sends H times less than a round per update.
+
+The arithmetic is torch's SGD with nesterov=True and no dampening, done in float64 from float32 state, so that a
+peer, a trainer and the one-process reference (`swarmlm train --local --local-steps H`) compute the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def sync_due(epoch: int, local_steps: int) -> bool:
+    """Whether update `epoch` (0-based) ends with a sync: after every `local_steps`-th inner step."""
+    return local_steps > 1 and (epoch + 1) % local_steps == 0
+
+
+class OuterStep:
+    """The outer optimizer over `params` (float32 tensors updated in place): the weights at the last sync and the
+    momentum, both part of the state a group shares."""
+
+    def __init__(self, params: Sequence[torch.Tensor], *, lr: float, momentum: float):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.anchors = [p.detach().clone() for p in self.params]
+        self.momenta = [torch.zeros_like(p) for p in self.params]
+
+    def state(self) -> list[torch.Tensor]:
+        """The weights at the last sync, then the momentum: identical on every member after a complete round."""
+        return [*self.anchors, *self.momenta]
+
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """The weights at the last sync minus the weights now, in float64 (what the group averages)."""
+        return [a.double() - p.detach().double() for a, p in zip(self.anchors, self.params)]
+
+    @torch.no_grad()
+    def apply(self, averaged: Sequence[torch.Tensor]) -> None:
+        """Move every parameter from its last sync by the averaged pseudo-gradients, with Nesterov momentum; the
+        result is the next sync's starting point."""
+        if len(averaged) != len(self.params):
+            raise ValueError(f"{len(averaged)} pseudo-gradients for {len(self.params)} parameters")
+        for p, anchor, momentum, delta in zip(self.params, self.anchors, self.momenta, averaged):
+            delta = delta.to(device=p.device, dtype=torch.float64)
+            buf = momentum.double() * self.momentum + delta
+            step = delta + self.momentum * buf
+            momentum.copy_(buf)
+            anchor.copy_(anchor.double() - self.lr * step)
+            p.copy_(anchor)

@@ -98,7 +98,7 @@ class RemoteSequence:
         self.recoveries = 0  # spans of inference sessions re-routed and replayed after them
         self.recovery_s = 0.0  # time inference sessions spent recovering from them
         self.dialer = Dialer(self.pool, self.bans)
-        self.speeds = Speeds()  # what forward calls measured of each peer: caps what peers announce, for routing
+        self.speeds = Speeds()  # what forward calls and inference steps measured of each peer: caps what peers announce
         self.last_route: list[RouteHop] = []  # hops of the latest forward, for diagnostics
         # the adapter's digest that peers must announce (None: the most announced, client/adapters.py)
         self.adapter_digest = folder_digest(config.adapter_path, config.adapter) if config.adapter_path else None

@@ -250,6 +250,7 @@ class InferenceSession:
         except Exception as exc:
             raise _HopFailed(0, exc, outputs) from exc
         position = prefix_length + hidden.shape[1]
+        previous_answer = sent
         for k, span in enumerate(chain):
             try:
                 response = await self._answer(span, ids[k], chain[k - 1] if k else None, ids[k - 1] if k else 0)
@@ -267,6 +268,10 @@ class InferenceSession:
                     later.stale.add(step_id)
                 raise _HopFailed(k, exc, outputs) from exc
             span.position = position
+            # its answer came this long after the previous span's (or the send): a lower bound of its speed, which
+            # caps what it announces for this client's routes as forward calls do (client/speeds.py)
+            self.sequence.speeds.record(span.hop.peer_id, hidden.shape[0] * hidden.shape[1], answered - previous_answer)
+            previous_answer = answered
             outputs.append(output.to(hidden.dtype))
             timings = self.hop_timings.setdefault(span.hop.peer_id, HopTimings())
             timings.steps += 1

@@ -10,6 +10,10 @@ with the request's size), and routes on
 A peer not measured yet counts for at most CAP times the best figure measured of any peer, so a newcomer's claim
 is bounded by what the swarm has shown this client (and, while nothing is measured, it counts as announced). A
 liar then draws at most about CAP times the share its real speed earns.
+
+Inference steps are timed too: each span's answer, from the previous span's answer (or the send, for the first),
+over the step's tokens. A client that only generates thus caps inference routes by what its own sessions saw; a
+decode step of one token measures mostly the round trip, a prefill the peer's speed.
 """
 
 from __future__ import annotations

@@ -1087,6 +1087,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a client that names an adapter also routes through peers that do not serve it",
         ("tests/integration/test_adapters.py",),
     ),
+    Mutation(
+        "sync-skips-the-outer-step",
+        "peer/training/span.py",
+        "                    await compute(lambda: self._outer_step(averaged))\n",
+        "                    pass  # MUTATION\n",
+        "a stage with local steps never applies the outer step: its weights drift from the run's DiLoCo reference",
+        ("tests/integration/test_training.py",),
+        keyword="local_steps_equal",
+    ),
+    Mutation(
+        "members-vouch-for-their-local-weights",
+        "swarm/training/outer.py",
+        "    if outer is None:\n        return state_digest(state)\n",
+        "    if True:  # MUTATION\n        return state_digest(state)\n",
+        "members with local steps vouch for weights that differ between syncs: no majority, no verified copy",
+        ("tests/peer/training",),
+        keyword="local_steps",
+    ),
 )
 
 

@@ -47,9 +47,8 @@ from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
 from swarm.training.group import TRAINER_PROGRESS_TTL_S
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, sync_due
+from swarm.training.outer import OuterStep, sync_due, vouched_digest
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
-from swarm.training.state import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -507,9 +506,7 @@ class SwarmTrainer:
     def _vouched(self, state: list[torch.Tensor]) -> str:
         """The digest trainers announce of `state`: all of it, or with local steps the part they share between syncs
         (the weights at the last sync and the outer momentum, the state's last tensors)."""
-        if self.outer is None:
-            return state_digest(state)
-        return state_digest(state[len(state) - len(self.outer.state()) :])
+        return vouched_digest(state, self.outer)
 
     def _shared_state(self) -> tuple[int, list[torch.Tensor]]:
         return self.epoch or 0, [t.detach().cpu().clone() for t in self.state()]

@@ -42,9 +42,9 @@ from protocol.vocab import TrainMode
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, sync_due
+from swarm.training.outer import OuterStep, average_sync, sync_due, vouched_digest
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
-from swarm.training.state import applied_by_trainers, deciding, state_digest
+from swarm.training.state import applied_by_trainers, deciding
 
 logger = logging.getLogger(__name__)
 
@@ -358,44 +358,20 @@ class SpanTraining:
             await compute(lambda: self._inner_step(own, scale))
             if sync_due(self.epoch, self.recipe.local_steps):
                 deltas = await compute(self.outer.pseudo_gradients)
-                averaged = await self._average_sync(deltas, status)
+                plan = self._plan
+                averaged = await average_sync(
+                    self.group,
+                    deltas,
+                    round_id=hashlib.sha256(bytes.fromhex(status.round_id) + b"|outer").digest(),
+                    members=plan.members if plan is not None and plan.round_id == status.round_id else (),
+                    timeout_s=self.config.averaging.averaging_timeout_s,
+                    what=f"update {self.epoch} of run {self.run_id!r}",
+                )
                 if averaged is not None:
                     await compute(lambda: self._outer_step(averaged))
             await compute(lambda: self._finish_apply(status))
         finally:
             self._mid_update = False
-
-    async def _average_sync(self, deltas: list[torch.Tensor], status: pb.RoundStatus) -> list[torch.Tensor] | None:
-        """The mean pseudo-gradients of the update's members (None: the round failed)."""
-        plan = self._plan
-        members = plan.members if plan is not None and plan.round_id == status.round_id else ()
-        if len(members) <= 1:
-            return deltas
-        began = time.perf_counter()
-        result = await asyncio.to_thread(
-            self.group.average,
-            deltas,
-            round_id=hashlib.sha256(bytes.fromhex(status.round_id) + b"|outer").digest(),
-            members=list(members),
-            timeout_s=self.config.averaging.averaging_timeout_s,
-        )
-        if not result.complete:
-            logger.warning(
-                "update %d of run %r: the sync round failed (%s); the next sync carries this one's change",
-                self.epoch,
-                self.run_id,
-                result.reason,
-            )
-            return None
-        logger.info(
-            "update %d of run %r: synced among %d members in %.2fs, %d bytes sent",
-            self.epoch,
-            self.run_id,
-            len(members),
-            time.perf_counter() - began,
-            result.sent_bytes,
-        )
-        return result.tensors
 
     def _outer_step(self, averaged: list[torch.Tensor]) -> None:
         with self._lock:
@@ -442,9 +418,7 @@ class SpanTraining:
     def vouched(self, state: list[torch.Tensor]) -> str:
         """The digest members announce of `state`: all of it, or with local steps the part every member shares
         between syncs (the weights at the last sync and the outer momentum, the state's last tensors)."""
-        if self.outer is None:
-            return state_digest(state)
-        return state_digest(state[len(state) - len(self.outer.state()) :])
+        return vouched_digest(state, self.outer)
 
     def digest(self) -> str:
         """The digest of the state this member vouches for (compute thread: it reads every state tensor)."""

@@ -11,9 +11,14 @@ peer, a trainer and the one-process reference (`swarmlm train --local --local-st
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def sync_due(epoch: int, local_steps: int) -> bool:
@@ -51,3 +56,37 @@ class OuterStep:
             momentum.copy_(buf)
             anchor.copy_(anchor.double() - self.lr * step)
             p.copy_(anchor)
+
+
+def vouched_digest(state: Sequence[torch.Tensor], outer: OuterStep | None) -> str:
+    """The digest a member announces of its `state` (which ends with `outer.state()`): all of it in a synchronous
+    run; with local steps only the part every member shares between syncs, as their own weights differ."""
+    from swarm.training.state import state_digest  # hivemind loads only with a group
+
+    if outer is None:
+        return state_digest(state)
+    return state_digest(state[len(state) - len(outer.state()) :])
+
+
+async def average_sync(
+    group, deltas: list[torch.Tensor], *, round_id: bytes, members: Sequence[str], timeout_s: float, what: str
+) -> list[torch.Tensor] | None:
+    """The mean of the pseudo-gradients of `members` (a round of `group`, a GroupMember), or None when the round
+    failed: the sync is then skipped, and the next one carries this one's change. `what` names it in the logs."""
+    if len(members) <= 1:
+        return deltas
+    began = time.perf_counter()
+    result = await asyncio.to_thread(
+        group.average, deltas, round_id=round_id, members=list(members), timeout_s=timeout_s
+    )
+    if not result.complete:
+        logger.warning("%s: the sync round failed (%s); the next sync carries this one's change", what, result.reason)
+        return None
+    logger.info(  # bench/train_runs.py reads the members, seconds and bytes
+        "%s: synced among %d members in %.2fs, %d bytes sent",
+        what,
+        len(members),
+        time.perf_counter() - began,
+        result.sent_bytes,
+    )
+    return result.tensors

@@ -3,6 +3,7 @@ in-memory swarm where a peer announcing 1e7 tokens/s computes as fast as its hon
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from client.speeds import CAP, Speeds
@@ -60,5 +61,27 @@ def test_a_peer_announcing_1e7_draws_no_more_than_its_measured_share(fake_swarm,
         measured = remote.sequence.speeds.best
         assert liar.peer_id in measured
         assert counts[liar.peer_id] <= 50, (counts, measured)
+    finally:
+        remote.shutdown()
+
+
+def test_a_client_that_only_generates_caps_a_liar_by_what_its_sessions_measured(fake_swarm, tiny_llama_local):
+    """No forward call at all: the liar announcing 1e7 draws the first session (inference routes price compute by
+    throughput), whose steps are timed per span; from then on this client counts it for at most CAP x what it
+    measured, and the peers it has not measured for no more."""
+    honest = [fake_swarm.add_peer(0, 4, throughput=1e3) for _ in range(2)]
+    liar = fake_swarm.add_peer(0, 4, throughput=1e7)
+    remote = fake_swarm.client(verify_fraction=0.0)
+    ids = torch.randint(3, VOCAB_SIZE, (1, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad(), remote.inference_session(max_length=16) as session:
+            remote.generate(ids, max_new_tokens=2, do_sample=False)
+            (span,) = session.remote.spans
+        assert span.hop.peer_id == liar.peer_id and "forward" not in liar.answered
+        measured = remote.sequence.speeds.best[liar.peer_id]
+        snapshot = remote._run(remote.sequence.snapshot())
+        capped = remote.sequence.speeds.capped(snapshot).servers
+        assert capped[liar.peer_id].throughput == pytest.approx(CAP * measured) and CAP * measured < 1e6
+        assert all(capped[peer.peer_id].throughput == 1e3 for peer in honest)  # under the ceiling: as announced
     finally:
         remote.shutdown()

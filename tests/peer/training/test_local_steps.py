@@ -1,0 +1,60 @@
+"""A training peer of a run with local steps (DiLoCo): what it vouches for, and its inner and outer steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.blocks import load_span
+from peer.config import TrainingConfig
+from peer.training.span import SpanTraining
+from protocol import swarmlm_pb2 as pb
+from swarm.models.checkpoint import load_config
+from swarm.training.recipe import RunRecipe
+from tests.helpers.models import make_tiny
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny("llama", tmp_path_factory.mktemp("llama"), num_layers=2, seed=3)
+
+
+def member(path, local_steps: int) -> SpanTraining:
+    span = load_span(path, load_config(path), 0, 2, dtype=torch.float32, device=torch.device("cpu"))
+    recipe = RunRecipe(lr=1e-2, local_steps=local_steps)
+    return SpanTraining(span, TrainingConfig(run_id="diloco"), recipe, "model")
+
+
+def own_gradients(training: SpanTraining, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(m.shape, generator=generator) for m in training.masters]
+
+
+def test_members_apart_between_syncs_vouch_for_the_same_state(checkpoint):
+    """Two members of a local-steps run take inner steps on different gradients: their weights differ, yet they
+    announce one digest (of the weights at the last sync and the outer momentum), which a copy of either's whole
+    state matches. A synchronous run's members vouch for everything."""
+    first, second = member(checkpoint, 4), member(checkpoint, 4)
+    status = pb.RoundStatus(epoch=0, state=pb.RoundStatus.AVERAGED)
+    first._apply(own_gradients(first, 0), 1.0, status)
+    second._apply(own_gradients(second, 1), 1.0, status)
+    assert first.epoch == second.epoch == 1
+    assert not torch.equal(first.masters[0], second.masters[0])
+    assert first.digest() == second.digest()
+    assert first.vouched(second.shared_state()[1]) == first.digest()
+    # the span computes with the inner step's weights
+    name, param = next(iter(sorted(first.span.layers.named_parameters())))
+    assert torch.equal(param, first.masters[0]), name
+
+    synchronous = [member(checkpoint, 1), member(checkpoint, 1)]
+    for training, seed in zip(synchronous, (0, 1)):
+        training._apply(own_gradients(training, seed), 1.0, status)
+    assert synchronous[0].digest() != synchronous[1].digest()
+
+
+def test_a_member_that_held_no_micro_batch_keeps_its_weights_and_moves_on(checkpoint):
+    training = member(checkpoint, 4)
+    before = [m.detach().clone() for m in training.masters]
+    training._apply(None, 1.0, pb.RoundStatus(epoch=0, state=pb.RoundStatus.AVERAGED))
+    assert training.epoch == 1
+    assert all(torch.equal(m, b) for m, b in zip(training.masters, before))

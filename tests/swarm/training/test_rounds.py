@@ -5,6 +5,7 @@ a commit names averages exactly, and a round that misses anything says so instea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -30,8 +31,8 @@ def member_tensors(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, dtype=torch.float64, generator=generator) for shape in SHAPES]
 
 
-@pytest.fixture
-def swarm():
+@contextlib.contextmanager
+def starting():
     """start(count) -> DHT nodes with an averager each; everything is stopped at the end, also on failure."""
     dhts, averagers = [], []
 
@@ -44,11 +45,28 @@ def swarm():
             started.append(averagers[-1])
         return started
 
-    yield start
-    for averager in averagers:
-        averager.shutdown()
-    for dht in dhts:
-        stop_dht(dht)
+    try:
+        yield start
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+
+
+@pytest.fixture
+def swarm():
+    """Averagers of a test's own (other settings or types, or one that is killed)."""
+    with starting() as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Four plain averagers that the tests of ordinary rounds share: each test's rounds have ids of their own,
+    and starting DHT nodes and averager processes is most of these tests' time."""
+    with starting() as start:
+        yield start(4)
 
 
 def run_round(
@@ -89,8 +107,8 @@ def assert_exact_mean(result: RoundResult, expected: list[torch.Tensor]) -> None
         torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
-def test_three_members_average_exactly_and_identically(swarm):
-    averagers = swarm(3)
+def test_three_members_average_exactly_and_identically(plain):
+    averagers = plain[:3]
     members = [a.member_id for a in averagers]
     results = run_round(averagers, members, b"round-1")
     expected = mean_of(range(3))
@@ -108,11 +126,10 @@ def test_three_members_average_exactly_and_identically(swarm):
         assert_exact_mean(result, mean_of(range(2)))
 
 
-def test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identical(swarm):
+def test_float16_rounds_send_a_quarter_of_the_bytes_and_every_member_ends_identical(swarm, plain):
     """Compressed, each member's parts and each reducer's answers lose precision, but the same everywhere: the
     members compare digests of what they averaged, so a member-specific rounding would split every round."""
-    plain = swarm(3)
-    exact = run_round(plain, [a.member_id for a in plain], b"exact")
+    exact = run_round(plain[:3], [a.member_id for a in plain[:3]], b"exact")
     compressed = swarm(3, settings=dataclasses.replace(SETTINGS, compression="float16"))
     results = run_round(compressed, [a.member_id for a in compressed], b"float16")
     expected = mean_of(range(3))
@@ -161,8 +178,8 @@ def test_int8_rounds_send_an_eighth_of_the_bytes_feed_back_what_they_lost_and_ev
     assert error(mean) < once / 4, (error(mean), once)
 
 
-def test_a_round_of_one_returns_its_own_tensors_at_once(swarm):
-    [averager] = swarm(1)
+def test_a_round_of_one_returns_its_own_tensors_at_once(plain):
+    averager = plain[3]
     tensors = member_tensors(7)
     result = averager.average(tensors, round_id=b"alone", members=[averager.member_id], timeout_s=5)
     assert result.complete and result.seconds == 0.0
@@ -173,8 +190,8 @@ def test_a_round_of_one_returns_its_own_tensors_at_once(swarm):
         averager.average([t.float() for t in tensors], round_id=b"x", members=[averager.member_id], timeout_s=5)
 
 
-def test_a_listed_member_that_never_joins_makes_the_round_incomplete(swarm):
-    averagers = swarm(3)
+def test_a_listed_member_that_never_joins_makes_the_round_incomplete(plain):
+    averagers = plain[:3]
     members = [a.member_id for a in averagers]
     results = run_round(averagers[:2], members, b"round-absent", timeout_s=15.0)
     absent = averagers[2].member_id
@@ -184,11 +201,11 @@ def test_a_listed_member_that_never_joins_makes_the_round_incomplete(swarm):
         assert result.seconds < 15.0  # the others left it out after the sender timeout, not the round's
 
 
-def test_a_round_a_later_attempt_replaced_ends_at_once_and_the_next_one_meets(swarm):
+def test_a_round_a_later_attempt_replaced_ends_at_once_and_the_next_one_meets(plain):
     """A member waits in attempt v1 of a round whose partner moved on to the next attempt. One round runs at a time,
     so without abandoning v1 the member would enter v2 only at v1's timeout (60 s here), after its partner gave up
     on v2: members one attempt apart would never meet. Abandoned, v1 ends at once and both meet in v2."""
-    a, b = swarm(2)
+    a, b = plain[:2]
     members = [a.member_id, b.member_id]
     old: dict[str, RoundResult] = {}
 
@@ -231,8 +248,8 @@ def test_a_member_cannot_weigh_itself_up(swarm):
         assert_exact_mean(result, mean_of(range(3)))
 
 
-def test_a_stranger_that_is_not_listed_cannot_contribute(swarm):
-    averagers = swarm(4)
+def test_a_stranger_that_is_not_listed_cannot_contribute(plain):
+    averagers = plain
     members = [a.member_id for a in averagers[:3]]
     stranger = averagers[3]
     results: dict[str, RoundResult] = {}

@@ -328,8 +328,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "group-skips-averaging",
         "peer/training/span.py",
-        "            if len(plan.members) == 1:\n",
-        "            if True:  # MUTATION\n",
+        "            elif len(plan.members) == 1:\n",
+        "            elif True:  # MUTATION\n",
         "members of a stage apply their own gradients, never averaging",
         (f"{TRAIN}::test_two_peers_per_stage_and_two_trainers_stay_together",),
     ),

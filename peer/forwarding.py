@@ -29,6 +29,7 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, PeerUnavailableError, SwarmError
 from protocol.packing import Packer
 from protocol.service import WINDOW_OPTIONS, PeerStub, error_from_rpc
+from swarm.net.tunnel import TunnelPool, is_tunnel
 from swarm.runtime import in_background
 from swarm.trust.rpcauth import RpcAuth, call_metadata, open_channel
 
@@ -90,6 +91,7 @@ class Forwarder:
             *WINDOW_OPTIONS,
         ]
         self._stubs: collections.OrderedDict[str, tuple[grpc.aio.Channel, PeerStub]] = collections.OrderedDict()
+        self.tunnels: TunnelPool | None = None  # set once the peer's DHT node is final (peer/server.py)
         self.pushed = 0
 
     async def announced(self, endpoint: str) -> bool:
@@ -104,14 +106,15 @@ class Forwarder:
                 logger.warning("could not read the directory to check a push's next hop: %s", exc)
         return endpoint in self._endpoints
 
-    def _stub(self, endpoint: str) -> PeerStub:
+    def _stub(self, endpoint: str, target: str | None = None) -> PeerStub:
+        """The stub of `endpoint`, connected to `target` (its tunnel's local end) or to the endpoint itself."""
         if endpoint in self._stubs:
             self._stubs.move_to_end(endpoint)
             return self._stubs[endpoint][1]
         if len(self._stubs) >= MAX_CHANNELS:
             _, (channel, _) = self._stubs.popitem(last=False)
             in_background(channel.close())  # the least recently used: its close can finish on its own
-        channel = open_channel(endpoint, self._options, self.auth)
+        channel = open_channel(target or endpoint, self._options, self.auth)
         self._stubs[endpoint] = (channel, PeerStub(channel))
         return self._stubs[endpoint][1]
 
@@ -157,9 +160,17 @@ class Forwarder:
 
     async def prove(self, endpoint: str, nonce: bytes, timeout_s: float) -> bytes:
         """The identity proof for `nonce` that the server at `endpoint` answers an Info call with (placement checks
-        the records it counts so: peer/placement_view.py)."""
+        the records it counts so: peer/placement_view.py). A peer reached only through libp2p ("p2p:...") is asked
+        through a tunnel of this peer's DHT node (`tunnels`)."""
+        target = None
+        if is_tunnel(endpoint) and endpoint not in self._stubs:
+            if self.tunnels is None:
+                raise PeerUnavailableError(
+                    f"{endpoint} is reached only through libp2p, and this peer has no tunnels yet"
+                )
+            target = await self.tunnels.local_endpoint(endpoint)
         try:
-            answer = await self._stub(endpoint).info(
+            answer = await self._stub(endpoint, target).info(
                 pb.InfoRequest(nonce=nonce), timeout=timeout_s, metadata=call_metadata(self.auth, "info")
             )
         except grpc.RpcError as exc:
@@ -170,6 +181,8 @@ class Forwarder:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+        if self.tunnels is not None:
+            await self.tunnels.close()
 
 
 def failure_report(exc: Exception) -> str:

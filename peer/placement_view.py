@@ -4,8 +4,8 @@ A record is a claim, and two kinds of claim would steer honest peers: a high thr
 nobody serves there (a dead or made-up peer: honest peers leave those blocks to it), and a JOINING record renewed
 with a fresh `joined_at` (its blocks look covered for ever). So a peer decides on a view of the snapshot where
 - another peer's record counts once the server at its endpoint signed a fresh nonce with the key the record is
-  signed with (swarm/trust/identity.py), checked again after VERIFIED_S; records of peers reached only through
-  libp2p (`transport` "p2p") cannot be dialed from here and count unverified;
+  signed with (swarm/trust/identity.py), checked again after VERIFIED_S; a peer reached only through libp2p
+  (`transport` "p2p") is asked through a tunnel of this peer's DHT node;
 - a JOINING record counts as begun when this peer first saw that peer on that span, if its `joined_at` is later:
   it stops counting MAX_JOINING_S after that, however often it is announced again.
 """
@@ -23,12 +23,14 @@ from hivemind.utils import get_dht_time
 from protocol.records import ServerInfo
 from protocol.vocab import Transport
 from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import tunnel_address
 from swarm.trust.identity import identity_challenge
 
 logger = logging.getLogger(__name__)
 
 VERIFIED_S = 300.0  # a record verified counts this long before its endpoint is asked again
 PING_TIMEOUT_S = 5.0
+MAX_RELAYS_ASKED = 2  # a record may name many relays: asking each would let one record cost many dials
 
 Ping = Callable[[str, bytes, float], Awaitable[bytes]]
 """(endpoint, nonce, timeout_s) -> the identity proof the server there answers; raises when it does not answer."""
@@ -72,17 +74,29 @@ class PlacementView:
         return dataclasses.replace(snapshot, servers=servers)
 
     def _needs_check(self, peer_id: str, info: ServerInfo) -> bool:
-        return peer_id != self.own_peer_id and info.transport != Transport.P2P
+        return peer_id != self.own_peer_id
 
     def _dated(self, peer_id: str, info: ServerInfo) -> ServerInfo:
         first = self._first_seen[(peer_id, info.start_block, info.end_block)]
         return info.model_copy(update={"joined_at": first}) if info.joined_at > first else info
 
     async def _check(self, peer_id: str, info: ServerInfo, snapshot: SwarmSnapshot) -> bool:
-        nonce = os.urandom(16)
-        try:
-            proof = await self._ping(info.endpoint, nonce, PING_TIMEOUT_S)
-        except Exception as exc:  # not there, or not answering: nothing to count
-            logger.debug("peer %s does not answer at %s: %r", peer_id, info.endpoint, exc)
-            return False
-        return snapshot.verify(peer_id, identity_challenge(nonce, peer_id), proof)
+        for address in _addresses(peer_id, info):
+            nonce = os.urandom(16)
+            try:
+                proof = await self._ping(address, nonce, PING_TIMEOUT_S)
+            except Exception as exc:  # not there, or not answering: nothing to count
+                logger.debug("peer %s does not answer at %s: %r", peer_id, address, exc)
+                continue
+            if snapshot.verify(peer_id, identity_challenge(nonce, peer_id), proof):
+                return True
+        return False
+
+
+def _addresses(peer_id: str, info: ServerInfo) -> list[str]:
+    """Where a record's server is asked: its gRPC endpoint, or, for a peer reached only through libp2p, the peer
+    through each of its relays (at most MAX_RELAYS_ASKED; straight to it when it names none)."""
+    if info.transport != Transport.P2P:
+        return [info.endpoint]
+    relays = list(info.relays)[:MAX_RELAYS_ASKED]
+    return [tunnel_address(peer_id, relay) for relay in relays] or [tunnel_address(peer_id)]

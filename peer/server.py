@@ -52,6 +52,7 @@ from swarm.dht.directory import announce, fetch_snapshot, unstored
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.checkpoint import load_config, resolve_model_path
+from swarm.net.tunnel import TunnelPool
 from swarm.paths import default_cache_dir
 from swarm.placement import choose_span, should_move
 from swarm.trust.identity import claim_identity, load_identity, prove_identity
@@ -178,6 +179,7 @@ class PeerServer:
         self.dht = await self.reach.decide(self.dht, self.endpoint, self._relays_in_directory)
         local_host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
         await self.reach.start(self.dht, f"{local_host}:{port}", self._relays_changed)
+        self.forwarder.tunnels = TunnelPool(self.dht.replicate_p2p)  # placement asks libp2p-only peers through it
         self.placement = PlacementView(self.peer_id, self.forwarder.prove)
 
         await self._serve_blocks(await self._choose_blocks())

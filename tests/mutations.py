@@ -728,10 +728,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "placement-counts-unproven-records",
         "peer/placement_view.py",
-        "        return peer_id != self.own_peer_id and info.transport != Transport.P2P\n",
+        "        return peer_id != self.own_peer_id\n",
         "        return False  # MUTATION\n",
         "placement counts records nobody proved: a made-up fast record for some blocks keeps honest peers off them",
         ("tests/peer/test_placement_view.py",),
+    ),
+    Mutation(
+        "placement-trusts-libp2p-records",
+        "peer/placement_view.py",
+        "        return peer_id != self.own_peer_id\n",
+        "        return peer_id != self.own_peer_id and info.transport != Transport.P2P  # MUTATION\n",
+        "a made-up record of a peer reached only through libp2p counts unproven, and keeps honest peers off its blocks",
+        ("tests/peer/test_placement_view.py", "tests/integration/test_placement.py"),
+    ),
+    Mutation(
+        "tunnel-listeners-unbounded",
+        "swarm/net/tunnel.py",
+        "            while len(self._servers) >= self.max_listeners:\n",
+        "            while False:  # MUTATION\n",
+        "records naming many libp2p addresses make a peer or client hold a listening socket for each, for good",
+        ("tests/swarm/net/test_tunnel.py",),
     ),
     Mutation(
         "joining-dated-by-its-claim",

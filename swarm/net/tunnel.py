@@ -17,6 +17,7 @@ that carries nothing either way for IDLE_S is closed (gRPC opens a new one when 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -262,11 +263,17 @@ async def open_tunnel(p2p: hivemind.P2P, address: str) -> tuple[asyncio.StreamRe
 
 
 class TunnelPool:
-    """Local gRPC endpoints ("127.0.0.1:port") for peers reached through libp2p; lives on the client's loop."""
+    """Local gRPC endpoints ("127.0.0.1:port") for peers reached through libp2p; lives on the client's loop.
 
-    def __init__(self, get_p2p: Callable[[], Awaitable[hivemind.P2P]]):
-        self._get_p2p = get_p2p
-        self._servers: dict[str, tuple[asyncio.Server, str]] = {}
+    One listener per address, at most `max_listeners`: records name any number of "p2p:" addresses, and a listener
+    for each would hold a socket for good. Opening one more closes the least recently used listener (the streams
+    it spliced go on; a channel that reconnects to it fails, and is opened again on a new one)."""
+
+    def __init__(self, get_p2p: Callable[[], Awaitable[hivemind.P2P]], max_listeners: int = 64):
+        if max_listeners < 1:
+            raise ValueError(f"max_listeners must be >= 1, got {max_listeners}")
+        self._get_p2p, self.max_listeners = get_p2p, max_listeners
+        self._servers: collections.OrderedDict[str, tuple[asyncio.Server, str]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self.failures: dict[str, str] = {}  # address -> why its latest stream could not be opened
 
@@ -277,7 +284,15 @@ class TunnelPool:
             p2p = await self._get_p2p()
             server = await asyncio.start_server(lambda r, w: self._connect(p2p, address, r, w), "127.0.0.1", 0)
             port = server.sockets[0].getsockname()[1]
+            if address in self._servers:  # another call opened it while this one awaited
+                server.close()
+                self._servers.move_to_end(address)
+                return self._servers[address][1]
+            while len(self._servers) >= self.max_listeners:
+                _, (oldest, _) = self._servers.popitem(last=False)
+                oldest.close()
             self._servers[address] = (server, f"127.0.0.1:{port}")
+        self._servers.move_to_end(address)
         return self._servers[address][1]
 
     async def _connect(self, p2p, address: str, reader, writer) -> None:

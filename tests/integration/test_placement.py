@@ -82,11 +82,13 @@ def test_peers_cover_the_model_and_recover_a_dead_peers_blocks(swarm, model_path
 
 
 def test_a_peer_places_itself_by_records_it_has_proven_not_by_made_up_ones(swarm, model_path):
-    """Two strangers announce blocks 3:6 ONLINE at 1e7 tokens/s, signed with their own keys: one at an endpoint where
-    nothing listens, one at the honest peer's endpoint, whose server cannot sign for the stranger's key. A peer that
-    places itself counts neither (peer/placement_view.py) and takes 3:6, which nobody serves; counting them, it
-    would take 0:3 beside the honest peer."""
+    """Three strangers announce blocks 3:6 ONLINE at 1e7 tokens/s, signed with their own keys: one at an endpoint
+    where nothing listens, one at the honest peer's endpoint, whose server cannot sign for the stranger's key, and one
+    reached only through libp2p at its own DHT node, which serves no tunnel. A peer that places itself counts none of
+    them (peer/placement_view.py) and takes 3:6, which nobody serves; counting them, it would take 0:3 beside the
+    honest peer."""
     from protocol.records import ModelRecord, ServerInfo
+    from protocol.vocab import Transport
     from swarm.dht.directory import announce
     from swarm.dht.node import start_dht, stop_dht
 
@@ -98,11 +100,21 @@ def test_a_peer_places_itself_by_records_it_has_proven_not_by_made_up_ones(swarm
     with socket.socket() as closed:  # a port that was free a moment ago, where nothing listens
         closed.bind(("127.0.0.1", 0))
         dead_endpoint = f"127.0.0.1:{closed.getsockname()[1]}"
-    strangers = [start_dht(swarm.initial_peers) for _ in range(2)]
+    strangers = [start_dht(swarm.initial_peers) for _ in range(3)]
     try:
-        for stranger, endpoint in zip(strangers, [dead_endpoint, info.endpoint]):
-            fake = ServerInfo.from_wire({**info.to_wire(), "start_block": 3, "end_block": 6, "throughput": 1e7})
-            fake = fake.model_copy(update={"endpoint": endpoint})
+        for i, (stranger, endpoint) in enumerate(zip(strangers, [dead_endpoint, info.endpoint, dead_endpoint])):
+            # the third is reached only through libp2p: asked at its own DHT node, which serves no tunnel
+            transport = Transport.P2P.value if i == 2 else info.to_wire()["transport"]
+            fake = ServerInfo.from_wire(
+                {
+                    **info.to_wire(),
+                    "start_block": 3,
+                    "end_block": 6,
+                    "throughput": 1e7,
+                    "endpoint": endpoint,
+                    "transport": transport,
+                }
+            )
             assert not announce(
                 stranger, prefix, fake, ModelRecord(num_blocks=NUM_LAYERS, repository="x"), expiration_s=120
             )

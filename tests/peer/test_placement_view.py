@@ -11,6 +11,7 @@ from protocol.errors import PeerUnavailableError
 from protocol.records import MAX_JOINING_S, ServerInfo, ServerState
 from protocol.vocab import Transport
 from swarm.dht.snapshot import SwarmSnapshot
+from swarm.net.tunnel import tunnel_address
 from swarm.placement import should_move
 from swarm.trust.identity import fresh_identity, prove_identity
 
@@ -64,9 +65,14 @@ def snapshot(identities, records, taken_at) -> SwarmSnapshot:
 
 
 def test_only_records_whose_endpoint_proves_them_count_and_a_dead_fast_record_no_longer_holds_a_peer_back():
-    ids = {name: fresh_identity() for name in ("me", "first", "dead", "impostor", "victim", "relayed")}
+    ids = {name: fresh_identity() for name in ("me", "first", "dead", "impostor", "victim", "relayed", "ghost")}
     endpoints, clock = Endpoints(), Clock()
-    endpoints.servers = {"first:1": ids["first"], "impostor:1": ids["victim"], "victim:1": ids["victim"]}
+    endpoints.servers = {
+        "first:1": ids["first"],
+        "impostor:1": ids["victim"],
+        "victim:1": ids["victim"],
+        tunnel_address(ids["relayed"].peer_id): ids["relayed"],
+    }
     records = {
         "me": record(0, 4, 10.0, "me:1"),
         "first": record(0, 4, 10.0, "first:1"),
@@ -74,7 +80,9 @@ def test_only_records_whose_endpoint_proves_them_count_and_a_dead_fast_record_no
         "dead": record(4, 8, 1e6, "dead:1"),
         # a record pointing at another peer's server: that server signs with its own key, not the record's
         "impostor": record(4, 8, 1e6, "impostor:1"),
+        # reached through libp2p: asked through a tunnel like any other (one that nobody answers counts for nothing)
         "relayed": record(0, 2, 1.0, "relayed:1", transport=Transport.P2P),
+        "ghost": record(4, 8, 1e6, "ghost:1", transport=Transport.P2P),
     }
     taken = snapshot(ids, records, clock.now)
     me = ids["me"].peer_id
@@ -84,13 +92,14 @@ def test_only_records_whose_endpoint_proves_them_count_and_a_dead_fast_record_no
     trusted = asyncio.run(view.trusted(taken))
     assert set(trusted.servers) == {me, ids["first"].peer_id, ids["relayed"].peer_id}
     assert should_move(trusted, me) == (4, 8)  # 4:8 is served by nobody who can show it
-    assert sorted(endpoints.pings) == ["dead:1", "first:1", "impostor:1"]  # not its own, not a libp2p-only one
+    ghost, relayed = tunnel_address(ids["ghost"].peer_id), tunnel_address(ids["relayed"].peer_id)
+    assert sorted(endpoints.pings) == sorted(["dead:1", "first:1", ghost, "impostor:1", relayed])  # not its own
 
     # a verified record is not asked again until VERIFIED_S have passed; the others are asked every time
     endpoints.pings.clear()
     clock.now += VERIFIED_S / 2
     asyncio.run(view.trusted(snapshot(ids, records, clock.now)))
-    assert sorted(endpoints.pings) == ["dead:1", "impostor:1"]
+    assert sorted(endpoints.pings) == sorted(["dead:1", ghost, "impostor:1"])
     endpoints.pings.clear()
     del endpoints.servers["first:1"]  # it went away without leaving
     clock.now += VERIFIED_S

@@ -309,3 +309,36 @@ def test_a_peer_asks_its_neighbour_whether_it_can_be_reached(dhts):
             await peer_p2p.shutdown()
 
     run(main())
+
+
+def test_a_tunnel_pool_keeps_a_bounded_number_of_listeners_least_recently_used_first():
+    """Records may name any number of "p2p:" addresses: the pool keeps at most max_listeners local listeners, closing
+    the least recently used, and opens a closed one's again when it is asked for."""
+    ids = [
+        "QmNV2gwZuDBRLFh4MmTppuscM7tDu55Q4YCVWvpN9o6obC",
+        "QmTmdTxbr6oWSJu7PfZuNqmWF7DZXHqoP3QWXscxmxB9Wq",
+        "QmNdLDdJ2BEgvmZjNZ5qC9UoP3KujowGTvGDiRCN6r51r1",
+    ]
+
+    async def refused(endpoint: str) -> bool:
+        host, port = endpoint.rsplit(":", 1)
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return True
+        writer.close()
+        return False
+
+    async def main():
+        pool = TunnelPool(lambda: asyncio.sleep(0, None), max_listeners=2)  # no connection is made: no p2p needed
+        try:
+            first, second = [await pool.local_endpoint(tunnel_address(i)) for i in ids[:2]]
+            assert await pool.local_endpoint(tunnel_address(ids[0])) == first  # used again: now the most recent
+            third = await pool.local_endpoint(tunnel_address(ids[2]))
+            assert await refused(second) and not await refused(first) and not await refused(third)
+            again = await pool.local_endpoint(tunnel_address(ids[1]))
+            assert not await refused(again) and await refused(first)
+        finally:
+            await pool.close()
+
+    run(main())

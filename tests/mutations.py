@@ -1113,6 +1113,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         keyword="local_steps_equal",
     ),
     Mutation(
+        "split-sync-never-healed",
+        "peer/training/span.py",
+        "            if mine is not None and claim[1] != mine:\n",
+        "            if False:  # MUTATION\n",
+        "members a sync failed for stay apart from the majority for good (each later sync moves each from its own)",
+        ("tests/peer/training/test_local_steps.py",),
+    ),
+    Mutation(
         "members-vouch-for-their-local-weights",
         "swarm/training/outer.py",
         "    if outer is None:\n        return state_digest(state)\n",

@@ -587,13 +587,21 @@ class SpanTraining:
 
     def _behind(self, claim: tuple[int, str] | None) -> bool:
         """Whether to copy the group's state: a majority is past this member's update, and this member is not in the
-        middle of that update (or has been past it for a whole round's timeout: its Apply never came)."""
+        middle of that update (or has been past it for a whole round's timeout: its Apply never came).
+
+        With local steps also a majority at this update that vouches for another state: a sync that failed for some
+        members only (they skipped its outer step) leaves them apart for good otherwise, as each later sync moves
+        every member from its own last sync. Only while it holds no micro-batch of the update: copying drops them."""
+        busy = self.status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED)
+        if self.outer is not None and claim is not None and claim[0] == self.epoch and not busy and not self.samples:
+            mine = self._digest[1] if self._digest is not None and self._digest[0] == self.epoch else None
+            if mine is not None and claim[1] != mine:
+                return True
         if claim is None or claim[0] <= self.epoch:
             self._ahead_since = None
             return False
         now = time.monotonic()
         self._ahead_since = self._ahead_since or now
-        busy = self.status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED)
         return not busy or now - self._ahead_since > self.config.averaging.averaging_timeout_s
 
     async def _drop_if_orphaned(self) -> None:

@@ -58,3 +58,16 @@ def test_a_member_that_held_no_micro_batch_keeps_its_weights_and_moves_on(checkp
     training._apply(None, 1.0, pb.RoundStatus(epoch=0, state=pb.RoundStatus.AVERAGED))
     assert training.epoch == 1
     assert all(torch.equal(m, b) for m, b in zip(training.masters, before))
+
+
+def test_a_member_apart_from_the_majority_at_its_own_update_copies_it_only_with_local_steps(checkpoint):
+    """A sync that failed for one member only leaves it with other weights at the last sync: it copies the state a
+    majority vouches for at the same update, once it holds no micro-batch of it. A synchronous member does not
+    (there, a majority at its own update with another digest is a round still being applied)."""
+    local, synchronous = member(checkpoint, 4), member(checkpoint, 1)
+    for training in (local, synchronous):
+        mine = training.digest()
+        assert not training._behind((0, mine))
+        assert training._behind((0, "another state")) is (training is local)
+    local.accumulators.add("trainer", 0, 1, own_gradients(local, 0))
+    assert not local._behind((0, "another state"))  # copying now would drop that micro-batch

@@ -106,15 +106,14 @@ class Forwarder:
                 logger.warning("could not read the directory to check a push's next hop: %s", exc)
         return endpoint in self._endpoints
 
-    def _stub(self, endpoint: str, target: str | None = None) -> PeerStub:
-        """The stub of `endpoint`, connected to `target` (its tunnel's local end) or to the endpoint itself."""
+    def _stub(self, endpoint: str) -> PeerStub:
         if endpoint in self._stubs:
             self._stubs.move_to_end(endpoint)
             return self._stubs[endpoint][1]
         if len(self._stubs) >= MAX_CHANNELS:
             _, (channel, _) = self._stubs.popitem(last=False)
             in_background(channel.close())  # the least recently used: its close can finish on its own
-        channel = open_channel(target or endpoint, self._options, self.auth)
+        channel = open_channel(endpoint, self._options, self.auth)
         self._stubs[endpoint] = (channel, PeerStub(channel))
         return self._stubs[endpoint][1]
 
@@ -162,15 +161,15 @@ class Forwarder:
         """The identity proof for `nonce` that the server at `endpoint` answers an Info call with (placement checks
         the records it counts so: peer/placement_view.py). A peer reached only through libp2p ("p2p:...") is asked
         through a tunnel of this peer's DHT node (`tunnels`)."""
-        target = None
-        if is_tunnel(endpoint) and endpoint not in self._stubs:
+        target = endpoint
+        if is_tunnel(endpoint):  # its listener's address, asked each time: the pool may have closed and reopened it
             if self.tunnels is None:
                 raise PeerUnavailableError(
                     f"{endpoint} is reached only through libp2p, and this peer has no tunnels yet"
                 )
             target = await self.tunnels.local_endpoint(endpoint)
         try:
-            answer = await self._stub(endpoint, target).info(
+            answer = await self._stub(target).info(
                 pb.InfoRequest(nonce=nonce), timeout=timeout_s, metadata=call_metadata(self.auth, "info")
             )
         except grpc.RpcError as exc:

@@ -1,0 +1,181 @@
+"""Training over one slow, shared link: what a second trainer adds with a round every update, and with local steps.
+
+Every process of the comparison (bootstrap, training peers, trainers) runs inside a Linux network namespace whose
+loopback is rate-limited by `tc tbf`, so all their traffic shares one link of --rate-mbit: the rounds of the stage
+groups and of the trainers, and the activations between stages. The model is train_swarm's small random Llama
+(bench/train_runs.py), whose trainer parts (tied embeddings of a 49,152-token vocabulary) make the trainers' rounds
+the largest traffic. Runs, each on fresh peers:
+
+    1 trainer                 2 peers (one per stage); no round at all
+    2 trainers                2 peers per stage, a round every update (float64)
+    2 trainers, local steps   the same with --local-steps 4
+    2 trainers, local + int8  the same with --local-steps 4 --averaging-compression int8
+
+Reported: tokens/s of all trainers together (each trainer's tokens over its seconds after 2 warm-up steps, syncs
+included, added up), the round bytes sent per trained sample, and the final loss. The processes share this machine's
+cores, so a second trainer also halves the compute each one gets: what the link costs shows against one trainer's
+figure, what a second machine would add does not.
+
+    python -m bench.bandwidth [--rate-mbit 100] [--steps 8] [--out FILE]
+
+Needs root and `ip netns` with `tc` (tbf); the namespace is removed also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.hop_profile import write_section
+
+FIGURE = Path(__file__).resolve().parent / "figures" / "bandwidth.md"
+HEAD = """# Training over one slow, shared link
+
+`python -m bench.bandwidth`: one section per link rate, replaced when rerun. What each run is: the docstring of
+bench/bandwidth.py.
+"""
+RUNS = {
+    "1 trainer": (1, ()),
+    "2 trainers": (2, ()),
+    "2 trainers, --local-steps 4": (2, ("--local-steps", "4")),
+    "2 trainers, --local-steps 4, int8 rounds": (2, ("--local-steps", "4", "--averaging-compression", "int8")),
+}
+SKIP = 2
+
+
+def _inside(steps: int, out: Path) -> None:
+    """Run every comparison here (inside the namespace) and write the figures to `out` as JSON."""
+    from bench import train_runs as tr
+    from bench.plan import preset
+    from bench.scenarios.train_swarm import SPANS, TrainSwarm
+    from swarm.paths import default_cache_dir
+
+    plan = preset(quick=True, device="cpu").replace(train_swarm_steps=steps)
+    cache = default_cache_dir()
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        TrainSwarm(plan, models_dir=cache / "bench-models", cache_dir=cache, out_dir=Path(logs)) as bench,
+    ):
+        # a round over the slow link takes far longer than on loopback: no round may time out for it
+        bench.small = s = dataclasses.replace(bench.small, averaging_timeout_s=300.0)
+        figures = {}
+        for name, (trainers, extra) in RUNS.items():
+            run_id = "bw" + str(len(figures))
+            prefix = f"bench-bw-{len(figures)}"
+            spans = SPANS if trainers == 1 else [SPANS[0], SPANS[0], SPANS[1], SPANS[1]]
+            with bench._peers(bench.model, prefix, run_id, spans, trainers * s.batch_size, s, extra=extra) as names:
+                runs = bench._train(
+                    {
+                        f"{run_id}-seed{seed}": [
+                            *bench._remote(bench.model, prefix, run_id),
+                            *s.args(seed=seed),
+                            *extra,
+                        ]
+                        for seed in range(trainers)
+                    },
+                    s,
+                )
+                sent = bench._round_bytes_per_sample(runs, names)
+            losses = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
+            # tokens over seconds after the warm-up, per trainer, added: a sync's slow step counts for its time
+            figures[name] = {
+                "tokens_per_s": sum(_rate(steps[SKIP:], s.seq_len) for steps in runs.values()),
+                "round_bytes_per_sample": sent,
+                "final_loss": losses[-1],
+                "losses": losses,
+            }
+    out.write_text(json.dumps(figures))
+
+
+def _rate(steps: list[dict], seq_len: int) -> float:
+    """A trainer's tokens/s over `steps`: their tokens over their summed seconds."""
+    from bench import train_runs as tr
+
+    return sum(r["samples"] * seq_len for r in steps) / sum(tr.step_seconds(steps, seq_len))
+
+
+def _section(rate_mbit: float, steps: int, figures: dict) -> str:
+    one = figures["1 trainer"]["tokens_per_s"]
+    lines = [
+        f"## A {rate_mbit:g} Mbit/s link ({datetime.datetime.now().isoformat(timespec='seconds')})",
+        "",
+        f"{steps} steps a run, batch 8x64 a trainer; tokens/s: each trainer's tokens over its seconds after {SKIP} "
+        "warm-up steps, added over the trainers.",
+        "",
+        "| run | tokens/s | vs 1 trainer | round bytes sent per trained sample | final loss |",
+        "|---|---|---|---|---|",
+    ]
+    for name, f in figures.items():
+        lines.append(
+            f"| {name} | {f['tokens_per_s']:.1f} | {f['tokens_per_s'] / one:.2f}x | "
+            f"{f['round_bytes_per_sample'] / 1e6:.2f} MB | {f['final_loss']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _run(command: list[str], timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=timeout_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bandwidth", description=__doc__.splitlines()[0])
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="the shared link's rate (default: 100)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default: 8)")
+    p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
+    p.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # run the comparisons here, figures to this file
+    args = p.parse_args(argv)
+    if args.steps <= SKIP or args.rate_mbit <= 0:
+        p.error(f"--steps must exceed {SKIP} and --rate-mbit must be positive")
+    if args.inside is not None:
+        _inside(args.steps, args.inside)
+        return 0
+    if os.geteuid() != 0:
+        print("error: the rate-limited namespace needs root (ip netns, tc)", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: the namespace is removed below
+    namespace = f"swarmlm-bw-{os.getpid()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        figures_file = Path(tmp) / "figures.json"
+        try:
+            _run(["ip", "netns", "add", namespace])
+            # an Ethernet MTU: tbf drops a packet larger than its bucket, and loopback's are 64 KiB
+            _run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "mtu", "1500", "up"])
+            _run(
+                [
+                    *("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "tbf"),
+                    *("rate", f"{args.rate_mbit:g}mbit", "burst", "128kb", "latency", "100ms"),
+                ]
+            )
+            inner = [sys.executable, "-m", "bench.bandwidth", "--steps", str(args.steps), "--inside", str(figures_file)]
+            child = subprocess.Popen(["ip", "netns", "exec", namespace, *inner], start_new_session=True)
+            try:
+                child.wait(timeout=600 * len(RUNS))
+            finally:
+                if child.poll() is None:
+                    os.killpg(child.pid, signal.SIGTERM)
+                    child.wait(timeout=60)
+            if child.returncode != 0:
+                print(f"error: the runs inside the namespace failed (exit {child.returncode})", file=sys.stderr)
+                return 1
+            figures = json.loads(figures_file.read_text())
+        except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+            print(f"error: could not set up the rate-limited namespace: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+    section = _section(args.rate_mbit, args.steps, figures)
+    write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -485,9 +485,8 @@ class SwarmTrainer:
         skips a failed one: the next carries the change."""
         deltas = await self._local(self.outer.pseudo_gradients)
         try:
-            _, averaged = await self.trainers.settle(
-                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.attempt
-            )
+            # the update's only trainers' round: its tries start at 0, as every trainer's do
+            _, averaged = await self.trainers.settle(epoch, deltas, len(trainers), dict.fromkeys(trainers, 1))
         except TrainingFaultError as exc:
             logger.warning(
                 "update %d: the trainers' sync failed (%s); the next sync carries this one's change", epoch, exc

@@ -6,12 +6,12 @@ reducer sums in float32, which would round float64 gradients); the runner record
 contribute fully and which reducers did not answer, which hivemind only logs, so that a partial round is seen; and
 it counts the bytes of the parts it sends.
 
-With a lossy compression (`compressed`), hivemind would hand each member its own value plus the compressed
-difference from the average, a different rounding on every member, and members compare digests of the result.
-So a reducer answers the compressed average itself, the same bytes to every sender, and keeps for its own part
-what those bytes decode to: every member ends with identical tensors. Compressed parts are decoded by the round's
-own codec, not by the one their message names (hivemind's registry, which has no codec for int8 parts:
-swarm/training/codec.py).
+hivemind hands each member its own value plus the (compressed) difference from the average: a different rounding
+on every member, even uncompressed in float64 (a mean over three members has every bit of the mantissa), and
+members compare digests of the result. So a reducer answers the average itself, the same bytes to every sender,
+and keeps for its own part what those bytes decode to: every member ends with identical tensors. Compressed parts
+are decoded by the round's own codec, not by the one their message names (hivemind's registry, which has no codec
+for int8 parts: swarm/training/codec.py).
 """
 
 from __future__ import annotations
@@ -65,9 +65,8 @@ class _Reducer(TensorPartReducer):
 class RoundRunner(AllReduceRunner):
     """hivemind's all-reduce among a fixed group, with uniform weights and a record of what failed."""
 
-    def __init__(self, *, compressed: bool = False, **kwargs):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.compressed = compressed  # answer averages, not differences (see the module's docstring)
         # of the parts this member sent to the others' reducers (their answers are as large; a reducer may still be
         # answering when its own outputs are complete, so what it answers is not counted here)
         self.sent_bytes = 0
@@ -82,9 +81,7 @@ class RoundRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         try:
-            if not self.compressed:
-                await super()._communicate_with_peer(peer_id)
-            elif peer_id == self.peer_id:
+            if peer_id == self.peer_id:
                 await self._reduce_own_parts()
             else:
                 await self._exchange_parts(peer_id)
@@ -149,10 +146,6 @@ class RoundRunner(AllReduceRunner):
             yield message
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
-        if not self.compressed:
-            async for message in super()._accumulate_parts_streaming(stream, sender_index):
-                yield message
-            return
         # hivemind's, answering the average itself (the same bytes for every sender), not its difference
         part_index = 0
         try:

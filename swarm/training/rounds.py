@@ -71,7 +71,7 @@ class RoundSettings:
     compression: str = "none"
     """How parts travel: "none" (float64, exact), "float16" (each part scaled by its mean and deviation, a
     quarter of the bytes) or "int8" (blocks of 64 values with a scale each, an eighth of the bytes, with error
-    feedback: swarm/training/codec.py); compressed, every member still ends with identical tensors
+    feedback: swarm/training/codec.py); compressed or not, every member ends with identical tensors
     (swarm/training/allreduce.py)."""
 
     def __post_init__(self) -> None:
@@ -333,7 +333,6 @@ class RoundAverager(DecentralizedAverager):
                 peer_fractions=fractions,
                 modes=(AveragingMode.NODE,) * len(peer_ids),
                 weight=1.0,
-                compressed=self.settings.compression != "none",
                 **{k: v for k, v in self.allreduce_kwargs.items() if k != "min_vector_size"},  # not the runner's
             )
             registered.set_result(runner)
@@ -341,11 +340,8 @@ class RoundAverager(DecentralizedAverager):
             outputs = runner.run()
             index = 0
             try:
-                async for output in outputs:  # each tensor's average minus its own value, or compressed: the average
-                    if runner.compressed:
-                        local[index].copy_(output)
-                    else:
-                        local[index].add_(output)
+                async for output in outputs:  # each tensor's average, as its reducer answered it
+                    local[index].copy_(output)
                     index += 1
             except Exception as exc:
                 self._settle_feedback(complete=False)

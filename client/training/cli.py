@@ -296,6 +296,7 @@ def _train(trainer, batches, args, first: int) -> None:
                             "stage_samples": {f"{s}:{e}": n for (s, e), n in sorted(result.stage_samples.items())},
                             "trainer_samples": result.trainer_samples,
                             "faults": result.faults,
+                            "phases": result.phases,
                         }
                     )
                     + "\n"

@@ -74,6 +74,22 @@ class StepResult:
     """The samples the trainers' own update (embeddings, norm, head) applied."""
     faults: list[str] = field(default_factory=list)
     """What went wrong in this step and was repaired (a member fenced, a round repeated)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of the step by phase: `ready` (waiting for the stages to open the update), `micro_batches` (compute
+    and the wire), `rounds` (the trainers' and stages' rounds), `apply` (the stages' and own update), `sync` (local
+    steps' outer sync, and the new state's record). All but `micro_batches` is waiting on others."""
+
+
+class Phases:
+    """Seconds between marks: `end(name)` closes the phase that began at the last mark."""
+
+    def __init__(self, began: float):
+        self.mark, self.seconds = began, {}
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.mark
+        self.mark = now
 
 
 def local_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -230,6 +246,7 @@ class SwarmTrainer:
 
     async def _step(self, batch: torch.Tensor) -> StepResult:
         began = time.perf_counter()
+        phases = Phases(began)
         epoch, members = await self.stages.ready(None, self.config.step_timeout_s)
         if self.epoch is not None and epoch > self.epoch:
             raise StaleEpochError(f"the stages are at update {epoch}, this trainer's own parts at {self.epoch}")
@@ -258,12 +275,14 @@ class SwarmTrainer:
         sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         gate = asyncio.Semaphore(self.config.max_in_flight or batch.shape[0])
         micro = list(batch.split(self.config.micro_batch_size))
+        phases.end("ready")
         losses = await asyncio.gather(
             *(self._micro_batch(i, ids, epoch, ledger, sums, gate) for i, ids in enumerate(micro))
         )
         for span in members:
             if not ledger.complete(span, len(micro)):
                 raise AssertionError(f"stage {span} does not hold every micro-batch once: {ledger.holdings(span)}")
+        phases.end("micro_batches")
         if self.outer is None:
             trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
         else:  # local steps: each trainer steps on its own gradients; the trainers only agree on who is in
@@ -289,14 +308,17 @@ class SwarmTrainer:
         head_sq = float(sum(float(g.double().pow(2).sum()) for g in mean))
         total_norm = global_norm([*(d.grad_sq_norm for d in done.values()), head_sq])
         scale = clip_scale(total_norm, self.recipe.max_grad_norm)
+        phases.end("rounds")
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
+        phases.end("apply")
         if self.outer is not None and sync_due(epoch, self.recipe.local_steps):
             await self._sync(epoch, trainers)
         self.epoch = epoch + 1
         self.trainers.publish(
             TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest))
         )
+        phases.end("sync")
         self.steps_done += 1
         loss = sum(loss * ids.shape[0] for loss, ids in zip(losses, micro)) / batch.shape[0]
         result = StepResult(
@@ -304,11 +326,12 @@ class SwarmTrainer:
             loss,
             batch.shape[0],
             batch.numel(),
-            time.perf_counter() - began,
+            phases.mark - began,
             dict.fromkeys(members, epoch + 1),
             stage_samples=applied,
             trainer_samples=sum(trainers.values()),
             faults=[*sat_out, *update.faults],
+            phases=phases.seconds,
         )
         logger.info(
             "update %d applied: samples per stage %s, trainer %d, global norm %.4g (scale %.3g)%s",

@@ -958,6 +958,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_quantize.py::test_a_quantized_span_keeps_no_mapping_of_its_checkpoint",),
     ),
     Mutation(
+        "members-add-their-own-difference",
+        "swarm/training/rounds.py",
+        "                    local[index].copy_(output)\n",
+        "                    local[index].add_(output - local[index])  # MUTATION\n",
+        "each member ends with its own value plus the difference to the average, rounded its own way: digests split",
+        ("tests/swarm/training/test_rounds.py::test_three_members_average_exactly_and_identically",),
+    ),
+    Mutation(
         "compressed-reducer-keeps-exact-part",
         "swarm/training/allreduce.py",
         "            decoded = self._decode(await self._answer(part_index, averaged))\n",

@@ -76,8 +76,8 @@ class GroupMember:
     def average(
         self, tensors: Sequence[torch.Tensor], *, round_id: bytes, members: Sequence[str], timeout_s: float
     ) -> RoundResult:
-        """A round among exactly `members` (blocking); float64 in and out: hivemind hands each member its own value
-        plus the averaged difference, and in float32 that sum rounds differently on every member."""
+        """A round among exactly `members` (blocking); float64 in and out, so that no float32 sum rounds a gradient
+        before the average, and every member gets the same bytes (swarm/training/allreduce.py)."""
         return self.averager.average(
             [t.to(torch.float64) for t in tensors], round_id=round_id, members=members, timeout_s=timeout_s
         )

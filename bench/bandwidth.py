@@ -27,14 +27,12 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.hop_profile import write_section
+from bench.slow_link import SlowLinkError, run_inside, tbf
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "bandwidth.md"
 HEAD = """# Training over one slow, shared link
@@ -121,10 +119,6 @@ def _section(rate_mbit: float, steps: int, figures: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run(command: list[str], timeout_s: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=timeout_s)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bandwidth", description=__doc__.splitlines()[0])
     p.add_argument("--rate-mbit", type=float, default=100.0, help="the shared link's rate (default: 100)")
@@ -137,40 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside is not None:
         _inside(args.steps, args.inside)
         return 0
-    if os.geteuid() != 0:
-        print("error: the rate-limited namespace needs root (ip netns, tc)", file=sys.stderr)
+    try:
+        figures = run_inside(
+            "bench.bandwidth", ["--steps", str(args.steps)], tbf(args.rate_mbit), timeout_s=600 * len(RUNS)
+        )
+    except SlowLinkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind: the namespace is removed below
-    namespace = f"swarmlm-bw-{os.getpid()}"
-    with tempfile.TemporaryDirectory() as tmp:
-        figures_file = Path(tmp) / "figures.json"
-        try:
-            _run(["ip", "netns", "add", namespace])
-            # an Ethernet MTU: tbf drops a packet larger than its bucket, and loopback's are 64 KiB
-            _run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "mtu", "1500", "up"])
-            _run(
-                [
-                    *("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "lo", "root", "tbf"),
-                    *("rate", f"{args.rate_mbit:g}mbit", "burst", "128kb", "latency", "100ms"),
-                ]
-            )
-            inner = [sys.executable, "-m", "bench.bandwidth", "--steps", str(args.steps), "--inside", str(figures_file)]
-            child = subprocess.Popen(["ip", "netns", "exec", namespace, *inner], start_new_session=True)
-            try:
-                child.wait(timeout=600 * len(RUNS))
-            finally:
-                if child.poll() is None:
-                    os.killpg(child.pid, signal.SIGTERM)
-                    child.wait(timeout=60)
-            if child.returncode != 0:
-                print(f"error: the runs inside the namespace failed (exit {child.returncode})", file=sys.stderr)
-                return 1
-            figures = json.loads(figures_file.read_text())
-        except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-            print(f"error: could not set up the rate-limited namespace: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
     section = _section(args.rate_mbit, args.steps, figures)
     write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
     print(section)

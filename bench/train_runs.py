@@ -64,37 +64,54 @@ _ONLINE = "ONLINE: serving blocks"
 _UPDATE = re.compile(r"update (\d+) of run '([^']*)': averaged")
 
 
-def build_train_model(models_dir: Path, cache_dir: Path, seed: int = 0) -> Path:
-    """Build (once) the random TRAIN_SPEC Llama with the default model's tokenizer files; returns its folder."""
+def build_train_model(
+    models_dir: Path,
+    cache_dir: Path,
+    seed: int = 0,
+    *,
+    name: str = TRAIN_MODEL,
+    config: dict | None = None,
+    char_tokenizer: bool = False,
+) -> Path:
+    """Build (once) the random Llama `config` (default TRAIN_SPEC) in `models_dir / name`, with the default model's
+    tokenizer files, or with the tests' 128-character tokenizer (`char_tokenizer`: a tiny vocabulary, so the
+    trainers' head costs next to nothing); returns its folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    source = resolve_default_model(cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    spec = {
-        "name": TRAIN_MODEL,
-        "seed": seed,
-        "tokenizer": source.name,
-        "config": {
-            **TRAIN_SPEC,
+    if char_tokenizer:
+        from tests.helpers.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_char_tokenizer
+
+        source, ids = None, {"vocab_size": 128, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    else:
+        source = resolve_default_model(cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        ids = {
             "vocab_size": len(tokenizer),
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,
-        },
+        }
+    spec = {
+        "name": name,
+        "seed": seed,
+        "tokenizer": "char" if source is None else source.name,
+        "config": {**(config or TRAIN_SPEC), **ids},
     }
-    folder = models_dir / TRAIN_MODEL
+    folder = models_dir / name
     marker = folder / "bench-spec.json"
     if marker.is_file() and json.loads(marker.read_text()) == spec and any(folder.glob("*.safetensors")):
         return folder
-    logger.info("building the random model %s in %s", TRAIN_MODEL, folder)
+    logger.info("building the random model %s in %s", name, folder)
     models_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{TRAIN_MODEL}-", dir=models_dir))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models_dir))
     try:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**spec["config"]), dtype=torch.float32)
         model.save_pretrained(staging, safe_serialization=True)
-        for name in _TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, staging / name)
+        if source is None:
+            save_char_tokenizer(staging)
+        for file in _TOKENIZER_FILES if source is not None else ():
+            if (source / file).is_file():
+                shutil.copy2(source / file, staging / file)
         (staging / "bench-spec.json").write_text(json.dumps(spec, indent=1))
         if folder.exists():
             shutil.rmtree(folder)

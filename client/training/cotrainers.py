@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from swarm.trust.swarmkey import SwarmKey
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+MAX_RETRY_PAUSE_S = 2.0
 
 
 class CoTrainers:
@@ -167,7 +169,9 @@ class CoTrainers:
             self.attempt = attempt
             return trainers, [s / samples for s in sums]
         deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
-        while True:
+        for failed in itertools.count():
+            if failed:  # a try that keeps failing at once (a trainer that ends with another average) is not spun
+                await asyncio.sleep(min(POLL_S * 2**failed, MAX_RETRY_PAUSE_S))
             mean, digest = await self._round(epoch, sums, trainers, attempt)
             self.publish(
                 TrainingProgress(
@@ -178,36 +182,37 @@ class CoTrainers:
                     round_digest=digest,
                 )
             )
-            agreed, trainers, attempt = await self._agree(epoch, attempt, trainers, digest)
+            agreed, trainers, attempt, why = await self._agree(epoch, attempt, trainers, digest)
             if agreed:
                 self.attempt = attempt + 1  # the next settle of this update starts past every try of this one
                 return trainers, mean
             if time.monotonic() > deadline:
-                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round")
-            logger.warning("the trainers' round of update %d failed; trying again (try %d)", epoch, attempt)
+                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round: {why}")
+            logger.warning("the trainers' round of update %d failed (%s); trying again (try %d)", epoch, why, attempt)
+        raise AssertionError("unreachable")
 
     async def _agree(
         self, epoch: int, attempt: int, trainers: dict[str, int], digest: str
-    ) -> tuple[bool, dict[str, int], int]:
+    ) -> tuple[bool, dict[str, int], int, str]:
         """Wait for every trainer's outcome of try `attempt`: (all got `digest`, the trainers still there, the next
-        try number)."""
+        try number, why not)."""
         while True:
             members = await asyncio.to_thread(self.group.members)
             gone = [pid for pid in trainers if pid != self.trainer_id and pid not in members]
             if gone:
                 logger.warning("trainers %s left during update %d; going on without them", gone, epoch)
                 left = {pid: n for pid, n in trainers.items() if pid not in gone}
-                return False, left, attempt + 1
+                return False, left, attempt + 1, f"trainers {_short(gone)} left"
             outcomes = {pid: members[pid] for pid in trainers if pid != self.trainer_id}
             ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
             if ahead > attempt:  # another trainer saw this try fail already
-                return False, trainers, ahead
+                return False, trainers, ahead, "another trainer's try failed"
             done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
             if len(done) == len(outcomes) and all(done):
                 agreed = digest != "x" and all(d == digest for d in done)
-                return agreed, trainers, attempt + (not agreed)
+                return agreed, trainers, attempt + (not agreed), _disagreement(digest, outcomes, attempt)
             if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
-                return digest != "x", trainers, attempt + 1
+                return digest != "x", trainers, attempt + 1, "this trainer's try failed"
             await asyncio.sleep(POLL_S)
 
     async def _round(
@@ -244,3 +249,18 @@ class CoTrainers:
         """Leave the group (the others stop counting this trainer at once) and stop publishing."""
         self._stop.set()
         self.group.shutdown()
+
+
+def _disagreement(digest: str, outcomes: dict[str, TrainingProgress], attempt: int) -> str:
+    """Why try `attempt` did not agree, as the trainers' records of it say ("" when it did)."""
+    if digest == "x":
+        return "this trainer's round was incomplete"
+    failed = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest == "x"]
+    if failed:
+        return f"incomplete at trainers {_short(failed)}"
+    other = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest != digest]
+    return f"trainers {_short(other)} ended with another average" if other else ""
+
+
+def _short(peer_ids) -> str:
+    return ", ".join(sorted(pid[-8:] for pid in peer_ids))

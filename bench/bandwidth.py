@@ -85,19 +85,12 @@ def _inside(steps: int, out: Path) -> None:
             losses = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
             # tokens over seconds after the warm-up, per trainer, added: a sync's slow step counts for its time
             figures[name] = {
-                "tokens_per_s": sum(_rate(steps[SKIP:], s.seq_len) for steps in runs.values()),
+                "tokens_per_s": sum(tr.tokens_per_second(steps[SKIP:], s.seq_len) for steps in runs.values()),
                 "round_bytes_per_sample": sent,
                 "final_loss": losses[-1],
                 "losses": losses,
             }
     out.write_text(json.dumps(figures))
-
-
-def _rate(steps: list[dict], seq_len: int) -> float:
-    """A trainer's tokens/s over `steps`: their tokens over their summed seconds."""
-    from bench import train_runs as tr
-
-    return sum(r["samples"] * seq_len for r in steps) / sum(tr.step_seconds(steps, seq_len))
 
 
 def _section(rate_mbit: float, steps: int, figures: dict) -> str:

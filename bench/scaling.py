@@ -93,8 +93,10 @@ def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Pa
         TrainSwarm(plan, models_dir=cache / "bench-models", cache_dir=cache, out_dir=Path(logs)) as bench,
     ):
         char = vocab == "char"
-        name = "train-tiny" if char else "train-tiny-smollm2"
-        model = tr.build_train_model(cache / "bench-models", cache, name=name, config=TINY_SPEC, char_tokenizer=char)
+        model_name = "train-tiny" if char else "train-tiny-smollm2"
+        model = tr.build_train_model(
+            cache / "bench-models", cache, name=model_name, config=TINY_SPEC, char_tokenizer=char
+        )
         # every round trip is slow here: gathering waits longer, and no round may time out for the link
         s = dataclasses.replace(
             bench.small, batch_size=BATCH, micro_batch_size=BATCH, matchmaking_time_s=2.0, averaging_timeout_s=300.0
@@ -124,7 +126,7 @@ def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Pa
             losses = tr.mean_curve([[r["loss"] for r in steps] for steps in runs.values()])
             measured = [steps[SKIP:] for steps in runs.values()]
             figures[name] = {
-                "tokens_per_s": sum(_rate(steps, s.seq_len) for steps in measured),
+                "tokens_per_s": sum(tr.tokens_per_second(steps, s.seq_len) for steps in measured),
                 "waiting": _waiting([r for steps in measured for r in steps]),
                 "phases": _mean_phases([r for steps in measured for r in steps]),
                 "round_bytes_per_sample": sent,
@@ -132,11 +134,6 @@ def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Pa
                 "losses": losses,
             }
     out.write_text(json.dumps(figures))
-
-
-def _rate(steps: list[dict], seq_len: int) -> float:
-    """A trainer's tokens/s over `steps`: their tokens over their summed seconds."""
-    return sum(r["samples"] * seq_len for r in steps) / sum(sum(r["phases"].values()) for r in steps)
 
 
 def _waiting(steps: list[dict]) -> float:

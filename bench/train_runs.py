@@ -109,9 +109,10 @@ def build_train_model(
         model.save_pretrained(staging, safe_serialization=True)
         if source is None:
             save_char_tokenizer(staging)
-        for file in _TOKENIZER_FILES if source is not None else ():
-            if (source / file).is_file():
-                shutil.copy2(source / file, staging / file)
+        else:
+            for file in _TOKENIZER_FILES:
+                if (source / file).is_file():
+                    shutil.copy2(source / file, staging / file)
         (staging / "bench-spec.json").write_text(json.dumps(spec, indent=1))
         if folder.exists():
             shutil.rmtree(folder)
@@ -477,6 +478,12 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
 def step_seconds(steps: list[dict], seq_len: int) -> list[float]:
     """Wall time of each step, from its samples and tokens/s."""
     return [s["samples"] * seq_len / s["tokens_per_s"] for s in steps if s["tokens_per_s"] > 0]
+
+
+def tokens_per_second(steps: list[dict], seq_len: int) -> float:
+    """A trainer's tokens/s over `steps`: their tokens over their summed seconds (a sync's slow step counts for its
+    time, where a mean of the steps' rates would not weigh it)."""
+    return sum(s["samples"] * seq_len for s in steps) / sum(step_seconds(steps, seq_len))
 
 
 def steady_rates(steps: list[dict], skip: int = 2) -> list[float]:

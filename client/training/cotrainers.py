@@ -189,7 +189,6 @@ class CoTrainers:
             if time.monotonic() > deadline:
                 raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round: {why}")
             logger.warning("the trainers' round of update %d failed (%s); trying again (try %d)", epoch, why, attempt)
-        raise AssertionError("unreachable")
 
     async def _agree(
         self, epoch: int, attempt: int, trainers: dict[str, int], digest: str

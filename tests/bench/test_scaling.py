@@ -7,12 +7,14 @@ import json
 
 import pytest
 
-from bench.scaling import RUNS, _mean_phases, _rate, _section, _waiting, main
+from bench import train_runs as tr
+from bench.scaling import RUNS, _mean_phases, _section, _waiting, main
 from bench.scaling_plot import draw, series
 
 
 def step(seconds: dict[str, float], samples: int = 8) -> dict:
-    return {"samples": samples, "phases": seconds, "loss": 1.0}
+    """A --log-json record of a step of 64-token samples: its phases add up to its seconds."""
+    return {"samples": samples, "phases": seconds, "tokens_per_s": samples * 64 / sum(seconds.values()), "loss": 1.0}
 
 
 def test_rates_and_waiting_come_from_the_steps_phases():
@@ -20,7 +22,7 @@ def test_rates_and_waiting_come_from_the_steps_phases():
         step({"ready": 0.5, "micro_batches": 1.0, "rounds": 0.5, "apply": 0.0, "sync": 0.0}),
         step({"ready": 0.0, "micro_batches": 1.0, "rounds": 0.0, "apply": 0.0, "sync": 1.0}),
     ]
-    assert _rate(steps, 64) == pytest.approx(2 * 8 * 64 / 4.0)
+    assert tr.tokens_per_second(steps, 64) == pytest.approx(2 * 8 * 64 / 4.0)
     assert _waiting(steps) == pytest.approx(2.0 / 4.0)
     assert _mean_phases(steps) == pytest.approx(
         {"apply": 0.0, "micro_batches": 1.0, "ready": 0.25, "rounds": 0.25, "sync": 0.5}

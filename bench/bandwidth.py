@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside is not None:
         _inside(args.steps, args.inside)
         return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # before the runs: minutes lost otherwise
     try:
         figures = run_inside(
             "bench.bandwidth", ["--steps", str(args.steps)], tbf(args.rate_mbit), timeout_s=600 * len(RUNS)

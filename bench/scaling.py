@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inside is not None:
         _inside(args.steps, args.delay_ms / 1000, args.peer_mbit * 1e6 / 8, args.vocab, args.inside)
         return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # before the runs: minutes lost otherwise
     try:
         figures = run_inside(
             "bench.scaling",

@@ -167,11 +167,10 @@ class Update:
         problem, or the round timeout; one look only unless `wait`."""
         deadline = time.monotonic() + (self.round_timeout_s if wait else 0.0)
         while True:
-            statuses = {}
-            for span in self.members:
-                listed = self.listed(span)
-                answers = await asyncio.gather(*(self.stages.status(m, self.epoch) for m in listed))
-                statuses.update({(span, m.peer_id): (m, answer) for m, answer in zip(listed, answers)})
+            # every member of every stage at once: one round trip a look, not one a stage
+            listed = [(span, m) for span in self.members for m in self.listed(span)]
+            answers = await asyncio.gather(*(self.stages.status(m, self.epoch) for _, m in listed))
+            statuses = {(span, m.peer_id): (m, answer) for (span, m), answer in zip(listed, answers)}
             problems = {}
             for (span, pid), (_, status) in statuses.items():
                 if not isinstance(status, BaseException) and status.epoch == self.epoch:

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     section = _section(args.rate_mbit, args.steps, figures)
-    write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
+    write_section(args.out, section, head=HEAD)
     print(section)
     return 0
 

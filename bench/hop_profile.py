@@ -212,10 +212,11 @@ def table(result: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Put `section` in the markdown file at `path`, replacing the section of the same title."""
+def write_section(path: Path, section: str, head: str = HEAD) -> None:
+    """Put `section` in the markdown file at `path`, replacing the section of the same title; a new file starts
+    with `head`."""
     title = section.splitlines()[0]
-    head, sections = HEAD, []
+    sections: list[str] = []
     if path.is_file():
         text = path.read_text()
         head, *rest = text.split("\n## ")

@@ -113,13 +113,14 @@ def measure(steps: int, kill_at: int, join_at: int) -> dict:
         )
         for name, faults in {"fault-free": (None, None), "with faults": (kill_at, join_at)}.items():
             runs = _run(bench, model, bench.small, name.replace(" ", "-"), kill_at=faults[0], join_at=faults[1])
-            same = [[r["loss"] for r in steps] for run, steps in runs.items() if not run.endswith(f"seed{TRAINERS}")]
-            curve = tr.mean_curve(same)
+            joined = {run: run.endswith(f"seed{TRAINERS}") for run in runs}
+            joiner = [steps for run, steps in runs.items() if joined[run]]
+            curve = tr.mean_curve([[r["loss"] for r in steps] for run, steps in runs.items() if not joined[run]])
             figures[name] = {
                 "final_loss": tr.final_loss(curve),
                 "curve": curve,
                 "faults": sum(len(r.get("faults", [])) for steps in runs.values() for r in steps),
-                "joiner_steps": sum(len(steps) for run, steps in runs.items() if run.endswith(f"seed{TRAINERS}")),
+                "joiner_steps": sum(map(len, joiner)),
             }
     shutil.rmtree(logs, ignore_errors=True)  # kept when a run failed: its error names them
     return figures
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args.steps, args.kill_at, args.join_at)
     when = datetime.datetime.now().isoformat(timespec="seconds")
     section = _section(args.steps, args.kill_at, args.join_at, figures, when)
-    write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
+    write_section(args.out, section, head=HEAD)
     print(section)
     return 0
 

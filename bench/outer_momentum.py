@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps must be at least {EVERY}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     section = _section(args.steps, measure(args.steps), datetime.datetime.now().isoformat(timespec="seconds"))
-    write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
+    write_section(args.out, section, head=HEAD)
     print(section)
     return 0
 

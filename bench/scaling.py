@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     when = datetime.datetime.now().isoformat(timespec="seconds")
     section = _section(args.delay_ms, args.peer_mbit, args.rate_mbit, args.vocab, args.steps, figures, when)
-    write_section(args.out, section) if args.out.exists() else args.out.write_text(HEAD + "\n" + section)
+    write_section(args.out, section, head=HEAD)
     # the figures beside the table, for the plot of every vocabulary run (bench/scaling_plot.py)
     title = _title(args.delay_ms, args.peer_mbit, args.rate_mbit, args.vocab)
     kept = {"title": title, "when": when, "steps": args.steps, "figures": figures}

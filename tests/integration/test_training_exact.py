@@ -77,6 +77,8 @@ class Run:
         self.local = LocalTrainer(path, TrainConfig(batch_size=BATCH, micro_batch_size=MICRO, **RECIPE))
         self.model = self.trainer = None
         self.steps = 0
+        self.faults: list[tuple[int, str]] = []  # (step, fault) of every step so far
+        self.seen_at: dict[str, int] = {}  # member -> the last step after which it was at the trainer's update
         self.peers: dict[tuple[int, int], list] = {(0, 2): [], (2, 4): []}
 
     def connect(self, state: dict | None = None, head: dict | None = None) -> None:
@@ -149,6 +151,7 @@ class Run:
         # every micro-batch once: every stage and the trainer applied exactly the batch
         assert mine.stage_samples == {(0, 2): BATCH, (2, 4): BATCH}, mine
         assert mine.trainer_samples == BATCH, mine
+        self.faults += [(self.steps, fault) for fault in mine.faults]
         self.check_weights(mine)
         return mine
 
@@ -167,18 +170,20 @@ class Run:
             assert float((p.detach() - local[name]).abs().max()) < ATOL, (self.steps, name)
 
     def caught_up(self, span, step, timeout_s: float = 60.0) -> dict[str, tuple[pb.InfoResponse, str]]:
-        """The live members of `span` once all are at the trainer's update; one behind must be named by the step."""
+        """The live members of `span` once all are at the trainer's update; one behind must be named by the step,
+        or by an earlier one and not caught up since (the trainer names a member that the directory misses at two
+        updates in a row only once)."""
         deadline = time.monotonic() + timeout_s
         while True:
             found = self.infos(span)
             assert found, f"no live member of {span}"
             behind = [pid for pid, (info, _) in found.items() if info.epoch != self.trainer.epoch]
+            self.seen_at.update((pid, self.steps) for pid in found if pid not in behind)
             if not behind:
                 return found
             for pid in behind:
-                assert any(pid[-8:] in fault for fault in step.faults), (
-                    self.steps, span, pid, step.faults, self.swarm.format_logs()
-                )  # fmt: skip
+                named = [f for at, f in self.faults if at > self.seen_at.get(pid, 0) and pid[-8:] in f]
+                assert named, (self.steps, span, pid, step.faults, self.swarm.format_logs())
             assert time.monotonic() < deadline, (self.steps, span, behind, "did not catch up", self.swarm.format_logs())
             time.sleep(0.5)
 

@@ -187,8 +187,9 @@ class TrainingProgress(_Record):
     # sha256 (hex) of its trainable state (parameters and optimizer statistics) after its update `epoch`; "" when it
     # vouches for none (it is joining, or its last round failed)
     param_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64})?$")
-    # trainers only: their round of update `epoch` (a try number, the same for all), and its outcome here: the
-    # digest of what it averaged, "x" when it failed here, "" before it ends; they apply only once all agree
+    # a round of update `epoch` that members agree on before applying it (the trainers' own, or a stage's outer sync:
+    # swarm/training/agreement.py): its try number, the same for all, and its outcome here: the digest of what it
+    # averaged, "x" when it failed here, "" before it ends
     round: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)
     round_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
     # it stopped cleanly: from now on it vouches for no state and joins no update (swarm/training/members.py)

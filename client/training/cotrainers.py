@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import logging
 import threading
 import time
@@ -21,8 +20,8 @@ import hivemind
 import torch
 
 from client.config import TrainConfig
-from protocol.errors import TrainingFaultError
 from protocol.records import TrainingProgress
+from swarm.training import agreement
 from swarm.training.group import TRAINER_PROGRESS_TTL_S, GroupMember, trainers_key
 from swarm.training.state import VerifiedState, majority_claim, others_gone, state_digest
 from swarm.trust.swarmkey import SwarmKey
@@ -30,7 +29,6 @@ from swarm.trust.swarmkey import SwarmKey
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
-MAX_RETRY_PAUSE_S = 2.0
 
 
 class CoTrainers:
@@ -162,17 +160,14 @@ class CoTrainers:
         self, epoch: int, sums: list[torch.Tensor], samples: int, trainers: dict[str, int], attempt: int = 0
     ) -> tuple[dict[str, int], list]:
         """(the trainers that averaged, the mean gradients of the trainers' parts over their samples): rounds among
-        `trainers` from try `attempt` on, until all agree on one (`average`). Called again with the trainers still
-        there, and a later try number, when one died before the stages applied its micro-batches."""
-        trainers = dict(trainers)
+        `trainers` from try `attempt` on, until all agree on one (`average`, swarm/training/agreement.py). Called
+        again with the trainers still there, and a later try number, when one died before the stages applied its
+        micro-batches."""
         if len(trainers) == 1:
             self.attempt = attempt
-            return trainers, [s / samples for s in sums]
-        deadline = time.monotonic() + TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s
-        for failed in itertools.count():
-            if failed:  # a try that keeps failing at once (a trainer that ends with another average) is not spun
-                await asyncio.sleep(min(POLL_S * 2**failed, MAX_RETRY_PAUSE_S))
-            mean, digest = await self._round(epoch, sums, trainers, attempt)
+            return dict(trainers), [s / samples for s in sums]
+
+        async def publish(attempt: int, digest: str) -> None:
             self.publish(
                 TrainingProgress(
                     epoch=epoch,
@@ -182,37 +177,20 @@ class CoTrainers:
                     round_digest=digest,
                 )
             )
-            agreed, trainers, attempt, why = await self._agree(epoch, attempt, trainers, digest)
-            if agreed:
-                self.attempt = attempt + 1  # the next settle of this update starts past every try of this one
-                return trainers, mean
-            if time.monotonic() > deadline:
-                raise TrainingFaultError(f"the trainers of update {epoch} could not agree on their round: {why}")
-            logger.warning("the trainers' round of update %d failed (%s); trying again (try %d)", epoch, why, attempt)
 
-    async def _agree(
-        self, epoch: int, attempt: int, trainers: dict[str, int], digest: str
-    ) -> tuple[bool, dict[str, int], int, str]:
-        """Wait for every trainer's outcome of try `attempt`: (all got `digest`, the trainers still there, the next
-        try number, why not)."""
-        while True:
-            members = await asyncio.to_thread(self.group.members)
-            gone = [pid for pid in trainers if pid != self.trainer_id and pid not in members]
-            if gone:
-                logger.warning("trainers %s left during update %d; going on without them", gone, epoch)
-                left = {pid: n for pid, n in trainers.items() if pid not in gone}
-                return False, left, attempt + 1, f"trainers {_short(gone)} left"
-            outcomes = {pid: members[pid] for pid in trainers if pid != self.trainer_id}
-            ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
-            if ahead > attempt:  # another trainer saw this try fail already
-                return False, trainers, ahead, "another trainer's try failed"
-            done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
-            if len(done) == len(outcomes) and all(done):
-                agreed = digest != "x" and all(d == digest for d in done)
-                return agreed, trainers, attempt + (not agreed), _disagreement(digest, outcomes, attempt)
-            if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
-                return digest != "x", trainers, attempt + 1, "this trainer's try failed"
-            await asyncio.sleep(POLL_S)
+        settled = await agreement.settle(
+            lambda attempt, members: self._round(epoch, sums, {t: trainers[t] for t in members}, attempt),
+            publish,
+            lambda: asyncio.to_thread(self.group.members),
+            me=self.trainer_id,
+            epoch=epoch,
+            members=list(trainers),
+            attempt=attempt,
+            give_up_s=TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s,
+            what=f"the trainers' round of update {epoch}",
+        )
+        self.attempt = settled.attempt + 1  # the next settle of this update starts past every try of this one
+        return {t: trainers[t] for t in settled.members}, settled.value
 
     async def _round(
         self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int
@@ -248,18 +226,3 @@ class CoTrainers:
         """Leave the group (the others stop counting this trainer at once) and stop publishing."""
         self._stop.set()
         self.group.shutdown()
-
-
-def _disagreement(digest: str, outcomes: dict[str, TrainingProgress], attempt: int) -> str:
-    """Why try `attempt` did not agree, as the trainers' records of it say ("" when it did)."""
-    if digest == "x":
-        return "this trainer's round was incomplete"
-    failed = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest == "x"]
-    if failed:
-        return f"incomplete at trainers {_short(failed)}"
-    other = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest != digest]
-    return f"trainers {_short(other)} ended with another average" if other else ""
-
-
-def _short(peer_ids) -> str:
-    return ", ".join(sorted(pid[-8:] for pid in peer_ids))

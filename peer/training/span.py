@@ -36,13 +36,14 @@ from peer.config import TrainingConfig
 from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
+from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError, TrainingFaultError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
+from swarm.training import agreement
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, average_sync, sync_due, vouched_digest
+from swarm.training.outer import OuterStep, sync_due, sync_round, vouched_digest
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
 from swarm.training.state import applied_by_trainers, deciding
 
@@ -99,6 +100,7 @@ class SpanTraining:
         self._last_apply: tuple[int, str, pb.ApplyResponse] | None = None  # (epoch, round id, answer)
         self._norms: deque[float] = deque(maxlen=NORM_WINDOW)
         self._digest: tuple[int, str] | None = None
+        self._sync_outcome: tuple[int, int, str] | None = None  # (update, try, digest) of the sync under way
         self.applied_samples = 0
         self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
         self.applied_members: tuple[str, ...] = ()  # the members of that round (this one too)
@@ -351,27 +353,63 @@ class SpanTraining:
     ) -> None:
         """An update of a run with local steps: the inner step on this member's own gradients; after every H-th,
         the sync: the members of the update's round average their pseudo-gradients, and each applies the outer
-        step. A sync round that fails is skipped (the weights' change then waits for the next sync), so that every
-        member keeps the same weights at the last sync."""
+        step, once every member got the same average (`_sync`)."""
         self._mid_update = True
         try:
             await compute(lambda: self._inner_step(own, scale))
             if sync_due(self.epoch, self.recipe.local_steps):
                 deltas = await compute(self.outer.pseudo_gradients)
-                plan = self._plan
-                averaged = await average_sync(
-                    self.group,
-                    deltas,
-                    round_id=hashlib.sha256(bytes.fromhex(status.round_id) + b"|outer").digest(),
-                    members=plan.members if plan is not None and plan.round_id == status.round_id else (),
-                    timeout_s=self.config.averaging.averaging_timeout_s,
-                    what=f"update {self.epoch} of run {self.run_id!r}",
-                )
+                averaged = await self._sync(deltas, status)
                 if averaged is not None:
                     await compute(lambda: self._outer_step(averaged))
             await compute(lambda: self._finish_apply(status))
         finally:
             self._mid_update = False
+
+    async def _sync(self, deltas: list[torch.Tensor], status: pb.RoundStatus) -> list[torch.Tensor] | None:
+        """The mean of the pseudo-gradients of the update's round's members, once all of them got the same
+        (swarm/training/agreement.py): a round complete here and incomplete at another member is tried again by all,
+        so that no member takes an outer step the others skip. None when they cannot agree for a long while: then
+        every member skips it, and the next sync carries its change."""
+        plan = self._plan
+        members = plan.members if plan is not None and plan.round_id == status.round_id else ()
+        if len(members) <= 1:
+            return deltas
+        what = f"the sync of update {self.epoch} of run {self.run_id!r}"
+        base = bytes.fromhex(status.round_id)
+        settings = self.config.averaging
+
+        def try_round(attempt: int, members: tuple[str, ...]):
+            round_id = hashlib.sha256(base + f"|outer|{attempt}".encode()).digest()
+            return sync_round(
+                self.group,
+                deltas,
+                round_id=round_id,
+                members=members,
+                timeout_s=settings.averaging_timeout_s,
+                what=what,
+            )
+
+        async def publish(attempt: int, digest: str) -> None:
+            self._sync_outcome = (self.epoch, attempt, digest)
+            progress = await asyncio.to_thread(self._progress)
+            await asyncio.to_thread(self.group.publish, progress)
+
+        try:
+            settled = await agreement.settle(
+                try_round,
+                publish,
+                lambda: asyncio.to_thread(self.group.members),
+                me=self.group.peer_id,
+                epoch=self.epoch,
+                members=members,
+                give_up_s=4 * settings.progress_period_s + 4 * settings.averaging_timeout_s,
+                what=what,
+            )
+        except TrainingFaultError as exc:
+            logger.warning("%s; every member skips it, and the next sync carries its change", exc)
+            return None
+        return settled.value
 
     def _outer_step(self, averaged: list[torch.Tensor]) -> None:
         with self._lock:
@@ -542,7 +580,14 @@ class SpanTraining:
         self.group.serve_state(True)
 
     def _progress(self) -> TrainingProgress:
-        return TrainingProgress(epoch=self.epoch, samples=self.samples, param_digest=self.digest())
+        outcome = self._sync_outcome if self._sync_outcome is not None and self._sync_outcome[0] == self.epoch else None
+        return TrainingProgress(
+            epoch=self.epoch,
+            samples=self.samples,
+            param_digest=self.digest(),
+            round=outcome[1] if outcome else 0,
+            round_digest=outcome[2] if outcome else "",
+        )
 
     async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
         """Publish progress, copy the group's state when a majority is ahead for good, and drop updates whose

@@ -68,20 +68,20 @@ def vouched_digest(state: Sequence[torch.Tensor], outer: OuterStep | None) -> st
     return state_digest(state[len(state) - len(outer.state()) :])
 
 
-async def average_sync(
+async def sync_round(
     group, deltas: list[torch.Tensor], *, round_id: bytes, members: Sequence[str], timeout_s: float, what: str
-) -> list[torch.Tensor] | None:
-    """The mean of the pseudo-gradients of `members` (a round of `group`, a GroupMember), or None when the round
-    failed: the sync is then skipped, and the next one carries this one's change. `what` names it in the logs."""
-    if len(members) <= 1:
-        return deltas
+) -> tuple[list[torch.Tensor] | None, str]:
+    """One try of a sync: (the mean of the pseudo-gradients of `members`, a round of `group`, a GroupMember; its
+    digest), or (None, "x") when the round was incomplete here. `what` names it in the logs."""
+    from swarm.training.state import state_digest  # hivemind loads only with a group
+
     began = time.perf_counter()
     result = await asyncio.to_thread(
         group.average, deltas, round_id=round_id, members=list(members), timeout_s=timeout_s
     )
     if not result.complete:
-        logger.warning("%s: the sync round failed (%s); the next sync carries this one's change", what, result.reason)
-        return None
+        logger.warning("%s: the sync round was incomplete here (%s)", what, result.reason)
+        return None, "x"
     logger.info(  # bench/train_runs.py reads the members, seconds and bytes
         "%s: synced among %d members in %.2fs, %d bytes sent",
         what,
@@ -89,4 +89,4 @@ async def average_sync(
         time.perf_counter() - began,
         result.sent_bytes,
     )
-    return result.tensors
+    return result.tensors, state_digest(result.tensors)

@@ -1,0 +1,131 @@
+"""The outer sync of a stage's members (`--local-steps`), on real hivemind DHT nodes and averager processes: a sync
+round that completes at one member and not at the other is tried again by both, so that no member takes an outer
+step the other skips (which left a pair apart for good: each later sync moves each member from its own anchor)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from peer.blocks import load_span
+from peer.config import TrainingConfig
+from peer.training.commits import RoundPlan
+from peer.training.span import SpanTraining
+from protocol import swarmlm_pb2 as pb
+from swarm.dht.node import start_dht, stop_dht, visible_maddrs
+from swarm.models.checkpoint import load_config
+from swarm.training.recipe import RunRecipe
+from swarm.training.settings import AveragingSettings
+from tests.helpers.models import make_tiny
+
+AVERAGING = AveragingSettings(
+    matchmaking_time_s=1.0, averaging_timeout_s=6.0, load_state_timeout_s=6.0, progress_period_s=0.2
+)
+RECIPE = RunRecipe(lr=1e-2, local_steps=2)
+ROUND = "ab" * 32
+
+
+def member(checkpoint) -> SpanTraining:
+    span = load_span(checkpoint, load_config(checkpoint), 0, 2, dtype=torch.float32, device=torch.device("cpu"))
+    return SpanTraining(span, TrainingConfig(run_id="sync", averaging=AVERAGING), RECIPE, "model")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Two members of one stage's group, each on its own DHT node, publishing their progress as a peer does (their
+    records then carry each try's outcome between tries too); stopped at the end, also on failure."""
+    checkpoint = make_tiny("llama", tmp_path, num_layers=2, seed=3)
+    dhts, members, stop = [], [], threading.Event()
+
+    def publish_forever(training: SpanTraining) -> None:
+        while not stop.wait(AVERAGING.progress_period_s):
+            training.group.publish(training._progress())
+
+    publishers = []
+    try:
+        for _ in range(2):
+            dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
+            training = member(checkpoint)
+            training.start_group(dhts[-1])
+            training.group.publish(training._progress())
+            training.group.serve_state(True)
+            members.append(training)
+            publishers.append(threading.Thread(target=publish_forever, args=(training,), daemon=True))
+            publishers[-1].start()
+        yield checkpoint, members
+    finally:
+        stop.set()
+        for thread in publishers:
+            thread.join(timeout=5)
+        for training in members:
+            with contextlib.suppress(Exception):
+                training.group.shutdown()
+        for dht in dhts:
+            stop_dht(dht)
+
+
+def own_gradients(training: SpanTraining, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(m.shape, generator=generator) for m in training.masters]
+
+
+async def run_compute(fn):
+    return await asyncio.to_thread(fn)
+
+
+async def apply_update(training: SpanTraining, seed: int, members: tuple[str, ...]) -> None:
+    """Update `training.epoch` with the member's own gradients, as an Apply of the update's round does."""
+    status = pb.RoundStatus(
+        epoch=training.epoch, state=pb.RoundStatus.AVERAGED, round_id=f"{training.epoch:02x}" + ROUND[2:]
+    )
+    training._plan = RoundPlan(status.round_id, 1, ("trainer",), members, {}, 2)
+    await training._apply_local_steps(own_gradients(training, seed), 1.0, status, run_compute)
+
+
+def expected_after_sync(checkpoint) -> list[torch.Tensor]:
+    """Both members' two updates in one process, without a group: the outer step from the first weights with the
+    mean of their pseudo-gradients."""
+    references = [member(checkpoint) for _ in range(2)]
+    for reference, seeds in zip(references, ((0, 2), (1, 3))):
+        reference._apply(own_gradients(reference, seeds[0]), 1.0, pb.RoundStatus(epoch=0))
+        reference._inner_step(own_gradients(reference, seeds[1]), 1.0)
+    first, second = (r.outer.pseudo_gradients() for r in references)
+    references[0].outer.apply([(x + y) / 2 for x, y in zip(first, second)])
+    return references[0].masters
+
+
+def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
+    """The second member's first try completes, and its last answer is lost (as on a link that drops it): it must
+    not be the only one to skip the outer step. Both try again, and end with the same weights as one process."""
+    checkpoint, (first, second) = pair
+    members = tuple(sorted(t.group.peer_id for t in (first, second)))
+    tries = []
+    real = second.group.average
+
+    def loses_its_first_answer(tensors, *, round_id, members, timeout_s):
+        result = real(tensors, round_id=round_id, members=members, timeout_s=timeout_s)
+        tries.append(result.complete)
+        if len(tries) == 1:
+            return dataclasses.replace(result, complete=False, tensors=None, reason="an answer was lost")
+        return result
+
+    second.group.average = loses_its_first_answer
+
+    async def two_updates():
+        for training, seed in ((first, 0), (second, 1)):
+            await apply_update(training, seed, members)  # update 0: an inner step only
+        # update 1: the inner step, then the sync, at both members at once
+        await asyncio.gather(apply_update(first, 2, members), apply_update(second, 3, members))
+
+    asyncio.run(asyncio.wait_for(two_updates(), 120))
+    assert tries == [True, True]
+    assert first.epoch == second.epoch == 2
+    assert first.digest() == second.digest(), "the members took different outer steps"
+    for ours, theirs, reference in zip(first.masters, second.masters, expected_after_sync(checkpoint)):
+        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)

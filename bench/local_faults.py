@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import re
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.hop_profile import write_section
@@ -46,6 +48,8 @@ KILLED = 2
 """The index in STAGE_SPANS of the member that is killed: one of the second stage's two."""
 TARGET = 0.02
 POLL_S = 0.2
+MAX_KINDS = 4
+"""Kinds of faults listed per run."""
 
 
 def _run(bench, model: Path, settings, name: str, *, kill_at: int | None, join_at: int | None) -> dict[str, list]:
@@ -120,10 +124,21 @@ def measure(steps: int, kill_at: int, join_at: int) -> dict:
                 "final_loss": tr.final_loss(curve),
                 "curve": curve,
                 "faults": sum(len(r.get("faults", [])) for steps in runs.values() for r in steps),
+                "kinds": fault_kinds(f for steps in runs.values() for r in steps for f in r.get("faults", [])),
                 "joiner_steps": sum(map(len, joiner)),
             }
     shutil.rmtree(logs, ignore_errors=True)  # kept when a run failed: its error names them
     return figures
+
+
+def fault_kinds(faults) -> list[tuple[str, int]]:
+    """The trainers' fault lines, told apart by what happened (peer ids, updates and counts left out), most common
+    first: (kind, how many)."""
+    kinds = Counter(
+        re.sub(r"\d+(\.\d+)?", "N", re.sub(r"(peers?|trainers?) [\w, ]+?(?=[:;)]| gone| did| at|$)", r"\1 X", f))
+        for f in faults
+    )
+    return kinds.most_common()
 
 
 def _section(steps: int, kill_at: int, join_at: int, figures: dict, when: str) -> str:
@@ -145,6 +160,12 @@ def _section(steps: int, kill_at: int, join_at: int, figures: dict, when: str) -
             ),
             "",
             f"With faults against fault-free: {change:+.2%} (target within {TARGET:.0%}: {met}).",
+            "",
+            *(
+                f"- {name}: {count} x `{kind}`"
+                for name, f in figures.items()
+                for kind, count in f.get("kinds", [])[:MAX_KINDS]
+            ),
             "",
         ]
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.local_faults import _section, main
+from bench.local_faults import _section, fault_kinds, main
 
 
 def figures(clean: float, faulty: float) -> dict:
@@ -21,6 +21,25 @@ def test_the_table_says_how_far_the_faulty_run_ends_from_the_fault_free_one():
     assert "| with faults | 4.0600 | 3 | 16 |" in table
     assert "+1.50% (target within 2%: met)" in table
     assert "-5.00% (target within 2%: missed)" in _section(32, 9, 16, figures(4.0, 3.8), "now")
+
+
+def test_faults_are_counted_by_kind_without_their_peers_and_numbers():
+    kinds = fault_kinds(
+        [
+            "stage 2:4 peer 3sdfGHj8 gone at apply",
+            "stage 2:4 peer Qm8xYz12 gone at apply",
+            "update 3: trainers abc12345, def67890 gone",
+            "stage 0:2: members differ after update 7 (2 digests)",
+        ]
+    )
+    assert kinds == [
+        ("stage N:N peer X gone at apply", 2),
+        ("update N: trainers X gone", 1),
+        ("stage N:N: members differ after update N (N digests)", 1),
+    ]
+    faulty = figures(4.0, 4.06)
+    faulty["with faults"]["kinds"] = kinds
+    assert "- with faults: 2 x `stage N:N peer X gone at apply`" in _section(32, 9, 16, faulty, "now")
 
 
 @pytest.mark.parametrize(

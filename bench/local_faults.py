@@ -135,7 +135,11 @@ def fault_kinds(faults) -> list[tuple[str, int]]:
     """The trainers' fault lines, told apart by what happened (peer ids, updates and counts left out), most common
     first: (kind, how many)."""
     kinds = Counter(
-        re.sub(r"\d+(\.\d+)?", "N", re.sub(r"(peers?|trainers?) [\w, ]+?(?=[:;)]| gone| did| at|$)", r"\1 X", f))
+        re.sub(
+            r"\d+(\.\d+)?",
+            "N",
+            re.sub(r"\b(peers?|trainers?) [1-9A-HJ-NP-Za-km-z]{8,}(, [1-9A-HJ-NP-Za-km-z]{8,})*", r"\1 X", f),
+        )
         for f in faults
     )
     return kinds.most_common()

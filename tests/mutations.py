@@ -958,6 +958,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_quantize.py::test_a_quantized_span_keeps_no_mapping_of_its_checkpoint",),
     ),
     Mutation(
+        "sync-applied-without-agreement",
+        "swarm/training/agreement.py",
+        '            agreed = digest != "x" and all(d == digest for d in done)\n',
+        '            agreed = digest != "x"  # MUTATION\n',
+        "a member whose sync completed steps though another's did not: the pair stays apart for good",
+        ("tests/peer/training/test_sync_agreement.py",),
+    ),
+    Mutation(
         "members-add-their-own-difference",
         "swarm/training/rounds.py",
         "                    local[index].copy_(output)\n",

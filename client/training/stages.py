@@ -133,7 +133,9 @@ class Stages:
             if pid in taking_part:
                 continue
             seen = self.answered.get(pid)
-            if seen is None:
+            if seen is None and pid in self.refused:
+                why[pid] = "refuses connections: gone, its directory record not lapsed yet"
+            elif seen is None:
                 why[pid] = f"no Info answer within {INFO_TIMEOUT_S:g}s"
             elif seen.epoch != epoch:
                 why[pid] = f"at update {seen.epoch}"

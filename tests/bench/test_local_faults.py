@@ -28,14 +28,16 @@ def test_faults_are_counted_by_kind_without_their_peers_and_numbers():
         [
             "stage 2:4 peer 3sdfGHj8 gone at apply",
             "stage 2:4 peer Qm8xYz12 gone at apply",
-            "update 3: trainers abc12345, def67890 gone",
+            "update 3: trainers abc12345, defG789a gone",
             "stage 0:2: members differ after update 7 (2 digests)",
+            "update 12: peer ZNkpugBV sits it out (no Info answer within 5s)",
         ]
     )
     assert kinds == [
         ("stage N:N peer X gone at apply", 2),
         ("update N: trainers X gone", 1),
         ("stage N:N: members differ after update N (N digests)", 1),
+        ("update N: peer X sits it out (no Info answer within Ns)", 1),
     ]
     faulty = figures(4.0, 4.06)
     faulty["with faults"]["kinds"] = kinds

@@ -173,7 +173,8 @@ class SpanTraining:
         if len(self._norms) >= NORM_WARMUP and norm > MAX_NORM_RATIO * statistics.median(self._norms):
             raise BadRequestError(
                 f"the gradient's norm {norm:.3g} is over {MAX_NORM_RATIO:g}x the run's median "
-                f"{statistics.median(self._norms):.3g}; refused"
+                f"{statistics.median(self._norms):.3g}; refused. If every trainer gets this, the run diverges: restart "
+                f"it from a save with a lower --lr (with --local-steps under ~50, a lower --outer-momentum)"
             )
         self._norms.append(norm)
 

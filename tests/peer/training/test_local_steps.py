@@ -9,6 +9,7 @@ from peer.blocks import load_span
 from peer.config import TrainingConfig
 from peer.training.span import SpanTraining
 from protocol import swarmlm_pb2 as pb
+from protocol.errors import BadRequestError
 from swarm.models.checkpoint import load_config
 from swarm.training.recipe import RunRecipe
 from tests.helpers.models import make_tiny
@@ -71,3 +72,15 @@ def test_a_member_apart_from_the_majority_at_its_own_update_copies_it_only_with_
         assert training._behind((0, "another state")) is (training is local)
     local.accumulators.add("trainer", 0, 1, own_gradients(local, 0))
     assert not local._behind((0, "another state"))  # copying now would drop that micro-batch
+
+
+def test_a_gradient_far_above_the_runs_median_is_refused_with_what_to_do(checkpoint):
+    """After a warm-up, a micro-batch's gradient over 100x the median norm of those accepted is refused (one sender
+    must not own an update); a run that diverges gets this for every micro-batch, so the message says what to do."""
+    training = member(checkpoint, 4)
+    usual = own_gradients(training, 0)
+    for _ in range(8):
+        training._check_norm(usual, 2)
+    training._check_norm([g * 50 for g in usual], 2)  # large, not an outlier
+    with pytest.raises(BadRequestError, match=r"over 100x the run's median .*lower --lr .*--outer-momentum"):
+        training._check_norm([g * 500 for g in usual], 2)

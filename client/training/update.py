@@ -125,7 +125,9 @@ class Update:
             for span in self.members:
                 if not self.listed(span):
                     raise TrainingFaultError(f"stage {span[0]}:{span[1]} has no member left for update {self.epoch}")
-            problems = await self._commit(version)
+            problems, answered = await self._commit(version)
+            if not problems and (done := self._decided_at_commit(answered)) is not None:
+                return done
             # after a commit that some member refused, one look: another trainer may have applied the update
             done, polled = await self._await_rounds(wait=not problems)
             if done is not None:
@@ -136,9 +138,11 @@ class Update:
             f"{'; '.join(self.faults[-3:])}"
         )
 
-    async def _commit(self, version: int) -> dict[tuple[Span, str], str]:
-        """Send this version's commit to every listed member; (span, member) -> why one did not take it."""
+    async def _commit(self, version: int) -> tuple[dict[tuple[Span, str], str], dict]:
+        """Send this version's commit to every listed member: ((span, member) -> why one did not take it, (span,
+        member) -> (member, the round status it answered) of those at this update)."""
         problems: dict[tuple[Span, str], str] = {}
+        answered: dict[tuple[Span, str], tuple[Member, pb.RoundStatus]] = {}
         self.version = version
 
         async def send(span: Span, member: Member) -> None:
@@ -152,13 +156,20 @@ class Update:
             if response.status.epoch != self.epoch:
                 return  # it applied this update already (the next look sees how), or fell behind (that look says)
             self._check_in(response.status)
+            answered[(span, member.peer_id)] = (member, response.status)
             if response.status.state in (pb.RoundStatus.FAILED, pb.RoundStatus.FENCED):
                 problems[(span, member.peer_id)] = response.status.reason or pb.RoundStatus.State.Name(
                     response.status.state
                 )
 
         await asyncio.gather(*(send(span, m) for span in self.members for m in self.listed(span)))
-        return problems
+        return problems, answered
+
+    def _decided_at_commit(self, answered: dict) -> dict[Span, Averaged] | None:
+        """Every stage's round, when the commit's answers already say that every member averaged it (a member with
+        no one to average with answers once its round is done: with local steps, or alone in its stage)."""
+        listed = {(span, m.peer_id) for span in self.members for m in self.listed(span)}
+        return self._all_averaged(answered) if set(answered) == listed else None
 
     async def _await_rounds(
         self, *, wait: bool = True

@@ -55,6 +55,7 @@ NORM_WINDOW = 64  # accepted micro-batches whose gradient norms make the running
 NORM_WARMUP = 8  # below this many, any finite gradient is accepted
 RECIPE_RENEW_S = 60.0  # recipe records live 240 s: every member vouches for its run's again well before
 MAX_NORM_RATIO = 100.0  # a gradient this many times the median norm is refused as an outlier (or an attack)
+LOCAL_ROUND_WAIT_S = 5.0  # a round with no one to average with, awaited by the commit that starts it
 ORPHAN_GRACE_S = 2.0  # an update's trainers must look gone in reads this far apart: one read can miss a record
 
 
@@ -216,6 +217,9 @@ class SpanTraining:
             self._averaged = None
             self._plan = plan
             self._round = asyncio.ensure_future(self._run_round(plan))
+            if self.outer is not None or len(plan.members) == 1:
+                # nothing to average with others: done at once, and the answer tells the trainer without another look
+                await asyncio.wait({self._round}, timeout=LOCAL_ROUND_WAIT_S)
         return self.status
 
     def _set_status(self, state: int, reason: str = "") -> pb.RoundStatus:

@@ -87,11 +87,33 @@ async def apply_update(training: SpanTraining, seed: int, members: tuple[str, ..
     await training._apply_local_steps(own_gradients(training, seed), 1.0, status, run_compute)
 
 
+async def commit_and_apply(pair: list[SpanTraining], seeds: tuple[int, ...]) -> list[pb.RoundStatus]:
+    """Update 0 through the members' Commit and Apply handlers, as a trainer drives it: each member holds one
+    micro-batch of its own; the commits' answers."""
+    span = pb.Span(model="model", start=0, end=2)
+    holdings = []
+    for index, (training, seed) in enumerate(zip(pair, seeds)):
+        training.accumulators.add("trainer", index, 1, own_gradients(training, seed))
+        held = [pb.TrainerIndices(trainer="trainer", indices=[index], samples=1)]
+        holdings.append(pb.Holding(peer_id=training.group.peer_id, held=held))
+    request = pb.CommitRequest(
+        run_id="sync", span=span, epoch=0, version=1, trainer="trainer", trainers=["trainer"], members=holdings
+    )
+    answers = [await training.commit(request) for training in pair]
+    for training, answer in zip(pair, answers):
+        apply = pb.ApplyRequest(
+            run_id="sync", span=span, epoch=0, round_id=answer.round_id, grad_digest=answer.grad_digest, clip_scale=1
+        )
+        await training.apply(apply, run_compute)
+    return answers
+
+
 def expected_after_sync(checkpoint) -> list[torch.Tensor]:
     """Both members' two updates in one process, without a group: the outer step from the first weights with the
     mean of their pseudo-gradients."""
     references = [member(checkpoint) for _ in range(2)]
     for reference, seeds in zip(references, ((0, 2), (1, 3))):
+        # a micro-batch of one sample: its gradients are the mean over the update's samples here
         reference._apply(own_gradients(reference, seeds[0]), 1.0, pb.RoundStatus(epoch=0))
         reference._inner_step(own_gradients(reference, seeds[1]), 1.0)
     first, second = (r.outer.pseudo_gradients() for r in references)
@@ -117,12 +139,15 @@ def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
     second.group.average = loses_its_first_answer
 
     async def two_updates():
-        for training, seed in ((first, 0), (second, 1)):
-            await apply_update(training, seed, members)  # update 0: an inner step only
+        answers = await commit_and_apply([first, second], (0, 1))  # update 0: an inner step only
         # update 1: the inner step, then the sync, at both members at once
         await asyncio.gather(apply_update(first, 2, members), apply_update(second, 3, members))
+        return answers
 
-    asyncio.run(asyncio.wait_for(two_updates(), 120))
+    answers = asyncio.run(asyncio.wait_for(two_updates(), 120))
+    # with local steps a member averages with no one at an update: its Commit answers once that is done, so the
+    # trainer learns it without another look
+    assert [a.state for a in answers] == [pb.RoundStatus.AVERAGED] * 2
     assert tries == [True, True]
     assert first.epoch == second.epoch == 2
     assert first.digest() == second.digest(), "the members took different outer steps"

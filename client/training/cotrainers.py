@@ -154,18 +154,35 @@ class CoTrainers:
         try number. A trainer whose record lapses (it died; records outlive it by TRAINER_PROGRESS_TTL_S at most)
         is left out and the others go on."""
         trainers = await self.rendezvous(epoch, samples)
-        return await self.settle(epoch, sums, samples, trainers)
+        return await self.settle(epoch, sums, samples, trainers, regroup=True)
 
     async def settle(
-        self, epoch: int, sums: list[torch.Tensor], samples: int, trainers: dict[str, int], attempt: int = 0
+        self,
+        epoch: int,
+        sums: list[torch.Tensor],
+        samples: int,
+        trainers: dict[str, int],
+        attempt: int = 0,
+        regroup: bool = False,
     ) -> tuple[dict[str, int], list]:
         """(the trainers that averaged, the mean gradients of the trainers' parts over their samples): rounds among
         `trainers` from try `attempt` on, until all agree on one (`average`, swarm/training/agreement.py). Called
         again with the trainers still there, and a later try number, when one died before the stages applied its
-        micro-batches."""
-        if len(trainers) == 1:
+        micro-batches.
+
+        `regroup`: after a failed try, the trainers of the next are those whose records are at this update with
+        their samples (as `rendezvous` reads them): a trainer that met the others a moment before one of them
+        announced this update chose fewer trainers than they did, and no try of either would ever meet."""
+        trainers = dict(trainers)
+        if len(trainers) == 1:  # alone: a trainer that comes later is late, and does its batch at the next update
             self.attempt = attempt
-            return dict(trainers), [s / samples for s in sums]
+            return trainers, [s / samples for s in sums]
+
+        async def at_update() -> list[str]:
+            records = await asyncio.to_thread(self.group.members)
+            at = {pid: p for pid, p in records.items() if p.epoch == epoch and p.samples > 0 and not p.left}
+            trainers.update({pid: p.samples for pid, p in at.items() if pid != self.trainer_id})
+            return [self.trainer_id, *(pid for pid in at if pid != self.trainer_id)]
 
         async def publish(attempt: int, digest: str) -> None:
             self.publish(
@@ -188,6 +205,7 @@ class CoTrainers:
             attempt=attempt,
             give_up_s=TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s,
             what=f"the trainers' round of update {epoch}",
+            regroup=at_update if regroup else None,
         )
         self.attempt = settled.attempt + 1  # the next settle of this update starts past every try of this one
         return {t: trainers[t] for t in settled.members}, settled.value

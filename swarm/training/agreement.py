@@ -68,6 +68,7 @@ async def settle(
     attempt: int = 0,
     give_up_s: float,
     what: str,
+    regroup: Callable[[], Awaitable[Sequence[str]]] | None = None,
 ) -> Settled[T]:
     """Tries of a round among `members` from try `attempt` on, until every member still there got the same.
 
@@ -78,6 +79,9 @@ async def settle(
         read: the group's records.
         give_up_s: how long to keep trying.
         what: names the round in logs and errors.
+        regroup: after a failed try, the members of the next, from the records, where
+            each member chose its own at first: members that chose different ones never meet in a round (they
+            derive other ids) and would fail every try, so they converge on what the records say now.
 
     Raises:
         TrainingFaultError: no agreement within `give_up_s`.
@@ -94,8 +98,12 @@ async def settle(
             return Settled(value, members, attempt)
         if time.monotonic() > deadline:
             raise TrainingFaultError(f"{what}: the members could not agree on a round: {outcome.why}")
-        logger.warning("%s: the round failed (%s); trying again (try %d)", what, outcome.why, outcome.attempt)
         members, attempt = outcome.members, outcome.attempt
+        if regroup is not None:
+            members = tuple(sorted(set(await regroup()) | {me}))
+        logger.warning(
+            "%s: the round failed (%s); trying again (try %d, %d members)", what, outcome.why, attempt, len(members)
+        )
     raise AssertionError("unreachable")
 
 

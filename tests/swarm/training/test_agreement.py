@@ -104,3 +104,42 @@ def test_settle_tries_again_until_all_agree_and_gives_up_after_its_time():
                 what="a round",
             )
         )
+
+
+def test_members_that_chose_other_members_regroup_from_the_records_and_meet():
+    """This member met the others before c announced the update, so it chose {me, b}, where b and c chose all
+    three: their rounds derive other ids and every try fails, until this one takes the members the records show."""
+    records = Records(b=outcome(0, ""), c=outcome(0, ""))
+    everyone = ("b", "c", "me")
+
+    async def try_round(attempt, members):
+        digest = D1 if members == everyone else "x"
+        for other in ("b", "c"):
+            records.records[other] = outcome(attempt, D1 if members == everyone else "x")
+        return (members if digest == D1 else None), digest
+
+    async def publish(attempt, digest):
+        pass
+
+    async def regroup():
+        return ["me", "b", "c"]
+
+    def settle(regroup):
+        return asyncio.run(
+            agreement.settle(
+                try_round,
+                publish,
+                records.read,
+                me="me",
+                epoch=3,
+                members=["me", "b"],
+                give_up_s=0.5,
+                what="a round",
+                regroup=regroup,
+            )
+        )
+
+    settled = settle(regroup)
+    assert (settled.value, settled.members, settled.attempt) == (everyone, everyone, 1)
+    with pytest.raises(TrainingFaultError):  # without regrouping, every try fails until it gives up
+        settle(None)

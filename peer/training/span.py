@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import statistics
@@ -36,14 +35,13 @@ from peer.config import TrainingConfig
 from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
 from protocol import swarmlm_pb2 as pb
-from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError, TrainingFaultError
+from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
-from swarm.training import agreement
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, sync_due, sync_round, vouched_digest
+from swarm.training.outer import OuterStep, agreed_sync, sync_due, vouched_digest
 from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
 from swarm.training.state import applied_by_trainers, deciding
 
@@ -373,48 +371,27 @@ class SpanTraining:
 
     async def _sync(self, deltas: list[torch.Tensor], status: pb.RoundStatus) -> list[torch.Tensor] | None:
         """The mean of the pseudo-gradients of the update's round's members, once all of them got the same
-        (swarm/training/agreement.py): a round complete here and incomplete at another member is tried again by all,
-        so that no member takes an outer step the others skip. None when they cannot agree for a long while: then
-        every member skips it, and the next sync carries its change."""
+        (`agreed_sync`), this member announcing its outcome of each try in its record; None: every member skips it."""
         plan = self._plan
         members = plan.members if plan is not None and plan.round_id == status.round_id else ()
         if len(members) <= 1:
             return deltas
-        what = f"the sync of update {self.epoch} of run {self.run_id!r}"
-        base = bytes.fromhex(status.round_id)
-        settings = self.config.averaging
-
-        def try_round(attempt: int, members: tuple[str, ...]):
-            round_id = hashlib.sha256(base + f"|outer|{attempt}".encode()).digest()
-            return sync_round(
-                self.group,
-                deltas,
-                round_id=round_id,
-                members=members,
-                timeout_s=settings.averaging_timeout_s,
-                what=what,
-            )
 
         async def publish(attempt: int, digest: str) -> None:
             self._sync_outcome = (self.epoch, attempt, digest)
             progress = await asyncio.to_thread(self._progress)
             await asyncio.to_thread(self.group.publish, progress)
 
-        try:
-            settled = await agreement.settle(
-                try_round,
-                publish,
-                lambda: asyncio.to_thread(self.group.members),
-                me=self.group.peer_id,
-                epoch=self.epoch,
-                members=members,
-                give_up_s=4 * settings.progress_period_s + 4 * settings.averaging_timeout_s,
-                what=what,
-            )
-        except TrainingFaultError as exc:
-            logger.warning("%s; every member skips it, and the next sync carries its change", exc)
-            return None
-        return settled.value
+        return await agreed_sync(
+            self.group,
+            deltas,
+            base_round_id=bytes.fromhex(status.round_id),
+            epoch=self.epoch,
+            members=members,
+            settings=self.config.averaging,
+            publish=publish,
+            what=f"the sync of update {self.epoch} of run {self.run_id!r}",
+        )
 
     def _outer_step(self, averaged: list[torch.Tensor]) -> None:
         with self._lock:

@@ -104,7 +104,6 @@ async def settle(
         logger.warning(
             "%s: the round failed (%s); trying again (try %d, %d members)", what, outcome.why, attempt, len(members)
         )
-    raise AssertionError("unreachable")
 
 
 async def agree(read: Read, *, me: str, epoch: int, attempt: int, members: Sequence[str], digest: str) -> Outcome:

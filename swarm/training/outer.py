@@ -12,11 +12,15 @@ peer, a trainer and the one-process reference (`swarmlm train --local --local-st
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
+
+from protocol.errors import TrainingFaultError
+from swarm.training import agreement
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,46 @@ def vouched_digest(state: Sequence[torch.Tensor], outer: OuterStep | None) -> st
     if outer is None:
         return state_digest(state)
     return state_digest(state[len(state) - len(outer.state()) :])
+
+
+async def agreed_sync(
+    group,
+    deltas: list[torch.Tensor],
+    *,
+    base_round_id: bytes,
+    epoch: int,
+    members: Sequence[str],
+    settings,
+    publish: Callable[[int, str], Awaitable[None]],
+    what: str,
+) -> list[torch.Tensor] | None:
+    """The mean of the pseudo-gradients of `members` (a round of `group`, a GroupMember, under `settings`, its
+    AveragingSettings), once all of them got the same (swarm/training/agreement.py): a round complete here and
+    incomplete at another member is tried again by all, so that no member takes an outer step the others skip.
+    `publish` announces this member's outcome of a try in its record, at update `epoch`. None when they cannot
+    agree for a long while: then every member skips it, and the next sync carries its change."""
+
+    def try_round(attempt: int, members: tuple[str, ...]):
+        round_id = hashlib.sha256(base_round_id + f"|outer|{attempt}".encode()).digest()
+        return sync_round(
+            group, deltas, round_id=round_id, members=members, timeout_s=settings.averaging_timeout_s, what=what
+        )
+
+    try:
+        settled = await agreement.settle(
+            try_round,
+            publish,
+            lambda: asyncio.to_thread(group.members),
+            me=group.peer_id,
+            epoch=epoch,
+            members=members,
+            give_up_s=4 * settings.progress_period_s + 4 * settings.averaging_timeout_s,
+            what=what,
+        )
+    except TrainingFaultError as exc:
+        logger.warning("%s; every member skips it, and the next sync carries its change", exc)
+        return None
+    return settled.value
 
 
 async def sync_round(

@@ -24,6 +24,26 @@ class Records:
         return dict(self.records)
 
 
+async def no_publish(attempt: int, digest: str) -> None:
+    pass
+
+
+def settle(records: Records, try_round, *, members, give_up_s: float, regroup=None):
+    return asyncio.run(
+        agreement.settle(
+            try_round,
+            no_publish,
+            records.read,
+            me="me",
+            epoch=3,
+            members=members,
+            give_up_s=give_up_s,
+            what="a round",
+            regroup=regroup,
+        )
+    )
+
+
 def outcome(attempt: int, digest: str, epoch: int = 3, left: bool = False) -> TrainingProgress:
     return TrainingProgress(epoch=epoch, samples=0, round=attempt, round_digest=digest, left=left)
 
@@ -76,14 +96,7 @@ def test_settle_tries_again_until_all_agree_and_gives_up_after_its_time():
         records.records["b"] = outcome(attempt, D1)  # the other member's try after this one's
         return "average", D1
 
-    async def publish(attempt, digest):
-        pass
-
-    settled = asyncio.run(
-        agreement.settle(
-            try_round, publish, records.read, me="me", epoch=3, members=["b", "me"], give_up_s=30, what="a round"
-        )
-    )
+    settled = settle(records, try_round, members=["b", "me"], give_up_s=30)
     assert (settled.value, settled.attempt, settled.members) == ("average", 1, ("b", "me"))
     assert tries == [(0, ("b", "me")), (1, ("b", "me"))]
 
@@ -92,18 +105,7 @@ def test_settle_tries_again_until_all_agree_and_gives_up_after_its_time():
         return None, "x"
 
     with pytest.raises(TrainingFaultError, match="a round: the members could not agree"):
-        asyncio.run(
-            agreement.settle(
-                always_failing,
-                publish,
-                records.read,
-                me="me",
-                epoch=3,
-                members=["b", "me"],
-                give_up_s=0.3,
-                what="a round",
-            )
-        )
+        settle(records, always_failing, members=["b", "me"], give_up_s=0.3)
 
 
 def test_members_that_chose_other_members_regroup_from_the_records_and_meet():
@@ -115,31 +117,13 @@ def test_members_that_chose_other_members_regroup_from_the_records_and_meet():
     async def try_round(attempt, members):
         digest = D1 if members == everyone else "x"
         for other in ("b", "c"):
-            records.records[other] = outcome(attempt, D1 if members == everyone else "x")
+            records.records[other] = outcome(attempt, digest)
         return (members if digest == D1 else None), digest
-
-    async def publish(attempt, digest):
-        pass
 
     async def regroup():
         return ["me", "b", "c"]
 
-    def settle(regroup):
-        return asyncio.run(
-            agreement.settle(
-                try_round,
-                publish,
-                records.read,
-                me="me",
-                epoch=3,
-                members=["me", "b"],
-                give_up_s=0.5,
-                what="a round",
-                regroup=regroup,
-            )
-        )
-
-    settled = settle(regroup)
+    settled = settle(records, try_round, members=["me", "b"], give_up_s=0.5, regroup=regroup)
     assert (settled.value, settled.members, settled.attempt) == (everyone, everyone, 1)
     with pytest.raises(TrainingFaultError):  # without regrouping, every try fails until it gives up
-        settle(None)
+        settle(records, try_round, members=["me", "b"], give_up_s=0.5)

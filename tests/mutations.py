@@ -966,6 +966,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/training/test_sync_agreement.py",),
     ),
     Mutation(
+        "local-steps-trainers-not-agreed",
+        "client/training/cotrainers.py",
+        "        return agreed\n",
+        "        return trainers  # MUTATION\n",
+        "with local steps, each trainer commits the trainers it met: sets that differ leave every stage waiting",
+        ("tests/client/training/test_cotrainers.py",),
+    ),
+    Mutation(
         "members-add-their-own-difference",
         "swarm/training/rounds.py",
         "                    local[index].copy_(output)\n",

@@ -14,7 +14,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import hivemind
 import torch
@@ -29,6 +30,8 @@ from swarm.trust.swarmkey import SwarmKey
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+
+T = TypeVar("T")
 
 
 class CoTrainers:
@@ -173,10 +176,51 @@ class CoTrainers:
         `regroup`: after a failed try, the trainers of the next are those whose records are at this update with
         their samples (as `rendezvous` reads them): a trainer that met the others a moment before one of them
         announced this update chose fewer trainers than they did, and no try of either would ever meet."""
+        return await self._agreed(
+            epoch,
+            samples,
+            trainers,
+            lambda attempt, chosen: self._round(epoch, sums, chosen, attempt),
+            alone=[s / samples for s in sums],
+            attempt=attempt,
+            regroup=regroup,
+            what=f"the trainers' round of update {epoch}",
+        )
+
+    async def agree_on(self, epoch: int, samples: int, trainers: dict[str, int]) -> dict[str, int]:
+        """The trainers of update `epoch` in a run with local steps, where the trainers average nothing each update:
+        the set that every one of them took (`trainers`: this trainer's choice at its rendezvous). Each trainer's
+        commits name its set, and the stages take an update only from trainers that name the same one
+        (peer/training/commits.py): one that met the others a moment before another announced the update would
+        leave them all waiting. So they agree on the set as on a round's result, and take again the trainers whose
+        records show the update after a try that differed."""
+
+        async def names(attempt: int, chosen: dict[str, int]) -> tuple[dict[str, int], str]:
+            return chosen, hashlib.sha256(f"{epoch}|{sorted(chosen)}".encode()).hexdigest()
+
+        agreed, _ = await self._agreed(
+            epoch, samples, trainers, names, alone=None, attempt=0, regroup=True, what=f"the trainers of update {epoch}"
+        )
+        return agreed
+
+    async def _agreed(
+        self,
+        epoch: int,
+        samples: int,
+        trainers: dict[str, int],
+        try_round: Callable[[int, dict[str, int]], Awaitable[tuple[T | None, str]]],
+        *,
+        alone: T,
+        attempt: int,
+        regroup: bool,
+        what: str,
+    ) -> tuple[dict[str, int], T]:
+        """(the trainers that agreed, the result they agreed on): tries of `try_round` among `trainers` until all
+        agree (swarm/training/agreement.py); `alone` is the result of a trainer with no other."""
         trainers = dict(trainers)
         if len(trainers) == 1:  # alone: a trainer that comes later is late, and does its batch at the next update
             self.attempt = attempt
-            return trainers, [s / samples for s in sums]
+            return trainers, alone
 
         async def at_update() -> list[str]:
             records = await asyncio.to_thread(self.group.members)
@@ -196,7 +240,7 @@ class CoTrainers:
             )
 
         settled = await agreement.settle(
-            lambda attempt, members: self._round(epoch, sums, {t: trainers[t] for t in members}, attempt),
+            lambda attempt, members: try_round(attempt, {t: trainers[t] for t in members}),
             publish,
             lambda: asyncio.to_thread(self.group.members),
             me=self.trainer_id,
@@ -204,7 +248,7 @@ class CoTrainers:
             members=list(trainers),
             attempt=attempt,
             give_up_s=TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s,
-            what=f"the trainers' round of update {epoch}",
+            what=what,
             regroup=at_update if regroup else None,
         )
         self.attempt = settled.attempt + 1  # the next settle of this update starts past every try of this one

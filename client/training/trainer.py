@@ -286,7 +286,8 @@ class SwarmTrainer:
         if self.outer is None:
             trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
         else:  # local steps: each trainer steps on its own gradients; the trainers only agree on who is in
-            trainers = await self.trainers.rendezvous(epoch, batch.shape[0])
+            met = await self.trainers.rendezvous(epoch, batch.shape[0])
+            trainers = await self.trainers.agree_on(epoch, batch.shape[0], met)
             mean = [s / batch.shape[0] for s in sums]
 
         update = Update(
@@ -508,8 +509,10 @@ class SwarmTrainer:
         skips a failed one: the next carries the change."""
         deltas = await self._local(self.outer.pseudo_gradients)
         try:
-            # the update's only trainers' round: its tries start at 0, as every trainer's do
-            _, averaged = await self.trainers.settle(epoch, deltas, len(trainers), dict.fromkeys(trainers, 1))
+            # its tries follow those of the trainers' agreement on who is in, as every trainer's do
+            _, averaged = await self.trainers.settle(
+                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.attempt
+            )
         except TrainingFaultError as exc:
             logger.warning(
                 "update %d: the trainers' sync failed (%s); the next sync carries this one's change", epoch, exc

@@ -78,7 +78,7 @@ WAITING = ("ready", "rounds", "apply", "sync")
 """The phases of a trainer's step (client/training/trainer.py StepResult.phases) spent waiting on others."""
 
 
-def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Path) -> None:
+def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Path, only: list[str]) -> None:
     """Run every comparison here (inside the namespace) and write the figures to `out` as JSON."""
     from bench import train_runs as tr
     from bench.plan import preset
@@ -103,6 +103,8 @@ def _inside(steps: int, delay_s: float, peer_bytes_s: float, vocab: str, out: Pa
         )
         figures = {}
         for name, (trainers, per_stage, extra) in RUNS.items():
+            if name not in only:
+                continue
             spans = [span for span in SPANS for _ in range(per_stage)]
             run_id = "sc" + str(len(figures))
             prefix = f"bench-sc-{len(figures)}"
@@ -186,12 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", choices=VOCABULARIES, default="char", help="the model's vocabulary (default: char)")
     p.add_argument("--steps", type=int, default=18, help="optimizer steps per run (default: 18)")
     p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
+    p.add_argument(
+        "--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN", help="the runs (default: all)"
+    )
     p.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # run the comparisons here, figures to this file
     args = p.parse_args(argv)
     if args.steps <= SKIP or min(args.rate_mbit, args.peer_mbit) <= 0 or args.delay_ms < 0:
         p.error(f"--steps must exceed {SKIP}, the rates must be positive and --delay-ms not negative")
+    if "1 trainer" not in args.runs:
+        p.error("--runs must include '1 trainer': the others are measured against it")
     if args.inside is not None:
-        _inside(args.steps, args.delay_ms / 1000, args.peer_mbit * 1e6 / 8, args.vocab, args.inside)
+        _inside(args.steps, args.delay_ms / 1000, args.peer_mbit * 1e6 / 8, args.vocab, args.inside, args.runs)
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)  # before the runs: minutes lost otherwise
     try:
@@ -200,9 +207,11 @@ def main(argv: list[str] | None = None) -> int:
             [
                 *("--steps", str(args.steps), "--vocab", args.vocab),
                 *("--delay-ms", f"{args.delay_ms:g}", "--peer-mbit", f"{args.peer_mbit:g}"),
+                "--runs",
+                *args.runs,
             ],
             tbf(args.rate_mbit),
-            timeout_s=600 * len(RUNS),
+            timeout_s=600 * len(args.runs),
         )
     except SlowLinkError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -210,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     when = datetime.datetime.now().isoformat(timespec="seconds")
     section = _section(args.delay_ms, args.peer_mbit, args.rate_mbit, args.vocab, args.steps, figures, when)
     write_section(args.out, section, head=HEAD)
+    if set(args.runs) != set(RUNS):  # a partial run: no plot of it beside the full runs
+        print(section)
+        return 0
     # the figures beside the table, for the plot of every vocabulary run (bench/scaling_plot.py)
     title = _title(args.delay_ms, args.peer_mbit, args.rate_mbit, args.vocab)
     kept = {"title": title, "when": when, "steps": args.steps, "figures": figures}

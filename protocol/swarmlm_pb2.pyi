@@ -145,7 +145,7 @@ class CommitRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., span: _Optional[_Union[Span, _Mapping]] = ..., epoch: _Optional[int] = ..., version: _Optional[int] = ..., trainer: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[_Union[Holding, _Mapping]]] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason", "trainers", "version")
+    __slots__ = ("epoch", "state", "round_id", "grad_digest", "grad_sq_norm", "samples", "reason", "trainers", "version", "split")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         IDLE: _ClassVar[RoundStatus.State]
@@ -171,6 +171,7 @@ class RoundStatus(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRAINERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     state: RoundStatus.State
     round_id: str
@@ -180,7 +181,8 @@ class RoundStatus(_message.Message):
     reason: str
     trainers: _containers.RepeatedScalarFieldContainer[str]
     version: int
-    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ...) -> None: ...
+    split: bool
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[RoundStatus.State, str]] = ..., round_id: _Optional[str] = ..., grad_digest: _Optional[str] = ..., grad_sq_norm: _Optional[float] = ..., samples: _Optional[int] = ..., reason: _Optional[str] = ..., trainers: _Optional[_Iterable[str]] = ..., version: _Optional[int] = ..., split: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("status",)

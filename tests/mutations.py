@@ -974,6 +974,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/training/test_cotrainers.py",),
     ),
     Mutation(
+        "split-commits-waited-out",
+        "client/training/update.py",
+        "        self.split_seen = self.split_seen or status.split\n",
+        "        self.split_seen = False  # MUTATION\n",
+        "a trainer waits on stages whose commits name different trainers: no round ever starts there",
+        ("tests/client/training/test_update.py",),
+    ),
+    Mutation(
         "members-add-their-own-difference",
         "swarm/training/rounds.py",
         "                    local[index].copy_(output)\n",

@@ -62,7 +62,7 @@ class CoTrainers:
         self.stages_epoch = stages_epoch
         self.trainer_id = dht.peer_id.to_base58()
         self.progress = TrainingProgress(epoch=0, samples=0)
-        self.attempt = 0  # past the last try of the trainers' rounds of the current update
+        self._tries = (-1, 0)  # (an update, the try number past its last agreement's tries)
         self._stop = threading.Event()
         self.group = GroupMember(
             dht,
@@ -199,7 +199,14 @@ class CoTrainers:
             return chosen, hashlib.sha256(f"{epoch}|{sorted(chosen)}".encode()).hexdigest()
 
         agreed, _ = await self._agreed(
-            epoch, samples, trainers, names, alone=None, attempt=0, regroup=True, what=f"the trainers of update {epoch}"
+            epoch,
+            samples,
+            trainers,
+            names,
+            alone=None,
+            attempt=self.first_try(epoch),
+            regroup=True,
+            what=f"the trainers of update {epoch}",
         )
         return agreed
 
@@ -219,7 +226,7 @@ class CoTrainers:
         agree (swarm/training/agreement.py); `alone` is the result of a trainer with no other."""
         trainers = dict(trainers)
         if len(trainers) == 1:  # alone: a trainer that comes later is late, and does its batch at the next update
-            self.attempt = attempt
+            self._tries = (epoch, attempt)
             return trainers, alone
 
         async def at_update() -> list[str]:
@@ -251,8 +258,14 @@ class CoTrainers:
             what=what,
             regroup=at_update if regroup else None,
         )
-        self.attempt = settled.attempt + 1  # the next settle of this update starts past every try of this one
+        self._tries = (epoch, settled.attempt + 1)  # the next agreement of this update starts past these tries
         return {t: trainers[t] for t in settled.members}, settled.value
+
+    def first_try(self, epoch: int) -> int:
+        """The number of the next agreement's first try at update `epoch`: past every try of this update's earlier
+        agreements (the same at every trainer that took part in them), 0 at first."""
+        update, attempt = self._tries
+        return attempt if update == epoch else 0
 
     async def _round(
         self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int

@@ -286,8 +286,7 @@ class SwarmTrainer:
         if self.outer is None:
             trainers, mean = await self.trainers.average(epoch, sums, batch.shape[0])
         else:  # local steps: each trainer steps on its own gradients; the trainers only agree on who is in
-            met = await self.trainers.rendezvous(epoch, batch.shape[0])
-            trainers = await self.trainers.agree_on(epoch, batch.shape[0], met)
+            trainers = await self.trainers.rendezvous(epoch, batch.shape[0])
             mean = [s / batch.shape[0] for s in sums]
 
         update = Update(
@@ -303,8 +302,10 @@ class SwarmTrainer:
             round_timeout_s=self.config.averaging.averaging_timeout_s,
             trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
             local_steps=self.outer is not None,
+            agree=(lambda: self.trainers.agree_on(epoch, batch.shape[0], trainers)) if self.outer is not None else None,
         )
         done = await update.average()
+        trainers = update.agreed or trainers
         trainers, mean = await self._settle_with_stages(epoch, sums, batch.shape[0], trainers, mean, done)
         head_sq = float(sum(float(g.double().pow(2).sum()) for g in mean))
         total_norm = global_norm([*(d.grad_sq_norm for d in done.values()), head_sq])
@@ -374,7 +375,7 @@ class SwarmTrainer:
             [t[-8:] for t in trainers if t not in kept],
         )
         return await self.trainers.settle(
-            epoch, sums, samples, {t: trainers[t] for t in kept}, attempt=self.trainers.attempt
+            epoch, sums, samples, {t: trainers[t] for t in kept}, attempt=self.trainers.first_try(epoch)
         )
 
     async def _micro_batch(
@@ -511,7 +512,7 @@ class SwarmTrainer:
         try:
             # its tries follow those of the trainers' agreement on who is in, as every trainer's do
             _, averaged = await self.trainers.settle(
-                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.attempt
+                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.first_try(epoch)
             )
         except TrainingFaultError as exc:
             logger.warning(

@@ -74,15 +74,21 @@ class Update:
         round_timeout_s: float,
         trainers_alive: Callable[[], Awaitable[set[str]]] | None = None,
         local_steps: bool = False,
+        agree: Callable[[], Awaitable[dict[str, int]]] | None = None,
     ):
         """`local_steps`: the run's members step on their own gradients (recipe local_steps > 1), so the members of
-        a stage report different gradients of one round."""
+        a stage report different gradients of one round. `agree`: the trainers of the update, agreed on with the
+        other trainers (trainer id -> its samples), for when the stages' commits name different trainers (split):
+        with local steps each trainer names those it met at its rendezvous, and nothing else agrees on them."""
         self.stages, self.run_id, self.prefix, self.epoch = stages, run_id, prefix, epoch
         self.trainer, self.trainers = trainer, trainers
         self.members, self.ledger, self.redo = members, ledger, redo
         self.round_timeout_s = round_timeout_s
         self.trainers_alive = trainers_alive
         self.local_steps = local_steps
+        self.agree = agree
+        self.agreed: dict[str, int] | None = None  # the trainers agreed on, once the stages' commits were split
+        self.split_seen = False
         self.faults: list[str] = []  # what went wrong and was repaired, for the step's log line
         self.version = 0  # of this trainer's latest commit
         self.applied_seen = False  # whether the last look saw a member that applied the update
@@ -132,6 +138,9 @@ class Update:
             done, polled = await self._await_rounds(wait=not problems)
             if done is not None:
                 return done
+            if self.split_seen and self.agree is not None:
+                await self._agree()
+                continue
             await self._repair({**polled, **problems}, version)
         raise TrainingFaultError(
             f"update {self.epoch} of run {self.run_id!r} failed {version} times; the last faults: "
@@ -200,6 +209,8 @@ class Update:
             done = self._all_averaged(statuses)
             if done is not None:
                 return done, {}
+            if self.split_seen and self.agree is not None and self.agreed is None:
+                return None, {}  # no round starts until the trainers agree on who is in (once agreed: wait for it)
             if self.applied_seen:
                 problems = self._undecided(statuses)  # the members that do not answer are out of it, not at fault
             if problems or time.monotonic() > deadline:
@@ -209,12 +220,24 @@ class Update:
             await asyncio.sleep(POLL_S)
 
     def _check_in(self, status: pb.RoundStatus) -> None:
-        """A round that takes other trainers' micro-batches but not ours: this trainer was late to the update."""
+        """A round that takes other trainers' micro-batches but not ours: this trainer was late to the update. Also
+        notes commits that name different trainers (`split`)."""
         if status.trainers and self.trainer not in status.trainers:
             raise StaleEpochError(
                 f"update {self.epoch} was committed without this trainer (by {len(status.trainers)} others); its "
                 f"batch goes to the next update"
             )
+        self.split_seen = self.split_seen or status.split
+
+    async def _agree(self) -> None:
+        """The stages' commits name different trainers: agree with the others on who is in, for the next commit
+        (again only if, once agreed, the stages stay split for a round timeout)."""
+        self.split_seen = False
+        self.agreed = await self.agree()
+        fault = f"update {self.epoch}: the trainers' commits named different trainers; agreed on {len(self.agreed)}"
+        self.faults.append(fault)
+        logger.warning("%s", fault)
+        self.trainers = list(self.agreed)
 
     def _all_averaged(self, statuses) -> dict[Span, Averaged] | None:
         """Every stage's round, when the update is decided: every member averaged the same round of this trainer's

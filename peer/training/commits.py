@@ -127,6 +127,15 @@ class Commits:
                 agreeing.append(named)
         return list(max(agreeing, key=lambda t: (len(t), t))) if agreeing else None
 
+    def split(self) -> bool:
+        """Whether these commits can never start a round: every trainer that one names has committed, and no set of
+        them names the same trainers (each took the trainers it met at its rendezvous, which a run with local steps
+        does not otherwise agree on). Only commits that name other trainers, once they agree, can start one."""
+        if not self.by_trainer or self.trainers() is not None:
+            return False
+        named = set().union(*(self.latest(t).trainers for t in self.by_trainer))
+        return named <= set(self.by_trainer)
+
     def fenced(self, me: str) -> bool:
         """Whether commits of every trainer named are here and none of them names this member."""
         trainers = self.trainers()

@@ -200,6 +200,10 @@ class SpanTraining:
             return self._set_status(pb.RoundStatus.FENCED, f"left out of update {self.epoch}")
         plan = self.commits.plan(me)
         if plan is None:
+            if self.commits.split():
+                self._set_status(pb.RoundStatus.WAITING, "the trainers' commits name different trainers")
+                self.status.split = True
+                return self.status
             return self._set_status(pb.RoundStatus.WAITING, "waiting for the other trainers' commits")
         if plan.round_id != self.status.round_id:
             if self._round is not None and not self._round.done() and self.status.round_id:

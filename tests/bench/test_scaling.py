@@ -60,6 +60,16 @@ def test_wrong_flags_are_refused(flags, capsys):
     assert "--steps must exceed 2, the rates must be positive and --delay-ms not negative" in capsys.readouterr().err
 
 
+def test_runs_without_the_one_they_are_measured_against_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--runs", "2 trainers"])
+    assert exit_info.value.code == 2
+    assert "--runs must include '1 trainer'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--runs", "1 trainer", "3 trainers"])
+    assert "invalid choice: '3 trainers'" in capsys.readouterr().err
+
+
 def test_the_plot_draws_both_lines_of_every_kept_run(tmp_path):
     figures = {name: {"tokens_per_s": 100.0 * (i + 1)} for i, name in enumerate(RUNS)}
     assert series(figures) == {

@@ -86,4 +86,4 @@ def test_trainers_that_met_different_trainers_agree_on_one_set(trainers):
     plan = plan_of({t.trainer_id: sorted(s) for t, s in zip(trainers, agreed)})
     assert plan is not None and plan.trainers == tuple(sorted([a, b, c])) and plan.samples == 3 * SAMPLES
     # the sync that follows starts past every try of the agreement, at the same try everywhere
-    assert len({t.attempt for t in trainers}) == 1 and trainers[0].attempt >= 2
+    assert len({t.first_try(EPOCH) for t in trainers}) == 1 and trainers[0].first_try(EPOCH) >= 2

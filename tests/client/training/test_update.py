@@ -10,6 +10,7 @@ from client.sequence import TakenBackward
 from client.training.ledger import Ledger
 from client.training.stages import Member
 from client.training.update import Update
+from peer.training.commits import Commits
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import StaleEpochError
 
@@ -129,3 +130,64 @@ def test_stages_two_updates_ahead_mean_this_trainer_came_late():
     u.stages = Answers(dict.fromkeys(["a1", "a2", "b1", "b2"], later))
     with pytest.raises(StaleEpochError, match="at update 33"):
         asyncio.run(u._await_rounds(wait=False))
+
+
+class Members:
+    """Stage members that keep commits as a peer does (peer/training/commits.py) and, with local steps, have averaged
+    once a round can start; the other trainers' commits are there already."""
+
+    def __init__(self, peer_ids: list[str], others: list[pb.CommitRequest]):
+        self.commits = {pid: Commits(5) for pid in peer_ids}
+        for commits in self.commits.values():
+            for request in others:
+                commits.add(request)
+        self.refused, self.sent = set(), []
+
+    def answer(self, peer_id: str) -> pb.RoundStatus:
+        commits = self.commits[peer_id]
+        plan = commits.plan(peer_id)
+        if plan is None:
+            return pb.RoundStatus(epoch=5, state=pb.RoundStatus.WAITING, split=commits.split())
+        return pb.RoundStatus(
+            epoch=5, state=AVERAGED, round_id=plan.round_id, grad_digest="g", grad_sq_norm=1.0,
+            samples=plan.samples, trainers=plan.trainers, version=plan.version,
+        )  # fmt: skip
+
+    async def call(self, member, method, request, timeout):
+        assert method == "commit"
+        self.sent.append((request.version, list(request.trainers)))
+        self.commits[member.peer_id].add(request)
+        return pb.CommitResponse(status=self.answer(member.peer_id))
+
+    async def status(self, member, epoch):
+        return self.answer(member.peer_id)
+
+    async def lost(self, peer_id, exc=None):
+        return False
+
+
+def test_commits_that_name_different_trainers_make_the_trainers_agree_and_commit_again():
+    """With local steps each trainer names the trainers it met at its rendezvous: T met only U, while U and V met
+    all three. No stage can start a round then; T agrees on who is in and commits again with that."""
+    others = [
+        pb.CommitRequest(epoch=5, version=1, trainer=t, trainers=["T", "U", "V"], members=[pb.Holding(peer_id="a")])
+        for t in ("U", "V")
+    ]
+    u = update(Ledger([(0, 2)]), [member("a")])
+    u.stages = Members(["a"], others)
+    u.local_steps = True
+    agreed = []
+
+    async def agree():  # U and V see the split too, agree, and commit again meanwhile
+        agreed.append(True)
+        for request in others:
+            request.version = 2
+            u.stages.commits["a"].add(request)
+        return {"T": 4, "U": 4, "V": 4}
+
+    u.agree = agree
+    done = asyncio.run(u.average())
+    assert agreed == [True] and u.agreed == {"T": 4, "U": 4, "V": 4}
+    assert u.stages.sent == [(1, ["T", "U"]), (2, ["T", "U", "V"])]
+    assert done[(0, 2)].trainers == ("T", "U", "V")
+    assert any("named different trainers" in fault for fault in u.faults)

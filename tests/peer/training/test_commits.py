@@ -77,6 +77,17 @@ def test_a_trainer_late_to_its_rendezvous_is_left_out_and_the_others_update():
     assert alone.plan("p1").trainers == ("A",)
 
 
+def test_commits_that_name_different_trainers_are_split_once_every_trainer_named_has_committed():
+    commits = Commits(3)
+    commits.add(commit("A", ["A", "B"], {"p1": [0]}))  # A met B a moment before C announced the update
+    commits.add(commit("B", ["A", "B", "C"], {"p1": [1]}))
+    assert commits.plan("p1") is None and not commits.split()  # C may yet commit {A, B}
+    commits.add(commit("C", ["A", "B", "C"], {"p1": [2]}))
+    assert commits.plan("p1") is None and commits.split()  # and now no round can ever start
+    commits.add(commit("A", ["A", "B", "C"], {"p1": [0]}, version=2))  # they agreed on who is in
+    assert commits.plan("p1").trainers == ("A", "B", "C") and not commits.split()
+
+
 @pytest.mark.parametrize(
     "request_, said",
     [

@@ -191,9 +191,10 @@ class CoTrainers:
         """The trainers of update `epoch` in a run with local steps, where the trainers average nothing each update:
         the set that every one of them took (`trainers`: this trainer's choice at its rendezvous). Each trainer's
         commits name its set, and the stages take an update only from trainers that name the same one
-        (peer/training/commits.py): one that met the others a moment before another announced the update would
-        leave them all waiting. So they agree on the set as on a round's result, and take again the trainers whose
-        records show the update after a try that differed."""
+        (peer/training/commits.py): one that met the others a moment before another announced the update leaves
+        them all waiting, which the stages report (`split`, client/training/update.py). Then they agree on the set
+        as on a round's result, and take again the trainers whose records show the update after a try that
+        differed."""
 
         async def names(attempt: int, chosen: dict[str, int]) -> tuple[dict[str, int], str]:
             return chosen, hashlib.sha256(f"{epoch}|{sorted(chosen)}".encode()).hexdigest()

@@ -982,6 +982,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/training/test_update.py",),
     ),
     Mutation(
+        "split-commits-not-reported",
+        "peer/training/span.py",
+        "                self.status.split = True\n",
+        "                pass  # MUTATION\n",
+        "a member whose trainers' commits name different trainers waits without saying so: no trainer agrees",
+        ("tests/peer/training/test_sync_agreement.py",),
+    ),
+    Mutation(
         "members-add-their-own-difference",
         "swarm/training/rounds.py",
         "                    local[index].copy_(output)\n",

@@ -154,3 +154,30 @@ def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
     for ours, theirs, reference in zip(first.masters, second.masters, expected_after_sync(checkpoint)):
         assert torch.equal(ours, theirs)
         torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_a_member_says_when_the_trainers_commits_name_different_trainers(pair):
+    """With local steps each trainer names the trainers it met at its rendezvous. Once every trainer named has
+    committed and no set of them names the same trainers, no round can start: the member's status says so (`split`),
+    and the trainers agree on who is in (client/training/update.py). A commit with the set agreed starts the round."""
+    _, (first, _) = pair
+    span = pb.Span(model="model", start=0, end=2)
+
+    def commit(trainer: str, named: list[str], version: int = 1) -> pb.CommitRequest:
+        holding = pb.Holding(peer_id=first.group.peer_id)
+        return pb.CommitRequest(
+            run_id="sync", span=span, epoch=0, version=version, trainer=trainer, trainers=named, members=[holding]
+        )
+
+    async def commits() -> list[pb.RoundStatus]:
+        return [
+            await first.commit(commit("A", ["A", "B"])),  # A met only B
+            await first.commit(commit("B", ["A", "B", "C"])),
+            await first.commit(commit("C", ["A", "B", "C"])),
+            await first.commit(commit("A", ["A", "B", "C"], version=2)),  # agreed
+        ]
+
+    waiting, still_waiting, split, agreed = asyncio.run(asyncio.wait_for(commits(), 60))
+    assert [s.state for s in (waiting, still_waiting, split)] == [pb.RoundStatus.WAITING] * 3
+    assert not waiting.split and not still_waiting.split and split.split  # C might yet have named A and B only
+    assert agreed.state == pb.RoundStatus.AVERAGED and list(agreed.trainers) == ["A", "B", "C"] and not agreed.split

@@ -984,8 +984,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "split-commits-not-reported",
         "peer/training/span.py",
-        "                self.status.split = True\n",
-        "                pass  # MUTATION\n",
+        "the trainers' commits name different trainers\", True)\n",
+        "the trainers' commits name different trainers\", False)  # MUTATION\n",
         "a member whose trainers' commits name different trainers waits without saying so: no trainer agrees",
         ("tests/peer/training/test_sync_agreement.py",),
     ),

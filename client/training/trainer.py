@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -302,7 +303,9 @@ class SwarmTrainer:
             round_timeout_s=self.config.averaging.averaging_timeout_s,
             trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
             local_steps=self.outer is not None,
-            agree=(lambda: self.trainers.agree_on(epoch, batch.shape[0], trainers)) if self.outer is not None else None,
+            agree=functools.partial(self.trainers.agree_on, epoch, batch.shape[0], trainers)
+            if self.outer is not None
+            else None,
         )
         done = await update.average()
         trainers = update.agreed or trainers

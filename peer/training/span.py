@@ -201,9 +201,7 @@ class SpanTraining:
         plan = self.commits.plan(me)
         if plan is None:
             if self.commits.split():
-                self._set_status(pb.RoundStatus.WAITING, "the trainers' commits name different trainers")
-                self.status.split = True
-                return self.status
+                return self._set_status(pb.RoundStatus.WAITING, "the trainers' commits name different trainers", True)
             return self._set_status(pb.RoundStatus.WAITING, "waiting for the other trainers' commits")
         if plan.round_id != self.status.round_id:
             if self._round is not None and not self._round.done() and self.status.round_id:
@@ -224,8 +222,8 @@ class SpanTraining:
                 await asyncio.wait({self._round}, timeout=LOCAL_ROUND_WAIT_S)
         return self.status
 
-    def _set_status(self, state: int, reason: str = "") -> pb.RoundStatus:
-        self.status = pb.RoundStatus(epoch=self.epoch, state=state, reason=reason)
+    def _set_status(self, state: int, reason: str = "", split: bool = False) -> pb.RoundStatus:
+        self.status = pb.RoundStatus(epoch=self.epoch, state=state, reason=reason, split=split)
         return self.status
 
     async def _run_round(self, plan: RoundPlan) -> None:

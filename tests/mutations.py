@@ -982,6 +982,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/training/test_update.py",),
     ),
     Mutation(
+        "adapter-head-not-tied",
+        "client/training/adapters.py",
+        "        ensure_weight_tying=tied and trainer is not None,\n",
+        "        ensure_weight_tying=False,  # MUTATION\n",
+        "an adapter folder of a model whose head is its embeddings keeps the checkpoint's head under peft",
+        ("tests/client/training/test_local.py",),
+    ),
+    Mutation(
         "split-commits-not-reported",
         "peer/training/span.py",
         "the trainers' commits name different trainers\", True)\n",

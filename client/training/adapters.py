@@ -81,8 +81,6 @@ def export_adapter(
         TrainingFaultError: the run's stages disagree, or the trainer's saved update is not theirs.
         NoPeersError: no peer of the run serves some blocks.
     """
-    from peft import LoraConfig
-
     path = resolve_model_path(model)
     config = load_config(path)
     prefix = check_prefix(dht_prefix or prefix_for_model(model))
@@ -111,11 +109,38 @@ def export_adapter(
     finally:
         stop_dht(dht)
         loop.close()
-    targets = _targets(adapters, config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    trainer = _trainer_tensors(Path(trainer_dir), epoch, tied=tied) if trainer_dir is not None else None
+    out = write_adapter(
+        out, adapters, trainer, rank=recipe.lora_rank, alpha=recipe.lora_alpha, base_model=path,
+        num_blocks=config.num_hidden_layers, tied=tied,
+    )  # fmt: skip
+    logger.info("exported the adapters of run %r (update %d) to %s", run_id, epoch, out)
+    return out
+
+
+def write_adapter(
+    out: str | Path,
+    adapters: dict[str, torch.Tensor],
+    trainer: dict[str, torch.Tensor] | None,
+    *,
+    rank: int,
+    alpha: float,
+    base_model: str | Path,
+    num_blocks: int,
+    tied: bool,
+) -> Path:
+    """Write `adapters` (checkpoint-style names, every block's) and the `trainer`'s embeddings, norm and head (as
+    peft's `modules_to_save`; None: leave them out) to `out` as peft saves an adapter. `tied`: the model's head is
+    its embeddings (then peft must tie the trained copy too, or the head stays the checkpoint's)."""
+    from peft import LoraConfig
+
+    targets = _targets(adapters, num_blocks)
     tensors = {PEFT_PREFIX + name: t for name, t in adapters.items()}
     modules_to_save = None
-    if trainer_dir is not None:
-        trainer = _trainer_tensors(Path(trainer_dir), epoch, tied=getattr(config, "tie_word_embeddings", False))
+    if trainer is not None:
+        if tied:  # peft ties its trained copies of both, and loads each from the file
+            trainer = {**trainer, "lm_head.weight": trainer["model.embed_tokens.weight"].clone()}
         tensors.update({PEFT_PREFIX + name: t for name, t in trainer.items()})
         # peft matches these by suffix: "model.norm", not "norm", which every block's layer norms end with too
         modules_to_save = [name.removesuffix(".weight").removeprefix("model.") for name in trainer]
@@ -123,18 +148,33 @@ def export_adapter(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     LoraConfig(
-        r=recipe.lora_rank,
-        lora_alpha=recipe.lora_alpha,
+        r=rank,
+        lora_alpha=alpha,
         lora_dropout=0.0,
         target_modules=targets,
         modules_to_save=modules_to_save,
         bias="none",
         task_type="CAUSAL_LM",
-        base_model_name_or_path=str(path),
+        base_model_name_or_path=str(base_model),
+        ensure_weight_tying=tied and trainer is not None,
     ).save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    logger.info("exported the adapters of run %r (%d tensors, update %d) to %s", run_id, len(tensors), epoch, out)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
     return out
+
+
+def read_adapter(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of an adapter folder `write_adapter` wrote, by checkpoint-style name (peft's prefix removed).
+
+    Raises:
+        ValueError: the folder holds no adapter file.
+    """
+    from safetensors.torch import load_file
+
+    file = Path(folder) / ADAPTER_FILE
+    if not file.is_file():
+        raise ValueError(f"{folder} holds no {ADAPTER_FILE}: is it a LoRA run's save?")
+    return {name.removeprefix(PEFT_PREFIX): t for name, t in load_file(str(file)).items()}
 
 
 def _trainer_tensors(trainer_dir: Path, epoch: int, tied: bool) -> dict[str, torch.Tensor]:

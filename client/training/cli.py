@@ -189,10 +189,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: pass --initial-peers (the bootstrap node's multiaddr), or --local to train alone")
     if args.local and args.wire_dtype != WireDType.NONE:
         raise SystemExit("error: --wire-dtype is how tensors travel to the peers; --local sends none")
-    if args.local and args.train_mode == TrainMode.LORA and args.save:
-        raise SystemExit(
-            "error: the --local LoRA reference saves nothing yet (its adapters would be merged away): drop --save"
-        )
     try:
         config = config_from_args(args)
         if args.local:
@@ -242,7 +238,12 @@ def _make_trainer(
     if args.local:
         from client.training.local import LocalTrainer
 
-        local = LocalTrainer(resume or model_path, config, steps_done=steps_done)
+        if config.recipe().train_mode == TrainMode.LORA:  # its save is an adapter folder on the checkpoint
+            local = LocalTrainer(model_path, config, steps_done=steps_done)
+            if resume is not None:
+                local.load_adapter(resume)
+        else:
+            local = LocalTrainer(resume or model_path, config, steps_done=steps_done)
         if resume is not None and (resume / OPTIMIZER_FILE).exists():
             local.load_state_dict(torch.load(resume / OPTIMIZER_FILE, weights_only=True))
         return local, None

@@ -34,7 +34,7 @@ class LocalTrainer:
     ):
         """`recipe`: the run's (by default `config.recipe()`, this trainer's batch as the run's); `steps_done`: the
         updates already applied (resuming), which the schedule goes on from."""
-        self.config = config
+        self.config, self.model_path = config, Path(model_path)
         self.recipe = recipe if recipe is not None else config.recipe()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         self.model.eval()  # as the peers run their blocks: no dropout
@@ -119,11 +119,56 @@ class LocalTrainer:
         set_step_count(self.optimizer, self.steps_done)
 
     def save_pretrained(self, path: str | Path) -> None:
-        if self.lora:
+        """The model as a checkpoint; in a LoRA run, the adapters and the embeddings, norm and head as a peft adapter
+        folder, as `swarmlm export --adapter-only` writes the swarm's (the blocks' weights stay the checkpoint's)."""
+        if not self.lora:
+            self.model.save_pretrained(path, safe_serialization=True)
+            return
+        from client.training.adapters import write_adapter
+
+        config = self.model.config
+        write_adapter(
+            path,
+            self._adapters(),
+            self._trainer_part(),
+            rank=self.recipe.lora_rank,
+            alpha=self.recipe.lora_alpha,
+            base_model=self.model_path,
+            num_blocks=config.num_hidden_layers,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    def load_adapter(self, path: str | Path) -> None:
+        """Go on from a LoRA run's `save_pretrained` folder: its adapters, embeddings, norm and head.
+
+        Raises:
+            ValueError: not a LoRA reference, or the folder's tensors are not this run's (other names or shapes).
+        """
+        from client.training.adapters import read_adapter
+
+        if not self.lora:
+            raise ValueError("only a LoRA reference (--train-mode lora) resumes from an adapter folder")
+        saved, live = read_adapter(path), {**self._adapters(), **self._trainer_part()}
+        if "lm_head.weight" not in live:  # tied: peft keeps a copy of the embeddings as the head
+            saved.pop("lm_head.weight", None)
+        if set(saved) != set(live) or any(saved[n].shape != t.shape for n, t in live.items()):
+            odd = sorted(set(saved) ^ set(live)) or [n for n, t in live.items() if saved[n].shape != t.shape]
             raise ValueError(
-                "the --local LoRA reference saves nothing yet (its adapters would be merged away): drop --save"
+                f"{path} holds other adapters than this run's (first of them: {odd[:3]}); resume with the model, "
+                f"--lora-rank and --lora-alpha the save was made with"
             )
-        self.model.save_pretrained(path, safe_serialization=True)
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(saved[name])
+
+    def _adapters(self) -> dict[str, torch.Tensor]:
+        from swarm.training.adapters import adapter_params
+
+        return dict(adapter_params(self.model.model.layers, 0))
+
+    def _trainer_part(self) -> dict[str, torch.Tensor]:
+        """The embeddings, final norm and head by checkpoint name (the head left out when tied to the embeddings)."""
+        return {name: p for name, p in local_named_parameters(self.model) if not name.startswith("model.layers.")}
 
     def close(self) -> None:
         pass

@@ -336,6 +336,12 @@ def test_lora_training_exports_what_the_swarm_serves(model_path, tmp_path):
             )
             saved = load_file(adapter / ADAPTER_FILE)
             assert all(".lora_" in name or "layers" not in name for name in saved), sorted(saved)[:5]
+            # `swarmlm train --local --train-mode lora --save` writes the reference's run the same way
+            reference.save_pretrained(tmp_path / "reference")
+            own = load_file(tmp_path / "reference" / ADAPTER_FILE)
+            assert set(own) == set(saved)
+            for name, tensor in own.items():
+                torch.testing.assert_close(saved[name], tensor, atol=1e-4, rtol=0, msg=name)
             base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             adapted = PeftModel.from_pretrained(base, adapter).eval()
             ids = torch.randint(3, VOCAB_SIZE, (2, 16), generator=generator)

@@ -110,3 +110,40 @@ def test_a_resumed_reference_goes_on_with_the_schedule(tiny_llama_path):
     trainer.step(batches(1)[0])
     assert trainer.optimizer.param_groups[0]["lr"] == lr_at(config.recipe(), 4) == 4e-3
     assert trainer.recipe == RunRecipe(lr=1e-2, warmup_steps=10, batch_size=BATCH)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # an untied head, and a head tied to the embeddings
+def test_a_lora_reference_saves_an_adapter_peft_loads_and_resumes_from_it(family, request, tmp_path):
+    """`swarmlm train --local --train-mode lora --save`: the adapters, embeddings, norm and head as a peft adapter
+    folder (what `swarmlm export --adapter-only` writes of a swarm's run); a reference resumed from it and its
+    optimizer state goes on as the uninterrupted one; a folder of another rank is refused."""
+    from peft import PeftModel
+
+    path = request.getfixturevalue(f"tiny_{family}_path")
+    config = dict(lr=1e-2, train_mode="lora")
+    whole = trained(path, 3, **config)
+    first = trained(path, 2, **config)
+    first.save_pretrained(tmp_path / "adapter")
+    saved = first.state_dict()
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+
+    ids = batches(1)[0]
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, first.model(ids).logits, atol=1e-5, rtol=0)
+
+    resumed = LocalTrainer(path, TrainConfig(batch_size=BATCH, micro_batch_size=MICRO, **config), steps_done=2)
+    resumed.load_adapter(tmp_path / "adapter")
+    resumed.load_state_dict(saved)
+    resumed.step(batches(3)[2])
+    for (name, p), (_, q) in zip(sorted(resumed.model.named_parameters()), sorted(whole.model.named_parameters())):
+        assert torch.equal(p, q), name
+
+    other = LocalTrainer(
+        path, TrainConfig(batch_size=BATCH, micro_batch_size=MICRO, lr=1e-2, train_mode="lora", lora_rank=4)
+    )
+    with pytest.raises(ValueError, match="other adapters than this run's"):
+        other.load_adapter(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"holds no adapter_model\.safetensors"):
+        resumed.load_adapter(tmp_path)

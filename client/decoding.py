@@ -21,7 +21,7 @@ from client.session import InferenceSession
 def lm_head_batcher(model, max_wait_s: float = 0.0) -> HeadBatcher:
     """A HeadBatcher of `model`'s final norm and LM head (a DistributedModelForCausalLM); see HeadBatcher for
     `max_wait_s`, which keeps concurrent generations in lockstep."""
-    return HeadBatcher(lambda hidden: model.lm_head(model.model.norm(hidden)), max_wait_s)
+    return HeadBatcher(model.head, max_wait_s)
 
 
 def decode_tokens(
@@ -69,7 +69,7 @@ class Decoding(Iterator[int]):
             new, done = ids, 0
             for _ in range(max_new_tokens):
                 with torch.inference_mode():
-                    hidden = model.get_input_embeddings()(new)
+                    hidden = model.embed(new)
                 positions = torch.arange(done, done + new.shape[1]).unsqueeze(0)
                 output = model._run(session.step(hidden, None, positions))
                 done += new.shape[1]

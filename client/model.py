@@ -28,6 +28,7 @@ from client.session import InferenceSession
 from protocol.errors import BadRequestError, ModelNotFoundError, OutputRewoundError
 from protocol.records import check_prefix, prefix_for_model
 from swarm.dht.node import start_dht, stop_dht
+from swarm.models import ends
 from swarm.models.adapters import whole_modules
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
 
@@ -41,7 +42,7 @@ class _LocalParts(nn.Module):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = ends.embedding(config)
         self.norm = family_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
 
 
@@ -91,6 +92,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states block 0 takes for `input_ids`, as the model's forward computes them."""
+        return ends.scale_embeddings(self.config, self.model.embed_tokens(input_ids))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the last block's `hidden` states: final norm, LM head, and what the family adds."""
+        return ends.finish_logits(self.config, self.lm_head(self.model.norm(hidden)))
+
     # --- construction ---
 
     @classmethod
@@ -117,6 +126,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = load_config(path)
         if isinstance(dtype, str):
             dtype = checkpoint_dtype(config) if dtype == "auto" else getattr(torch, dtype)
+        ends.check_ends(config)
         with torch.device("meta"):
             instance = cls(config)
         tensors = load_tensors(path, lambda name: name in LOCAL_TENSORS, dtype=dtype)
@@ -131,6 +141,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         instance.load_state_dict(tensors, strict=True, assign=True)
         if tied:
             instance.lm_head.weight = instance.model.embed_tokens.weight
+        ends.restore_buffers(instance.model.embed_tokens)
         instance.to(dtype).eval()
         try:
             instance.generation_config = GenerationConfig.from_pretrained(path)
@@ -258,16 +269,17 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if self._session is not None:
             hidden = self._session_step(input_ids, inputs_embeds, attention_mask, position_ids)
         else:
-            hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+            hidden = (
+                self.embed(input_ids) if inputs_embeds is None else ends.scale_embeddings(self.config, inputs_embeds)
+            )
             if position_ids is None:
                 position_ids = torch.arange(hidden.shape[1]).unsqueeze(0)
             if attention_mask is not None and bool(attention_mask.all()):
                 attention_mask = None
             hidden = RemoteBlocks.apply(hidden, attention_mask, position_ids, self.sequence, self._run)
-        hidden = self.model.norm(hidden)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden)
+        logits = self.head(hidden)
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
@@ -287,7 +299,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if covers_history:
                 input_ids = input_ids[:, done:] if input_ids is not None else None
                 inputs_embeds = inputs_embeds[:, done:] if inputs_embeds is not None else None
-        hidden = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids) if inputs_embeds is None else ends.scale_embeddings(self.config, inputs_embeds)
         new = hidden.shape[1]
         if position_ids is not None and (done == 0 or covers_history) and position_ids.shape[1] >= new:
             position_ids = position_ids[:, -new:]

@@ -444,10 +444,10 @@ class SpeculativeDecoding(Iterator[int]):
     def _logits(self, ids: torch.Tensor, sent: int, k: int) -> torch.Tensor:
         model = self.model
         with torch.inference_mode():
-            hidden = model.get_input_embeddings()(ids[:, sent:])
+            hidden = model.embed(ids[:, sent:])
             positions = torch.arange(sent, ids.shape[1]).unsqueeze(0)
             output = model._run(self.session.step(hidden, None, positions))
-            return model.lm_head(model.model.norm(output[:, -(k + 1) :])).float()
+            return model.head(output[:, -(k + 1) :]).float()
 
     def _decode(self, ids: torch.Tensor, max_new_tokens: int) -> Iterator[int]:
         sent, produced = 0, 0

@@ -141,7 +141,7 @@ def forward_batch(
             new_rows = torch.tensor([n for n, r in zip(new, rows) for _ in range(r)], device=device)
             masks[kind] = step_mask(held_rows, new_rows, span.config._attn_implementation, states.dtype)
     view = BatchCache(caches, rows, new)
-    position_embeddings = span.rotary(states, position_ids)
+    position_embeddings = span.position_embeddings(states, position_ids, types)
     per_row = [name for name, r in zip(adapters, rows) for _ in range(r)] if adapters and any(adapters) else None
     with span.adapter_rows(per_row, sum(rows)):
         for index, kind in enumerate(types):
@@ -153,7 +153,7 @@ def forward_batch(
                 position_ids=position_ids,
                 cache=view,
                 use_cache=True,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[kind],
             )
     return [out[:, :n] for out, n in zip(states.split(rows), new)]
 

@@ -7,6 +7,7 @@ built on the meta device and filled with only their tensors, so a peer never hol
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,6 +79,15 @@ class BlockSpan(nn.Module):
         self.expert_caches: ExpertCaches | None = None  # experts kept off the device but N a layer (peer/experts.py)
         types = layer_types(config)
         self.types = types[start:end]
+        # Gemma 3's rotary embedding differs by attention type (another base frequency for its sliding layers)
+        self._typed_rotary = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def position_embeddings(self, states: torch.Tensor, position_ids: torch.Tensor, types: Sequence[str]) -> dict:
+        """The rotary embedding of `position_ids` for each attention type among `types`, as the model computes it."""
+        if not self._typed_rotary:
+            shared = self.rotary(states, position_ids)
+            return dict.fromkeys(set(types), shared)
+        return {kind: self.rotary(states, position_ids, kind) for kind in set(types)}
 
     def layer(self, index: int) -> nn.Module:
         """Block `index`'s module with its weights in (a streamed block is loaded now: call it right before use)."""
@@ -155,7 +165,7 @@ class BlockSpan(nn.Module):
             )
             for kind, first in first_of_type.items()
         }
-        position_embeddings = self.rotary(hidden_states, position_ids)
+        position_embeddings = self.position_embeddings(hidden_states, position_ids, types)
         for index, kind in enumerate(types):
             if between_layers is not None and index:
                 between_layers()
@@ -169,7 +179,7 @@ class BlockSpan(nn.Module):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=cache is not None,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[kind],
             )
         return hidden_states
 
@@ -210,7 +220,8 @@ def load_span(
     streamed in when they compute (peer/offload.py)."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-    config._attn_implementation = "sdpa"
+    # sdpa refuses capped attention scores (Gemma 2): those compute as the model's own eager attention
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     rotary_cls = family_class(config, "RotaryEmbedding")
     converted = bool(get_checkpoint_conversion_mapping(config.model_type))
     total_bytes = sum(block_bytes(path, config, start, end, dtype))

@@ -982,6 +982,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/training/test_update.py",),
     ),
     Mutation(
+        "logits-not-capped",
+        "swarm/models/ends.py",
+        "    if cap is not None:\n",
+        "    if cap is None:  # MUTATION\n",
+        "Gemma 2 and 3's logits are not capped by final_logit_softcapping: the client's logits are not the model's",
+        ("tests/client/test_families.py",),
+    ),
+    Mutation(
+        "one-rotary-for-every-attention-type",
+        "peer/blocks.py",
+        '        self._typed_rotary = "layer_type" in inspect.signature(rotary.forward).parameters\n',
+        "        self._typed_rotary = False  # MUTATION\n",
+        "Gemma 3's sliding layers get the full layers' rotary embedding (another base frequency)",
+        ("tests/client/test_families.py",),
+    ),
+    Mutation(
         "adapter-head-not-tied",
         "client/training/adapters.py",
         "        ensure_weight_tying=tied and trainer is not None,\n",

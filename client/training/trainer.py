@@ -396,7 +396,7 @@ class SwarmTrainer:
 
             def embed():
                 with torch.enable_grad():
-                    return model.model.embed_tokens(ids)
+                    return model.embed(ids)
 
             hidden = await self._local(embed)
             outputs, records = await self.sequence.forward(hidden.detach(), None, positions, keep_for_backward=True)
@@ -404,7 +404,7 @@ class SwarmTrainer:
             def head():
                 with torch.enable_grad():
                     out = outputs.detach().requires_grad_(True)
-                    loss = lm_loss(model.lm_head(model.model.norm(out)), ids, model.config.vocab_size)
+                    loss = lm_loss(model.head(out), ids, model.config.vocab_size)
                     grads = torch.autograd.grad(loss, [out, *self.params], allow_unused=True)
                 return float(loss.detach()), grads[0], grads[1:]
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -111,7 +112,8 @@ def family_class(config: PretrainedConfig, suffix: str) -> type:
     if causal_lm is None:
         raise ModelNotFoundError(f"model type {model_type!r} has no causal-LM class in transformers")
     family = causal_lm.removesuffix("ForCausalLM")
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    # the class's own module: not always named after the model type (gemma3_text lives in models/gemma3)
+    module = importlib.import_module(getattr(transformers, causal_lm).__module__)
     found = getattr(module, f"{family}{suffix}", None)
     if found is None:
         raise ModelNotFoundError(

@@ -1,0 +1,71 @@
+"""What a family's causal LM computes around its blocks: the token embedding before them, the logits after them.
+
+The client holds these ends (client/model.py) and the peers the blocks. Most families embed with a plain lookup
+and take logits as `lm_head(norm(hidden))`; a few do more, in their model's forward rather than in a module, so it
+is repeated here as transformers computes it:
+- Gemma 1-3 multiply the embeddings by sqrt(hidden_size), inside their `*TextScaledWordEmbedding`;
+- Granite multiplies the embeddings by `embedding_multiplier` and divides the logits by `logits_scaling`;
+- Gemma 2 and 3 cap the logits: `tanh(logits / cap) * cap` with `final_logit_softcapping`.
+A family that scales in a way not listed here is refused (`check_ends`) rather than computed wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from protocol.errors import ModelNotFoundError
+from swarm.models.checkpoint import family_class
+
+SQRT_SCALED = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+"""Model types whose embeddings are scaled by sqrt(hidden_size) (their `{Family}TextScaledWordEmbedding`)."""
+
+_UNSUPPORTED = {
+    "logit_scale": "multiplies its logits by logit_scale (Cohere)",
+    "scale_emb": "scales its embeddings by scale_emb (MiniCPM)",
+    "mup_width_scale": "scales by muP factors",
+}
+
+
+def check_ends(config: PretrainedConfig) -> None:
+    """Refuse a model whose embeddings or logits its forward scales in a way this module does not repeat.
+
+    Raises:
+        ModelNotFoundError: naming the setting.
+    """
+    for name, what in _UNSUPPORTED.items():
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: it {what}")
+
+
+def embedding(config: PretrainedConfig) -> nn.Embedding:
+    """The family's token embedding module (on the current default device)."""
+    if config.model_type in SQRT_SCALED:
+        scaled = family_class(config, "TextScaledWordEmbedding")
+        return scaled(config.vocab_size, config.hidden_size, config.pad_token_id, embed_scale=config.hidden_size**0.5)
+    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+
+def restore_buffers(embed: nn.Module) -> None:
+    """Make the scale of a scaled embedding again after it was built on the meta device (it is in no checkpoint)."""
+    scale = getattr(embed, "scalar_embed_scale", None)
+    if scale is not None:
+        embed.embed_scale = torch.tensor(scale, device=embed.weight.device)
+
+
+def scale_embeddings(config: PretrainedConfig, embeds: torch.Tensor) -> torch.Tensor:
+    """What the model's forward does to the embeddings (token lookups or a caller's inputs_embeds) before block 0."""
+    multiplier = getattr(config, "embedding_multiplier", None)
+    return embeds if multiplier in (None, 1, 1.0) else embeds * multiplier
+
+
+def finish_logits(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """What the causal LM's forward does to `lm_head`'s output."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        logits = logits / scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -1,0 +1,78 @@
+"""Families whose causal LM does more around its blocks than a lookup and `lm_head(norm(hidden))`, on an in-memory
+swarm (swarm/models/ends.py): Gemma 2 (scaled embeddings, capped attention scores and logits, sliding and full
+layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type, capped logits, a tied head) and Granite
+(embedding, residual, attention and logit multipliers). Logits, greedy tokens and the gradient of the caller's
+embeddings equal the local model's; a family that scales its logits in a way the client does not is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from protocol.errors import ModelNotFoundError
+from tests.helpers.fake_swarm import FakeSwarm
+from tests.helpers.generation import assert_same_generation, generate_with_logits
+from tests.helpers.models import VOCAB_SIZE, _common, save_random_model
+
+ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+FAMILIES = {
+    "gemma2": dict(
+        head_dim=16,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,  # low caps, so that capping changes the results
+        final_logit_softcapping=3.0,
+        layer_types=ALTERNATING,
+    ),
+    "gemma3_text": dict(
+        head_dim=16,
+        sliding_window=6,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=3.0,
+        layer_types=ALTERNATING,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    ),
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.1),
+}
+
+
+def _checkpoint(family: str, path) -> tuple:
+    config = AutoConfig.for_model(family, **{**_common(4), **FAMILIES[family]})
+    path = save_random_model(config, path / family)
+    # transformers' sdpa refuses capped attention scores: the peers compute Gemma 2 with its eager attention too
+    attention = "eager" if family == "gemma2" else "sdpa"
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention).eval()
+    return path, local
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_tokens_and_gradients_equal_the_local_model(family, tmp_path):
+    path, local = _checkpoint(family, tmp_path)
+    ids = torch.randint(3, VOCAB_SIZE, (2, 14), generator=torch.Generator().manual_seed(0))
+    with FakeSwarm(path) as swarm:
+        swarm.add_peer(0, 1)
+        swarm.add_peer(1, 4)
+        model = swarm.client()
+        with torch.no_grad():  # 14 tokens: past the sliding window of 6
+            torch.testing.assert_close(model(ids).logits, local(ids).logits, atol=1e-4, rtol=0)
+        ours = generate_with_logits(model, ids[:1, :5], max_new_tokens=12, do_sample=False)
+        theirs = generate_with_logits(local, ids[:1, :5], max_new_tokens=12, do_sample=False)
+        assert_same_generation(ours, theirs)
+
+        grads = []
+        for lm in (model, local):
+            embeds = local.get_input_embeddings()(ids).detach().requires_grad_(True)
+            lm(inputs_embeds=embeds, labels=ids).loss.backward()
+            grads.append(embeds.grad)
+        torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_a_family_that_scales_its_logits_otherwise_is_refused(tmp_path):
+    config = AutoConfig.for_model("cohere", **_common(4), logit_scale=0.0625)
+    path = save_random_model(config, tmp_path / "cohere")
+    with FakeSwarm(path) as swarm, pytest.raises(ModelNotFoundError, match="logit_scale"):
+        swarm.client()

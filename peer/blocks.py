@@ -27,7 +27,7 @@ from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
-from swarm.models.checkpoint import checkpoint_dtype, family_class, load_tensors
+from swarm.models.checkpoint import attention_for, checkpoint_dtype, family_class, load_tensors
 from swarm.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -220,8 +220,7 @@ def load_span(
     streamed in when they compute (peer/offload.py)."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-    # sdpa refuses capped attention scores (Gemma 2): those compute as the model's own eager attention
-    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    config._attn_implementation = attention_for(config)
     rotary_cls = family_class(config, "RotaryEmbedding")
     converted = bool(get_checkpoint_conversion_mapping(config.model_type))
     total_bytes = sum(block_bytes(path, config, start, end, dtype))

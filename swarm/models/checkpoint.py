@@ -105,6 +105,12 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
     return found if isinstance(found, torch.dtype) else torch.float32
 
 
+def attention_for(config: PretrainedConfig) -> str:
+    """The attention implementation peers and references compute with: sdpa, or the model's own eager attention
+    where sdpa refuses the model (scores capped by `attn_logit_softcapping`, Gemma 2)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def family_class(config: PretrainedConfig, suffix: str) -> type:
     """A class of the model's transformers family by suffix: "DecoderLayer" gives LlamaDecoderLayer for Llama."""
     model_type = config.model_type

@@ -147,3 +147,19 @@ def test_a_lora_reference_saves_an_adapter_peft_loads_and_resumes_from_it(family
         other.load_adapter(tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"holds no adapter_model\.safetensors"):
         resumed.load_adapter(tmp_path)
+
+
+def test_a_model_whose_attention_sdpa_refuses_trains_with_its_eager_attention(tmp_path):
+    """Gemma 2 caps attention scores, which sdpa refuses: the reference computes as the peers do, eagerly."""
+    from transformers import AutoConfig
+
+    from tests.client.test_families import FAMILIES
+    from tests.helpers.models import _common, save_random_model
+
+    path = save_random_model(AutoConfig.for_model("gemma2", **{**_common(4), **FAMILIES["gemma2"]}), tmp_path / "g")
+    trainer = LocalTrainer(path, TrainConfig(batch_size=BATCH, micro_batch_size=MICRO, lr=1e-2))
+    batch = batches(1)[0]
+    eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = sum(float(lm_loss(eager(ids).logits, ids, 128)) * ids.shape[0] for ids in batch.split(MICRO))
+    assert trainer.step(batch).loss == pytest.approx(expected / BATCH, rel=1e-6)

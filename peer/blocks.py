@@ -27,6 +27,7 @@ from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
+from swarm.models import ends
 from swarm.models.checkpoint import attention_for, checkpoint_dtype, family_class, load_tensors
 from swarm.progress import progress
 
@@ -220,6 +221,7 @@ def load_span(
     streamed in when they compute (peer/offload.py)."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
+    ends.check_ends(config)
     config._attn_implementation = attention_for(config)
     rotary_cls = family_class(config, "RotaryEmbedding")
     converted = bool(get_checkpoint_conversion_mapping(config.model_type))

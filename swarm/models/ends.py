@@ -29,7 +29,9 @@ _UNSUPPORTED = {
 
 
 def check_ends(config: PretrainedConfig) -> None:
-    """Refuse a model whose embeddings or logits its forward scales in a way this module does not repeat.
+    """Refuse a model whose ends a client cannot compute as its forward does: embeddings or logits scaled in a way
+    this module does not repeat, or a final norm other than the family's RMSNorm (StableLM's LayerNorm). Peers
+    refuse it too, at start: no client could use them.
 
     Raises:
         ModelNotFoundError: naming the setting.
@@ -37,6 +39,13 @@ def check_ends(config: PretrainedConfig) -> None:
     for name, what in _UNSUPPORTED.items():
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: it {what}")
+    try:
+        family_class(config, "RMSNorm")
+    except ModelNotFoundError:
+        raise ModelNotFoundError(
+            f"model type {config.model_type!r} is not supported: its final norm is not an RMSNorm, the only kind "
+            f"clients compute"
+        ) from None
 
 
 def embedding(config: PretrainedConfig) -> nn.Embedding:

@@ -6,7 +6,9 @@ is repeated here as transformers computes it:
 - Gemma 1-3 multiply the embeddings by sqrt(hidden_size), inside their `*TextScaledWordEmbedding`;
 - Granite multiplies the embeddings by `embedding_multiplier` and divides the logits by `logits_scaling`;
 - Gemma 2 and 3 cap the logits: `tanh(logits / cap) * cap` with `final_logit_softcapping`.
-A family that scales in a way not listed here is refused (`check_ends`) rather than computed wrong.
+The ways known not to be repeated here (Cohere's logit scale, MiniCPM's embedding scale, a LayerNorm as final norm)
+are refused (`check_ends`) rather than computed wrong; other families were checked against transformers by hand
+(Phi-3, OLMo 2 and 3, GLM, GLM-4, SmolLM3, Arcee, Apertus, EXAONE 4, ERNIE 4.5, Seed-OSS: the same logits).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ SQRT_SCALED = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 _UNSUPPORTED = {
     "logit_scale": "multiplies its logits by logit_scale (Cohere)",
     "scale_emb": "scales its embeddings by scale_emb (MiniCPM)",
-    "mup_width_scale": "scales by muP factors",
 }
 
 

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from client.config import TrainConfig
 from client.training.trainer import StepResult, lm_loss, local_named_parameters, local_parameters
 from protocol.vocab import TrainMode
-from swarm.models.checkpoint import attention_for
+from swarm.models.checkpoint import attention_for, load_config
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
 from swarm.training.outer import OuterStep, sync_due
 from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
@@ -37,7 +37,7 @@ class LocalTrainer:
         updates already applied (resuming), which the schedule goes on from."""
         self.config, self.model_path = config, Path(model_path)
         self.recipe = recipe if recipe is not None else config.recipe()
-        attention = attention_for(AutoConfig.from_pretrained(model_path))  # as the peers compute
+        attention = attention_for(load_config(Path(model_path)))  # as the peers compute
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32, attn_implementation=attention
         )

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from protocol.errors import ModelNotFoundError
+from swarm.models.checkpoint import attention_for
 from tests.helpers.fake_swarm import FakeSwarm
 from tests.helpers.generation import assert_same_generation, generate_with_logits
 from tests.helpers.models import VOCAB_SIZE, _common, save_random_model
@@ -43,8 +44,8 @@ FAMILIES = {
 def _checkpoint(family: str, path) -> tuple:
     config = AutoConfig.for_model(family, **{**_common(4), **FAMILIES[family]})
     path = save_random_model(config, path / family)
-    # transformers' sdpa refuses capped attention scores: the peers compute Gemma 2 with its eager attention too
-    attention = "eager" if family == "gemma2" else "sdpa"
+    # transformers' sdpa refuses capped attention scores: the reference computes as the peers do (eager for Gemma 2)
+    attention = attention_for(config)
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention).eval()
     return path, local
 

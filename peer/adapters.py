@@ -20,15 +20,17 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import load
 from torch import nn
 
 from protocol.records import ADAPTER_NAME_PATTERN, AdapterInfo
 from swarm.models.adapters import adapter_files, folder_digest
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 BASE = "__base__"  # peft's name, in a mixed batch, for rows that use no adapter
 # a LoRA tensor of a decoder layer, as peft saves it: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
@@ -67,6 +69,8 @@ def read_adapter(name: str, path: str | Path) -> AdapterFolder:
         raise ValueError(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
     path = Path(path)
     config_file, weights_file = adapter_files(path, name)
+    from peft import LoraConfig  # peft takes seconds to import; only peers with adapters need it
+
     try:
         settings = json.loads(config_file.read_bytes())
         config = LoraConfig.from_pretrained(path)
@@ -110,6 +114,8 @@ class ServedAdapters:
         Raises:
             ValueError: a folder lacks tensors of a block it adapts, or has tensors no layer of the blocks takes.
         """
+        from peft.tuners.lora import LoraLayer
+
         self.folders = {folder.name: folder for folder in folders}
         for folder in folders:
             _inject(layers, first, folder)
@@ -153,6 +159,9 @@ def _inject(layers: nn.ModuleList, first: int, folder: AdapterFolder) -> None:
     # named as in the checkpoint (model.layers.12.self_attn.q_proj), so that the adapter's target_modules and
     # layers_to_transform select what they select in the whole model; a fresh root per adapter, so that peft does
     # not take a second adapter on one root for a mistake
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
     root = nn.Module()
     root.model = nn.Module()
     root.model.layers = nn.ModuleDict({str(first + j): layer for j, layer in enumerate(layers)})

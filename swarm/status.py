@@ -115,7 +115,7 @@ def join_swarm(initial_peers: Sequence[str], swarm_key: SwarmKey | None, startup
 
 
 def _show(dht, args: argparse.Namespace) -> int:
-    from swarm.dht.state import read_state
+    from swarm.dht.state import MAX_BLOCKS_READ, read_state
 
     try:
         models, snapshots = read_state(dht, args.model)
@@ -128,7 +128,13 @@ def _show(dht, args: argparse.Namespace) -> int:
             return 1
         if not args.json:
             for prefix, record in sorted(models.items()):
-                print(format_snapshot(prefix, record.repository, snapshots[prefix], recipes.get(prefix, {})))
+                if prefix in snapshots:
+                    print(format_snapshot(prefix, record.repository, snapshots[prefix], recipes.get(prefix, {})))
+            if len(snapshots) < len(models):
+                print(
+                    f"{len(models) - len(snapshots)} more models in the index were not read: their peers are "
+                    f"fewer and their blocks over the {MAX_BLOCKS_READ} read at once (ask for one with --model)"
+                )
         return 0
     finally:
         dht.shutdown()

@@ -492,6 +492,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/dht/test_directory_read.py",),
     ),
     Mutation(
+        "status-reads-every-model",
+        "swarm/dht/state.py",
+        "        if record.num_blocks <= max_blocks:\n",
+        "        if True:  # MUTATION\n",
+        "the monitor and status read every model of the index, however many blocks a flood of them claims",
+        ("tests/swarm/dht/test_state.py",),
+    ),
+    Mutation(
+        "index-read-in-any-order",
+        "swarm/dht/directory.py",
+        "    ranked = sorted(said, key=lambda prefix: (-support[prefix], prefix))\n",
+        "    ranked = sorted(said)  # MUTATION\n",
+        "readers with a budget read made-up models before the one most peers announce",
+        ("tests/swarm/dht/test_state.py",),
+    ),
+    Mutation(
         "impostor-not-checked",
         "client/dialing.py",
         "            if snapshot is None or not snapshot.verify(\n",

@@ -106,7 +106,8 @@ def fetch_models(dht: hivemind.DHT) -> dict[str, ModelRecord]:
 
 
 def index_models(raw: Any) -> dict[str, ModelRecord]:
-    """What the model index read as `raw` (a DHT dictionary) says: prefix -> the record most entries give."""
+    """What the model index read as `raw` (a DHT dictionary) says: prefix -> the record most entries give, the
+    prefixes with the most entries first (ties: by prefix), so that a reader with a budget reads those first."""
     said: dict[str, dict[ModelRecord, tuple[int, float]]] = {}  # prefix -> record -> (peers, latest expiration)
     for subkey, (expiration, value) in _subkey_values(raw).items():
         if parse_record_subkey(subkey) is None:
@@ -120,7 +121,9 @@ def index_models(raw: Any) -> dict[str, ModelRecord]:
         record = ModelRecord(num_blocks=entry.num_blocks, repository=entry.repository)
         peers, latest = said.setdefault(entry.prefix, {}).get(record, (0, 0.0))
         said[entry.prefix][record] = (peers + 1, max(latest, expiration))
-    return {prefix: max(records, key=records.__getitem__) for prefix, records in said.items()}
+    support = {prefix: sum(peers for peers, _ in records.values()) for prefix, records in said.items()}
+    ranked = sorted(said, key=lambda prefix: (-support[prefix], prefix))
+    return {prefix: max(said[prefix], key=said[prefix].__getitem__) for prefix in ranked}
 
 
 def announce(

@@ -10,6 +10,7 @@ which no peer ever wrote):
 
     {"schema_version": 2, "taken_at": unix time of the DHT read, "rtt_measured": whether peers were pinged,
      "error": null, or why the latest read failed (the monitor then serves the previous one's data),
+     "models_not_read": how many models of the index were left unread (read_state's block budget),
      "models": [{"prefix", "repository", "num_blocks",
                  "coverage": [ONLINE peers announcing block i, for each block],
                  "answering": [of those, how many answered the ping] or null (not pinged),
@@ -40,6 +41,9 @@ from protocol.records import ModelRecord, ServerInfo, ServerState
 from swarm.dht.snapshot import SwarmSnapshot
 
 SCHEMA_VERSION = 2
+MAX_BLOCKS_READ = 4096
+"""Block records read per refresh, over all models: the index is open to every member, and one that floods it
+with made-up models (each up to 10,000 blocks) would otherwise make every refresh read all of them."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ def build_state(
         "taken_at": time.time() if taken_at is None else taken_at,
         "rtt_measured": pings is not None,
         "error": None,
+        "models_not_read": sum(1 for prefix in models if prefix not in snapshots),
         "models": [
             model_state(prefix, models[prefix], snapshots[prefix], pings, (recipes or {}).get(prefix))
             for prefix in sorted(models)
@@ -197,8 +202,11 @@ def build_state(
     }
 
 
-def read_state(dht, only: str | None = None) -> tuple[dict[str, ModelRecord], dict[str, SwarmSnapshot]]:
-    """The model index and each model's snapshot, read from the DHT (`only`: that prefix alone).
+def read_state(
+    dht, only: str | None = None, max_blocks: int = MAX_BLOCKS_READ
+) -> tuple[dict[str, ModelRecord], dict[str, SwarmSnapshot]]:
+    """The model index and the snapshots of its models (`only`: that prefix alone), read from the DHT: the models
+    that most peers announce first, as long as their blocks fit in `max_blocks`; a model left out has no snapshot.
 
     Raises:
         DHTUnavailableError: the DHT did not answer in time.
@@ -208,4 +216,16 @@ def read_state(dht, only: str | None = None) -> tuple[dict[str, ModelRecord], di
     models = fetch_models(dht)
     if only is not None:
         models = {prefix: record for prefix, record in models.items() if prefix == only}
-    return models, {prefix: fetch_snapshot(dht, prefix, record.num_blocks) for prefix, record in models.items()}
+    chosen = models_to_read(models, max_blocks)
+    return models, {prefix: fetch_snapshot(dht, prefix, models[prefix].num_blocks) for prefix in chosen}
+
+
+def models_to_read(models: Mapping[str, ModelRecord], max_blocks: int = MAX_BLOCKS_READ) -> list[str]:
+    """The prefixes of `models` (in fetch_models' order: the most announced first) whose blocks, taken in that
+    order, fit in `max_blocks`; a model that does not fit is passed over for the smaller ones after it."""
+    chosen = []
+    for prefix, record in models.items():
+        if record.num_blocks <= max_blocks:
+            chosen.append(prefix)
+            max_blocks -= record.num_blocks
+    return chosen

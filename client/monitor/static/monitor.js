@@ -114,7 +114,8 @@
     document.title = "swarmlm monitor" + (gaps ? " (" + gaps + " model(s) with gaps)" : "");
     const when = new Date(state.taken_at * 1000).toLocaleTimeString();
     if (state.error) setStatus("the last read failed (" + state.error + "); showing the read of " + when, true);
-    else setStatus("read at " + when + ", every " + refreshS + " s", false);
+    else setStatus("read at " + when + ", every " + refreshS + " s" + (state.models_not_read
+      ? "; " + state.models_not_read + " less announced model(s) of the index not read" : ""), false);
     refreshes += 1;
     document.body.dataset.refreshes = String(refreshes);
     document.body.dataset.takenAt = String(state.taken_at);

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import json
 
+from hivemind.utils import ValueWithExpiration
+
 from protocol.records import ModelRecord, ServerInfo, ServerState
+from swarm.dht.directory import index_models
 from swarm.dht.snapshot import SwarmSnapshot
-from swarm.dht.state import ANSWERED, NO_ANSWER, SCHEMA_VERSION, WRONG_KEY, Ping, block_ranges, build_state
+from swarm.dht.state import (
+    ANSWERED,
+    MAX_BLOCKS_READ,
+    NO_ANSWER,
+    SCHEMA_VERSION,
+    WRONG_KEY,
+    Ping,
+    block_ranges,
+    build_state,
+    models_to_read,
+)
+from swarm.trust.identity import fresh_identity
 
 
 def info(start: int, end: int, **changes) -> ServerInfo:
@@ -130,9 +144,30 @@ def test_a_joining_peer_is_listed_but_covers_nothing():
     assert model["peers"][0]["state"] == "JOINING" and model["peers"][0]["live"] is False
 
 
-def test_models_without_a_snapshot_are_left_out_and_no_models_is_an_empty_list():
-    assert [m["prefix"] for m in build_state(MODELS, {"qwen": SNAPSHOTS["qwen"]})["models"]] == ["qwen"]
-    assert build_state({}, {})["models"] == []
+def test_models_without_a_snapshot_are_left_out_counted_and_no_models_is_an_empty_list():
+    state = build_state(MODELS, {"qwen": SNAPSHOTS["qwen"]})
+    assert [m["prefix"] for m in state["models"]] == ["qwen"] and state["models_not_read"] == 1
+    assert build_state({}, {})["models"] == [] and build_state({}, {})["models_not_read"] == 0
+
+
+def test_a_flood_of_made_up_models_costs_a_bounded_read_and_leaves_the_announced_model_in():
+    """40 identities (free; the index takes 1,024) each announce a made-up model of up to 10,000 blocks; a real
+    model has 3 peers. Reading every one would fetch 200,000 block records a refresh."""
+    writers = [fresh_identity() for _ in range(43)]
+    raw = {}
+    for i, writer in enumerate(writers[:40]):
+        entry = {"prefix": f"junk{i:04d}", "num_blocks": 10_000 if i % 2 else 400, "repository": "x/y"}
+        raw[writer.record_subkey()] = ValueWithExpiration(entry, 50.0)
+    for writer in writers[40:]:
+        raw[writer.record_subkey()] = ValueWithExpiration({"prefix": "llama", "num_blocks": 32, "repository": "r"}, 9.0)
+    models = index_models(raw)
+    assert next(iter(models)) == "llama"  # the most announced first
+    chosen = models_to_read(models, MAX_BLOCKS_READ)
+    assert chosen[0] == "llama" and sum(models[p].num_blocks for p in chosen) <= MAX_BLOCKS_READ
+    assert len(chosen) == 1 + (MAX_BLOCKS_READ - 32) // 400  # smaller models still fill what is left
+    assert models_to_read(models, 31) == [] and models_to_read({"m": ModelRecord(num_blocks=4, repository="r")}) == [
+        "m"
+    ]
 
 
 def test_block_ranges():

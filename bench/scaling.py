@@ -16,7 +16,7 @@ in one micro-batch (an update takes one batch from each):
     N trainers, local steps     --local-steps 8 --averaging-compression int8: a sync of 8-bit pseudo-gradients
                                 every 8 updates
     2 trainers, 2 peers per     two peers serve each stage (each behind its own proxy), a round every update
-      stage
+      stage                     (", local steps": with the local steps' flags above, on peers and trainers)
 
 Reported: tokens/s of all trainers together (each trainer's tokens over its seconds after 2 warm-up steps, syncs
 included, added up), the part of those seconds a trainer waited on others (for the update to open, rounds, the
@@ -70,6 +70,7 @@ RUNS = {  # name -> (trainers, peers per stage, flags of peers and trainers)
     "2 trainers, local steps": (2, 1, LOCAL),
     "4 trainers, local steps": (4, 1, LOCAL),
     "2 trainers, 2 peers per stage": (2, 2, ()),
+    "2 trainers, 2 peers per stage, local steps": (2, 2, LOCAL),
 }
 BATCH = 4
 """Sequences of 64 tokens in each trainer's batch, sent as one micro-batch: little compute per round trip."""

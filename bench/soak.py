@@ -82,6 +82,9 @@ class SoakConfig:
     cache_tokens: int = 4096
     """Each peer's --cache-tokens: what its Info must show left at the end."""
     seed: int = 0
+    at_least: int = 0
+    """Generations each client completes at the least: past `seconds` it goes on (no churn, no malformed traffic
+    any more) until it has, for at most a minute; a loaded machine otherwise leaves too few to compare."""
 
     def __post_init__(self) -> None:
         if not self.seconds > 0:
@@ -94,6 +97,8 @@ class SoakConfig:
         low, high = self.kill_every_s
         if not 0 < low <= high:
             raise ValueError(f"kill_every_s must be 0 < MIN <= MAX, got {self.kill_every_s}")
+        if self.at_least < 0:
+            raise ValueError(f"at_least must be >= 0, got {self.at_least}")
         if self.bad_rate_per_s < 0 or not self.rss_every_s > 0 or self.cache_tokens < 64:
             raise ValueError(
                 f"bad_rate_per_s must be >= 0, rss_every_s > 0 and cache_tokens >= 64, got "
@@ -216,7 +221,7 @@ def run(config: SoakConfig, workdir: Path, log_dir: Path) -> dict:
             began = phases["starting clients"] = time.monotonic()
             deadline = began + config.seconds
             for client in clients:
-                client.deadline = deadline
+                client.deadline, client.at_least = deadline, config.at_least
                 client.start()
             if config.bad_rate_per_s > 0:
                 threads.append(
@@ -553,6 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-rate", type=float, default=3.0, help="malformed requests per second (default: 3)")
     p.add_argument("--rss-every", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, churn and mutations (default: 0)")
+    p.add_argument(
+        "--at-least",
+        type=int,
+        default=0,
+        metavar="N",
+        help="generations each client completes at the least, going on past the soak's time if need be (default: 0)",
+    )
     p.add_argument("--log-dir", type=Path, help="keep the processes' logs here (default: a temporary folder)")
     p.add_argument(
         "--out", type=Path, metavar="PATH", help="also write the figures as JSON to this file (in a folder: soak.json)"
@@ -574,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             bad_rate_per_s=args.bad_rate,
             rss_every_s=args.rss_every,
             seed=args.seed,
+            at_least=args.at_least,
         )
     except ValueError as exc:
         p.error(str(exc))

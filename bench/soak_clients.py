@@ -71,8 +71,13 @@ class ClientTally:
     hung: bool = False  # still generating when it should have finished
 
 
+AT_LEAST_GRACE_S = 60.0
+"""How long past the deadline a client may go on to complete its `at_least` generations (a loaded machine)."""
+
+
 class Client(threading.Thread):
-    """Generates `cases` in turn until `deadline` (monotonic, set before `start()`) or `stop`, then shuts down."""
+    """Generates `cases` in turn until `deadline` (monotonic, set before `start()`) or `stop`, then shuts down; past
+    the deadline, until it completed `at_least` generations (at most AT_LEAST_GRACE_S more)."""
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class Client(threading.Thread):
         super().__init__(name=name, daemon=True)  # daemon: a hung client must not keep the run from ending
         self.cases, self.max_new_tokens, self.stop = cases, max_new_tokens, stop
         self.deadline = float("inf")
+        self.at_least = 0  # generations to complete, past the deadline if need be (for at most AT_LEAST_GRACE_S)
         self.tally = ClientTally(name, sampling=cases[0].seed is not None)
         self.model = AutoDistributedModelForCausalLM.from_pretrained(
             model_path, initial_peers=initial_peers, dtype=torch.float32, **options
@@ -96,7 +102,12 @@ class Client(threading.Thread):
     def run(self) -> None:
         tally, turn = self.tally, 0
         try:
-            while time.monotonic() < self.deadline and not self.stop.is_set():
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if now >= self.deadline and (
+                    tally.completed >= self.at_least or now >= self.deadline + AT_LEAST_GRACE_S
+                ):
+                    break
                 case = self.cases[turn % len(self.cases)]
                 turn += 1
                 began = time.monotonic()

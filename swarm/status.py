@@ -127,9 +127,8 @@ def _show(dht, args: argparse.Namespace) -> int:
                 print("no models announced in this swarm" + (f" under {args.model!r}" if args.model else ""))
             return 1
         if not args.json:
-            for prefix, record in sorted(models.items()):
-                if prefix in snapshots:
-                    print(format_snapshot(prefix, record.repository, snapshots[prefix], recipes.get(prefix, {})))
+            for prefix in sorted(snapshots):
+                print(format_snapshot(prefix, models[prefix].repository, snapshots[prefix], recipes.get(prefix, {})))
             if len(snapshots) < len(models):
                 print(
                     f"{len(models) - len(snapshots)} more models in the index were not read: their peers are "

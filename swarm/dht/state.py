@@ -202,11 +202,9 @@ def build_state(
     }
 
 
-def read_state(
-    dht, only: str | None = None, max_blocks: int = MAX_BLOCKS_READ
-) -> tuple[dict[str, ModelRecord], dict[str, SwarmSnapshot]]:
+def read_state(dht, only: str | None = None) -> tuple[dict[str, ModelRecord], dict[str, SwarmSnapshot]]:
     """The model index and the snapshots of its models (`only`: that prefix alone), read from the DHT: the models
-    that most peers announce first, as long as their blocks fit in `max_blocks`; a model left out has no snapshot.
+    that most peers announce first, as long as their blocks fit in MAX_BLOCKS_READ; a model left out has no snapshot.
 
     Raises:
         DHTUnavailableError: the DHT did not answer in time.
@@ -216,8 +214,7 @@ def read_state(
     models = fetch_models(dht)
     if only is not None:
         models = {prefix: record for prefix, record in models.items() if prefix == only}
-    chosen = models_to_read(models, max_blocks)
-    return models, {prefix: fetch_snapshot(dht, prefix, models[prefix].num_blocks) for prefix in chosen}
+    return models, {prefix: fetch_snapshot(dht, prefix, models[prefix].num_blocks) for prefix in models_to_read(models)}
 
 
 def models_to_read(models: Mapping[str, ModelRecord], max_blocks: int = MAX_BLOCKS_READ) -> list[str]:

@@ -165,9 +165,8 @@ def test_a_flood_of_made_up_models_costs_a_bounded_read_and_leaves_the_announced
     chosen = models_to_read(models, MAX_BLOCKS_READ)
     assert chosen[0] == "llama" and sum(models[p].num_blocks for p in chosen) <= MAX_BLOCKS_READ
     assert len(chosen) == 1 + (MAX_BLOCKS_READ - 32) // 400  # smaller models still fill what is left
-    assert models_to_read(models, 31) == [] and models_to_read({"m": ModelRecord(num_blocks=4, repository="r")}) == [
-        "m"
-    ]
+    assert models_to_read(models, 31) == []
+    assert models_to_read({"m": ModelRecord(num_blocks=4, repository="r")}) == ["m"]
 
 
 def test_block_ranges():

@@ -197,10 +197,10 @@ class TunnelServer:
             host, _, port = self.endpoint.rpartition(":")
             # from an address of its own per remote peer, so that the gRPC server tells tunneled clients apart
             # (each client address has its own cache quota, peer/cache.py)
-            source = (loopback_source(info.peer_id), 0) if host.startswith("127.") else None
+            local_addr = (loopback_source(info.peer_id), 0) if host.startswith("127.") else None
             try:
                 local = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port), local_addr=source), OPEN_TIMEOUT_S
+                    asyncio.open_connection(host, int(port), local_addr=local_addr), OPEN_TIMEOUT_S
                 )
             except OSError:  # a system where only 127.0.0.1 is loopback: tunneled clients share one quota
                 local = await asyncio.wait_for(asyncio.open_connection(host, int(port)), OPEN_TIMEOUT_S)

@@ -342,3 +342,35 @@ def test_a_tunnel_pool_keeps_a_bounded_number_of_listeners_least_recently_used_f
             await pool.close()
 
     run(main())
+
+
+def test_a_remote_peer_that_closed_its_tunnels_can_open_new_ones(dhts):
+    """The cap per remote peer counts the streams open now: a client (or a relay, for all the clients behind it)
+    that opened and closed more than the cap over time is still served."""
+    peer, client = dhts(), dhts(client_mode=True)
+
+    async def main():
+        server, endpoint = await serve_grpc(peer.peer_id.to_base58())
+        peer_p2p, client_p2p = await peer.replicate_p2p(), await client.replicate_p2p()
+        tunnel = TunnelServer(peer_p2p, endpoint, max_per_source=2)
+        await tunnel.start()
+        try:
+            for _ in range(4):  # a new pool each time: a new connection, so a new tunnel stream
+                pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
+                try:
+                    answer = await pool.unary(tunnel_address(peer.peer_id.to_base58()), "info", pb.InfoRequest(), 10)
+                    assert answer.peer_id == peer.peer_id.to_base58()
+                finally:
+                    await pool.close()
+                deadline = asyncio.get_running_loop().time() + 10
+                while tunnel.active and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.1)
+                assert tunnel.active == 0, "a closed tunnel stream was kept"
+            assert tunnel.refused == 0
+        finally:
+            await tunnel.stop()
+            await server.stop(None)
+            await peer_p2p.shutdown()
+            await client_p2p.shutdown()
+
+    run(main())

@@ -880,6 +880,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "tunnel-streams-never-freed",
+        "swarm/net/tunnel.py",
+        "            self._by_source[source] -= 1\n",
+        "            self._by_source[source] -= 0  # MUTATION\n",
+        "a tunnel's end keeps its place under the cap: a client, or a relay and all behind it, refused for good",
+        ("tests/swarm/net/test_tunnel.py::test_a_remote_peer_that_closed_its_tunnels_can_open_new_ones",),
+    ),
+    Mutation(
         "relay-streams-per-client-uncapped",
         "swarm/net/relay.py",
         "            if self._sources.get(source, 0) >= self.max_streams_per_source:\n",

@@ -75,7 +75,7 @@ RUNS = {  # name -> (trainers, peers per stage, flags of peers and trainers)
 BATCH = 4
 """Sequences of 64 tokens in each trainer's batch, sent as one micro-batch: little compute per round trip."""
 SKIP = 2
-WAITING = ("ready", "rounds", "apply", "sync")
+WAITING = ("ready", "rounds", "decide", "apply", "sync")
 """The phases of a trainer's step (client/training/trainer.py StepResult.phases) spent waiting on others."""
 
 
@@ -168,7 +168,7 @@ def _section(
         f"{steps} steps a run, batch {BATCH}x64 a trainer; tokens/s: each trainer's tokens over its seconds after {SKIP} "
         "warm-up steps, added over the trainers.",
         "",
-        "| run | tokens/s | vs 1 trainer | waiting | mean step: micro-batches / ready / rounds / apply / sync (s) "
+        "| run | tokens/s | vs 1 trainer | waiting | mean step: micro-batches / ready / rounds / decide / apply / sync (s) "
         "| round bytes sent per trained sample | final loss |",
         "|---|---|---|---|---|---|---|",
     ]

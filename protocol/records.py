@@ -26,6 +26,8 @@ MAX_THROUGHPUT = 1e7  # tokens/s; far above any span on one machine today
 MAX_CACHE_TOKENS = 1 << 32
 MAX_COUNT = 1 << 48  # epochs, samples
 MAX_NUM_BLOCKS = 10_000
+MAX_DECIDED_ROUNDS = 256  # stages of one run named in a trainer's decision: within the DHT's 8 KiB per value
+ROUND_TAG_CHARS = 16  # of a round id (hex sha256), as a trainer's decision names it
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_RECORD_TTL_S = 300.0
 """The DHT refuses records of ours that expire further ahead than this (swarm/dht/validators.py), so a record pinned
@@ -194,6 +196,32 @@ class TrainingProgress(_Record):
     round_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
     # it stopped cleanly: from now on it vouches for no state and joins no update (swarm/training/members.py)
     left: bool = False
+    # a trainer's decision on update `epoch`, stored before its first Apply: the rounds it applies (the first 16 hex
+    # of each stage's round id) and their clipping factor, so that a stage whose Apply never came (the trainer died
+    # between its Apply calls) applies the same update once the trainer is gone (peer/training/decision.py)
+    decided: tuple[pydantic.constr(pattern=rf"^[0-9a-f]{{{ROUND_TAG_CHARS}}}$"), ...] = pydantic.Field(
+        default=(), max_length=MAX_DECIDED_ROUNDS
+    )
+    clip_scale: float = pydantic.Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+
+    @pydantic.field_validator("decided", mode="before")
+    @classmethod
+    def _tuple_from_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @pydantic.model_validator(mode="after")
+    def _decided_with_a_scale(self) -> TrainingProgress:
+        if self.decided and not self.clip_scale > 0:
+            raise ValueError(f"a decision needs a clip_scale in (0, 1], got {self.clip_scale}")
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = super().to_wire()
+        if not self.decided:  # what every record but a trainer's just before Apply holds: read by older versions too
+            del wire["decided"], wire["clip_scale"]
+        else:
+            wire["decided"] = list(self.decided)
+        return wire
 
 
 def record_ttl_s(update_period_s: float) -> float:
@@ -204,6 +232,11 @@ def record_ttl_s(update_period_s: float) -> float:
 def max_update_period_s() -> float:
     """The longest announcement period whose records the DHT still accepts from a node with a skewed clock."""
     return (MAX_RECORD_TTL_S - CLOCK_SKEW_S - 5) / 2
+
+
+def round_tag(round_id: str) -> str:
+    """How a trainer's decision names a round (TrainingProgress.decided)."""
+    return round_id[:ROUND_TAG_CHARS]
 
 
 def block_key(prefix: str, block: int) -> str:

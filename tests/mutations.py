@@ -888,6 +888,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/net/test_tunnel.py::test_a_remote_peer_that_closed_its_tunnels_can_open_new_ones",),
     ),
     Mutation(
+        "decided-update-dropped",
+        "peer/training/span.py",
+        "        decision = decision_for(records, self.status)\n",
+        "        decision = None  # MUTATION\n",
+        "a stage whose Apply never came drops the update its dead trainer applied elsewhere: stages one apart for good",
+        ("tests/integration/test_training_decided.py",),
+    ),
+    Mutation(
+        "decision-not-stored",
+        "client/training/trainer.py",
+        "        await asyncio.to_thread(self.trainers.decide, epoch, [d.round_id for d in done.values()], scale)\n",
+        "        pass  # MUTATION\n",
+        "a trainer applies without storing its decision: a stage whose Apply never comes cannot finish the update",
+        ("tests/integration/test_training_decided.py",),
+    ),
+    Mutation(
         "relay-streams-per-client-uncapped",
         "swarm/net/relay.py",
         "            if self._sources.get(source, 0) >= self.max_streams_per_source:\n",

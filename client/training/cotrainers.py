@@ -21,7 +21,9 @@ import hivemind
 import torch
 
 from client.config import TrainConfig
-from protocol.records import TrainingProgress
+from protocol.errors import DHTUnavailableError
+from protocol.records import TrainingProgress, round_tag
+from swarm.dht.node import dht_result
 from swarm.training import agreement
 from swarm.training.group import TRAINER_PROGRESS_TTL_S, GroupMember, trainers_key
 from swarm.training.state import VerifiedState, majority_claim, others_gone, state_digest
@@ -30,6 +32,7 @@ from swarm.trust.swarmkey import SwarmKey
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+DECIDE_TIMEOUT_S = 10.0  # for the DHT to take a decision; past it the trainer applies anyway, and warns
 
 T = TypeVar("T")
 
@@ -58,7 +61,7 @@ class CoTrainers:
         compression: str = "none",
         digest_of: Callable[[Sequence[torch.Tensor]], str] = state_digest,
     ):
-        self.config = config
+        self.dht, self.config = dht, config
         self.stages_epoch = stages_epoch
         self.trainer_id = dht.peer_id.to_base58()
         self.progress = TrainingProgress(epoch=0, samples=0)
@@ -86,6 +89,19 @@ class CoTrainers:
     def publish(self, progress: TrainingProgress) -> None:
         self.progress = progress
         self.group.publish(progress)
+
+    def decide(self, epoch: int, rounds: Sequence[str], clip_scale: float, timeout_s: float = DECIDE_TIMEOUT_S) -> bool:
+        """Store this trainer's decision on update `epoch` (the stages' round ids and the clipping factor), before its
+        first Apply, so that a stage whose Apply never comes applies it all the same (peer/training/decision.py); the
+        record says the rest as before. Whether the DHT took it within `timeout_s` (blocking)."""
+        decided = tuple(sorted({round_tag(round_id) for round_id in rounds}))
+        progress = self.progress.model_copy(update={"epoch": epoch, "decided": decided, "clip_scale": clip_scale})
+        self.progress = TrainingProgress.from_wire(progress.to_wire())  # validated: a record the DHT refuses is lost
+        try:
+            return bool(dht_result(self.dht, self.group.publish(self.progress), "storing a decision", timeout_s))
+        except DHTUnavailableError as exc:
+            logger.warning("update %d: could not store this trainer's decision: %s", epoch, exc)
+            return False
 
     def _publish_forever(self) -> None:
         while not self._stop.wait(self.config.averaging.progress_period_s):

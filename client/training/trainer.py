@@ -77,8 +77,8 @@ class StepResult:
     """What went wrong in this step and was repaired (a member fenced, a round repeated)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of the step by phase: `ready` (waiting for the stages to open the update), `micro_batches` (compute
-    and the wire), `rounds` (the trainers' and stages' rounds), `apply` (the stages' and own update), `sync` (local
-    steps' outer sync, and the new state's record). All but `micro_batches` is waiting on others."""
+    and the wire), `rounds` (the trainers' and stages' rounds), `decide` (storing the decision on the update),
+    `apply` (the stages' and own update), `sync` (local steps' outer sync, and the new state's record). All but `micro_batches` is waiting on others."""
 
 
 class Phases:
@@ -314,6 +314,9 @@ class SwarmTrainer:
         total_norm = global_norm([*(d.grad_sq_norm for d in done.values()), head_sq])
         scale = clip_scale(total_norm, self.recipe.max_grad_norm)
         phases.end("rounds")
+        # stored before any Apply goes: a stage that gets none because this trainer dies now applies it as decided
+        await asyncio.to_thread(self.trainers.decide, epoch, [d.round_id for d in done.values()], scale)
+        phases.end("decide")
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
         phases.end("apply")

@@ -10,7 +10,9 @@
   applied an update, the majority is that of the members of its last round not behind the update its trainers
   announce.
 - An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
-  lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good.
+  lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good. Unless one of
+  them had decided it (peer/training/decision.py): then other stages may have applied it, and this one applies it
+  as decided.
 
 Heavy work (backward, apply, copying state) runs on the compute thread; the rest on the event loop.
 """
@@ -34,6 +36,7 @@ from peer.blocks import BlockSpan
 from peer.config import TrainingConfig
 from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
+from peer.training.decision import Decision, decision_for
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
@@ -107,6 +110,7 @@ class SpanTraining:
         self._lock = threading.Lock()  # an update versus a joiner copying the state
         self._ahead_since: float | None = None  # when the group was first seen ahead of this member
         self._orphaned_since: float | None = None  # when the trainers of the update's commits were first seen gone
+        self._decision: Decision | None = None  # a trainer's decision on the round under way, seen in its record
         self.saved_as = (
             Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" if config.save_dir else None
         )
@@ -576,13 +580,14 @@ class SpanTraining:
     async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
         """Publish progress, copy the group's state when a majority is ahead for good, and drop updates whose
         trainers are gone. Runs until cancelled."""
-        await asyncio.gather(self._follow_group(compute, on_update), self._watch_trainers())
+        await asyncio.gather(self._follow_group(compute, on_update), self._watch_trainers(compute, on_update))
 
-    async def _watch_trainers(self) -> None:
-        """Drop updates whose trainers are gone (apart from catching up, which can take a load-state timeout)."""
+    async def _watch_trainers(self, compute: Compute, on_update: Callable[[], None]) -> None:
+        """Finish or drop updates whose trainers are gone (apart from catching up, which can take a load-state
+        timeout)."""
         while True:
             try:
-                await self._drop_if_orphaned()
+                await self._settle_if_orphaned(compute, on_update)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the DHT may be briefly unreachable
@@ -633,22 +638,37 @@ class SpanTraining:
         self._ahead_since = self._ahead_since or now
         return not busy or now - self._ahead_since > self.config.averaging.averaging_timeout_s
 
-    async def _drop_if_orphaned(self) -> None:
-        """Drop the update's commits when every trainer they follow has been gone (no live record in the run's group
-        of trainers) for ORPHAN_GRACE_S and none of them applied it. An update applied by some stage and not this
-        one is not repaired here: that needs the clipping factor only its trainers knew."""
+    async def _settle_if_orphaned(self, compute: Compute, on_update: Callable[[], None]) -> None:
+        """When every trainer the update's commits follow has been gone (no live record in the run's group of
+        trainers) for ORPHAN_GRACE_S and none of them applied it here: apply the round as one of them decided, if
+        one did (it may have applied it at other stages before it died), else drop the commits."""
         commits, trainers = self.commits, self.commits.trainers()
         if trainers is None or self.trainers is None:
             self._orphaned_since = None
             return
         records = await asyncio.to_thread(self.trainers.members)
-        if commits is not self.commits or any(t in records and not records[t].left for t in trainers):
+        if commits is not self.commits:
+            self._orphaned_since = None
+            return
+        decision = decision_for(records, self.status)
+        if decision is not None:
+            self._decision = decision  # kept once the record lapses: it lives a few reads longer than the trainer
+        if any(t in records and not records[t].left for t in trainers):
             self._orphaned_since = None
             return
         now = time.monotonic()
         self._orphaned_since = self._orphaned_since or now
         if now - self._orphaned_since < ORPHAN_GRACE_S or (self._applying is not None and self._applying.locked()):
             return
+        decision = self._decision
+        if decision is not None and (decision.epoch, decision.round_id) == (self.epoch, self.status.round_id):
+            try:
+                await self._apply_decided(decision, compute)
+            except (BadRequestError, StaleEpochError) as exc:  # the round changed meanwhile: nothing to apply
+                logger.warning("update %d of run %r: applying it as decided failed: %s", self.epoch, self.run_id, exc)
+            else:
+                on_update()
+                return
         if self._round is not None and not self._round.done() and self.status.round_id:
             self.group.abandon(bytes.fromhex(self.status.round_id))
         dropped = self.accumulators.drop(trainers)
@@ -663,6 +683,26 @@ class SpanTraining:
             [t[-8:] for t in trainers],
             dropped,
         )
+
+    async def _apply_decided(self, decision: Decision, compute: Compute) -> None:
+        logger.warning(
+            "update %d of run %r: its trainer %s decided it and is gone without applying it here; applying it as "
+            "decided (clip scale %.4g)",
+            self.epoch,
+            self.run_id,
+            decision.trainer[-8:],
+            decision.clip_scale,
+        )
+        request = pb.ApplyRequest(
+            run_id=self.run_id,
+            span=pb.Span(model=self.prefix, start=self.span.start, end=self.span.end),
+            epoch=self.epoch,
+            round_id=self.status.round_id,
+            grad_digest=self.status.grad_digest,
+            clip_scale=decision.clip_scale,
+        )
+        self._orphaned_since = None
+        await self.apply(request, compute)
 
     async def _catch_up(self, compute: Compute) -> None:
         logger.warning(

@@ -86,8 +86,9 @@ class GroupMember:
         """End round `round_id` at once, as incomplete: a later attempt replaced it (RoundAverager.abandon)."""
         self.averager.abandon(round_id)
 
-    def publish(self, progress: TrainingProgress) -> None:
-        self.progress.publish(progress)
+    def publish(self, progress: TrainingProgress):
+        """Store our record; returns the store's future at once (it completes in the background)."""
+        return self.progress.publish(progress)
 
     def members(self) -> dict[str, TrainingProgress]:
         """Peer id -> verified progress of every member heard from lately (this one too, once its record is in)."""

@@ -45,9 +45,9 @@ def test_the_table_gives_every_run_against_one_trainer():
     assert table.startswith(
         "## 25 ms each way and 50 Mbit/s to each peer, 200 Mbit/s in all, 128-character vocabulary ("
     )
-    assert "| 1 trainer | 100.0 | 1.00x | 25% | 0.75 / 0.25 / 0.00 / 0.00 / 0.00 | 0.0 kB | 8.0000 |" in table
+    assert "| 1 trainer | 100.0 | 1.00x | 25% | 0.75 / 0.25 / 0.00 / 0.00 / 0.00 / 0.00 | 0.0 kB | 8.0000 |" in table
     assert (
-        "| 4 trainers, local steps | 500.0 | 5.00x | 25% | 0.75 / 0.25 / 0.00 / 0.00 / 0.00 | 800.0 kB | 8.0000 |"
+        "| 4 trainers, local steps | 500.0 | 5.00x | 25% | 0.75 / 0.25 / 0.00 / 0.00 / 0.00 / 0.00 | 800.0 kB | 8.0000 |"
         in table
     )
 

@@ -18,6 +18,8 @@ proxy passes every call through, and corrupts the answers that MODE_FILE (JSON, 
                  dtype asked for, so only a spot check on another peer (client/verify.py) can tell;
     lose         pass the call on, then drop the answer as a lost connection would (UNAVAILABLE): the peer did
                  the work, the client cannot know; with "times": N, only the first N calls
+    withhold     do not pass the call on: hold it while MODE_FILE still says so (at most the call's deadline),
+                 then answer UNAVAILABLE, as if the request had been lost on its way; the peer never sees it
   and for inference only:
     kind         `opened` where a step result is due;
     position     a cache position one past the truth;
@@ -36,6 +38,7 @@ import json
 import queue
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,7 +53,10 @@ from protocol.codec import decode_tensor
 from protocol.packing import Packer, unpack
 from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME
 
-LIES = ("honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id", "lose")
+LIES = (
+    "honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id", "lose",
+    "withhold",
+)  # fmt: skip
 TENSOR_FIELD = {"Forward": "hidden_states", "Backward": "grad_inputs"}
 _MAX_BYTES = 128 * 1024 * 1024
 _REFUSAL = "hidden_states contains NaN or inf"  # what an honest peer says of really bad input
@@ -114,6 +120,11 @@ class Liar:
                 told(lie, name)
                 context.set_trailing_metadata(((ERROR_CODE_KEY, "bad_request"),))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, _REFUSAL)
+            if lie == "withhold":
+                told(lie, name)
+                while self.mode(name)["lie"] == "withhold" and (context.time_remaining() or 0) > 0.2:
+                    time.sleep(0.1)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost (a test's proxy withheld the call)")
             try:
                 answer = call(request, timeout=context.time_remaining())
             except grpc.RpcError as exc:  # the peer's own refusal, passed on as it is

@@ -354,6 +354,10 @@ class Swarm:
         self.processes.append(proc)
         return proc
 
+    def start_script(self, name: str, script: str | Path, *args: str) -> ManagedProcess:
+        """Start `python SCRIPT ARGS...` (a test's own program, e.g. tests/helpers/trainer.py) as a managed process."""
+        return self._spawn(ManagedProcess, name, list(args), command=[sys.executable, str(script)])
+
     def start_bootstrap(self, *extra_args: str, timeout_s: float = 60.0, netns: str | None = None) -> list[str]:
         """Start `swarmlm bootstrap EXTRA...`, wait for the multiaddrs it prints, and make them the initial peers."""
         proc = self._spawn(BootstrapProcess, "bootstrap", ["bootstrap", *extra_args], netns)

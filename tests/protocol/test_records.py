@@ -304,6 +304,26 @@ def test_training_progress_roundtrip_and_rejects():
             TrainingProgress.from_wire(bad)
 
 
+def test_a_trainers_decision_roundtrips_and_is_left_off_the_wire_when_there_is_none():
+    decided = TrainingProgress(epoch=3, samples=8, decided=("0123456789abcdef", "fedcba9876543210"), clip_scale=0.25)
+    assert TrainingProgress.from_wire(through_dht(decided.to_wire())) == decided
+    # a record without a decision is what versions before decisions wrote and read
+    assert set(TrainingProgress(epoch=3, samples=8).to_wire()) == {
+        "epoch", "samples", "param_digest", "round", "round_digest", "left"
+    }  # fmt: skip
+    wire = decided.to_wire()
+    for bad in (
+        {"decided": ["0123456789ABCDEF"]},  # not lower-case hex
+        {"decided": ["0123456789abcdef0"]},  # not a round's tag
+        {"decided": ["0123456789abcdef"] * 257},  # more stages than a record holds
+        {"clip_scale": 0.0},  # a decision without its factor
+        {"clip_scale": 1.5},
+        {"clip_scale": float("nan")},
+    ):
+        with pytest.raises(InvalidRecordError, match="invalid TrainingProgress record"):
+            TrainingProgress.from_wire({**wire, **bad})
+
+
 @pytest.mark.parametrize("run_id", ["default", "run_1", "A-b-9"])
 def test_check_run_id_accepts(run_id):
     assert check_run_id(run_id) == run_id

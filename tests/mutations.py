@@ -889,8 +889,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decided-update-dropped",
-        "peer/training/span.py",
-        "        decision = decision_for(records, self.status)\n",
+        "peer/training/follow.py",
+        "        decision = decision_for(records, training.status)\n",
         "        decision = None  # MUTATION\n",
         "a stage whose Apply never came drops the update its dead trainer applied elsewhere: stages one apart for good",
         ("tests/integration/test_training_decided.py",),
@@ -975,7 +975,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "orphaned-update-kept",
-        "peer/training/span.py",
+        "peer/training/follow.py",
         "        self._orphaned_since = self._orphaned_since or now\n",
         "        self._orphaned_since = self._orphaned_since or now\n        return  # MUTATION\n",
         "an update whose trainers died between commit and Apply stays committed: the trainers left are refused for good",
@@ -1218,8 +1218,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "split-sync-never-healed",
-        "peer/training/span.py",
-        "            if mine is not None and claim[1] != mine:\n",
+        "peer/training/follow.py",
+        "            if not busy and not training.samples and mine is not None and claim[1] != mine:\n",
         "            if False:  # MUTATION\n",
         "members a sync failed for stay apart from the majority for good (each later sync moves each from its own)",
         ("tests/peer/training/test_local_steps.py",),

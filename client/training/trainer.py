@@ -196,7 +196,7 @@ class SwarmTrainer:
         """A step; one whose update moved on without it (it was late among several trainers) is done again at the
         next update: its micro-batches at the stages are left out of the update they missed. Refused as late with
         no other trainer left, it waits: the stages hold an update that trainers now dead committed without it,
-        and drop it once their records have lapsed (peer/training/span.py)."""
+        and drop it once their records have lapsed (peer/training/follow.py)."""
         late = 0
         orphaned_until = None
         while True:

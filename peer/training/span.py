@@ -8,11 +8,8 @@
 - A member left out of a commit, or one that finds a majority of its group ahead, drops what it holds and copies
   the group's state, checked against the digest the majority announces (swarm/training/state.py). Once it has
   applied an update, the majority is that of the members of its last round not behind the update its trainers
-  announce.
-- An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
-  lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good. Unless one of
-  them had decided it (peer/training/decision.py): then other stages may have applied it, and this one applies it
-  as decided.
+  announce. Between calls, peer/training/follow.py keeps it in step, and finishes or drops an update whose
+  trainers are gone.
 
 Heavy work (backward, apply, copying state) runs on the compute thread; the rest on the event loop.
 """
@@ -36,7 +33,8 @@ from peer.blocks import BlockSpan
 from peer.config import TrainingConfig
 from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
-from peer.training.decision import Decision, decision_for
+from peer.training.decision import Decision
+from peer.training.follow import Follower
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
@@ -45,7 +43,7 @@ from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, 
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
 from swarm.training.outer import OuterStep, agreed_sync, sync_due, vouched_digest
-from swarm.training.recipe import RunRecipe, lr_at, publish_recipe
+from swarm.training.recipe import RunRecipe, lr_at
 from swarm.training.state import applied_by_trainers, deciding
 
 logger = logging.getLogger(__name__)
@@ -54,10 +52,8 @@ Compute = Callable[[Callable], Awaitable]
 
 NORM_WINDOW = 64  # accepted micro-batches whose gradient norms make the running median
 NORM_WARMUP = 8  # below this many, any finite gradient is accepted
-RECIPE_RENEW_S = 60.0  # recipe records live 240 s: every member vouches for its run's again well before
 MAX_NORM_RATIO = 100.0  # a gradient this many times the median norm is refused as an outlier (or an attack)
 LOCAL_ROUND_WAIT_S = 5.0  # a round with no one to average with, awaited by the commit that starts it
-ORPHAN_GRACE_S = 2.0  # an update's trainers must look gone in reads this far apart: one read can miss a record
 
 
 class SpanTraining:
@@ -108,9 +104,6 @@ class SpanTraining:
         self.applied_members: tuple[str, ...] = ()  # the members of that round (this one too)
         self._plan: RoundPlan | None = None  # the round under way
         self._lock = threading.Lock()  # an update versus a joiner copying the state
-        self._ahead_since: float | None = None  # when the group was first seen ahead of this member
-        self._orphaned_since: float | None = None  # when the trainers of the update's commits were first seen gone
-        self._decision: Decision | None = None  # a trainer's decision on the round under way, seen in its record
         self.saved_as = (
             Path(config.save_dir) / f"{prefix}.{config.run_id}.{span.start}-{span.end}.pt" if config.save_dir else None
         )
@@ -385,7 +378,7 @@ class SpanTraining:
 
         async def publish(attempt: int, digest: str) -> None:
             self._sync_outcome = (self.epoch, attempt, digest)
-            progress = await asyncio.to_thread(self._progress)
+            progress = await asyncio.to_thread(self.progress)
             await asyncio.to_thread(self.group.publish, progress)
 
         return await agreed_sync(
@@ -452,6 +445,11 @@ class SpanTraining:
             if self._digest is None or self._digest[0] != self.epoch:
                 self._digest = (self.epoch, self.vouched(self.state()))
             return self._digest[1]
+
+    def vouched_now(self) -> str | None:
+        """The digest of this update's state, once computed (None before)."""
+        digest = self._digest
+        return digest[1] if digest is not None and digest[0] == self.epoch else None
 
     def shared_state(self) -> tuple[int, list[torch.Tensor]]:
         """(epoch, a copy of the state) for a joiner: consistent, never half an update."""
@@ -564,10 +562,11 @@ class SpanTraining:
             logger.info("group %s is at update %d; copying its state", self.group.key, claim[0])
             verified = self.group.load_state(self.state())
             self.load_state(verified.epoch, verified.tensors)
-        self.group.publish(self._progress())
+        self.group.publish(self.progress())
         self.group.serve_state(True)
 
-    def _progress(self) -> TrainingProgress:
+    def progress(self) -> TrainingProgress:
+        """The record this member publishes in its group (compute thread: it digests the state)."""
         outcome = self._sync_outcome if self._sync_outcome is not None and self._sync_outcome[0] == self.epoch else None
         return TrainingProgress(
             epoch=self.epoch,
@@ -578,121 +577,15 @@ class SpanTraining:
         )
 
     async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        """Publish progress, copy the group's state when a majority is ahead for good, and drop updates whose
-        trainers are gone. Runs until cancelled."""
-        await asyncio.gather(self._follow_group(compute, on_update), self._watch_trainers(compute, on_update))
+        """Keep in step with the group and the run's trainers (peer/training/follow.py). Runs until cancelled."""
+        await Follower(self).run(compute, on_update)
 
-    async def _watch_trainers(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        """Finish or drop updates whose trainers are gone (apart from catching up, which can take a load-state
-        timeout)."""
-        while True:
-            try:
-                await self._settle_if_orphaned(compute, on_update)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the DHT may be briefly unreachable
-                logger.warning("reading the run's trainers: %r", exc)
-            await asyncio.sleep(self.config.averaging.progress_period_s)
+    def applying(self) -> bool:
+        """Whether an Apply is under way."""
+        return self._applying is not None and self._applying.locked()
 
-    async def _follow_group(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        settings = self.config.averaging
-        renewed = 0.0
-        while True:
-            try:
-                epoch = self.epoch
-                progress = await compute(self._progress)
-                await asyncio.to_thread(self.group.publish, progress)
-                if time.monotonic() - renewed > RECIPE_RENEW_S:
-                    await asyncio.to_thread(
-                        publish_recipe, self.group.averager.dht, self.prefix, self.run_id, self.recipe
-                    )
-                    renewed = time.monotonic()
-                claim = await asyncio.to_thread(self.group.majority)
-                if self._behind(claim):
-                    await self._catch_up(compute)
-                    on_update()
-                elif self.epoch != epoch:
-                    on_update()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the DHT may be briefly unreachable; training goes on next tick
-                logger.warning("training loop: %r", exc)
-            await asyncio.sleep(settings.progress_period_s)
-
-    def _behind(self, claim: tuple[int, str] | None) -> bool:
-        """Whether to copy the group's state: a majority is past this member's update, and this member is not in the
-        middle of that update (or has been past it for a whole round's timeout: its Apply never came).
-
-        With local steps also a majority at this update that vouches for another state: a sync that failed for some
-        members only (they skipped its outer step) leaves them apart for good otherwise, as each later sync moves
-        every member from its own last sync. Only while it holds no micro-batch of the update: copying drops them."""
-        busy = self.status.state in (pb.RoundStatus.AVERAGING, pb.RoundStatus.AVERAGED)
-        if self.outer is not None and claim is not None and claim[0] == self.epoch and not busy and not self.samples:
-            mine = self._digest[1] if self._digest is not None and self._digest[0] == self.epoch else None
-            if mine is not None and claim[1] != mine:
-                return True
-        if claim is None or claim[0] <= self.epoch:
-            self._ahead_since = None
-            return False
-        now = time.monotonic()
-        self._ahead_since = self._ahead_since or now
-        return not busy or now - self._ahead_since > self.config.averaging.averaging_timeout_s
-
-    async def _settle_if_orphaned(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        """When every trainer the update's commits follow has been gone (no live record in the run's group of
-        trainers) for ORPHAN_GRACE_S and none of them applied it here: apply the round as one of them decided, if
-        one did (it may have applied it at other stages before it died), else drop the commits."""
-        commits, trainers = self.commits, self.commits.trainers()
-        if trainers is None or self.trainers is None:
-            self._orphaned_since = None
-            return
-        records = await asyncio.to_thread(self.trainers.members)
-        if commits is not self.commits:
-            self._orphaned_since = None
-            return
-        decision = decision_for(records, self.status)
-        if decision is not None:
-            self._decision = decision  # kept once the record lapses: it lives a few reads longer than the trainer
-        if any(t in records and not records[t].left for t in trainers):
-            self._orphaned_since = None
-            return
-        now = time.monotonic()
-        self._orphaned_since = self._orphaned_since or now
-        if now - self._orphaned_since < ORPHAN_GRACE_S or (self._applying is not None and self._applying.locked()):
-            return
-        decision = self._decision
-        if decision is not None and (decision.epoch, decision.round_id) == (self.epoch, self.status.round_id):
-            try:
-                await self._apply_decided(decision, compute)
-            except (BadRequestError, StaleEpochError) as exc:  # the round changed meanwhile: nothing to apply
-                logger.warning("update %d of run %r: applying it as decided failed: %s", self.epoch, self.run_id, exc)
-            else:
-                on_update()
-                return
-        if self._round is not None and not self._round.done() and self.status.round_id:
-            self.group.abandon(bytes.fromhex(self.status.round_id))
-        dropped = self.accumulators.drop(trainers)
-        self.commits = Commits(self.epoch)
-        self._averaged = None
-        self.status = pb.RoundStatus(epoch=self.epoch, state=pb.RoundStatus.IDLE)
-        self._orphaned_since = None
-        logger.warning(
-            "update %d of run %r: its trainers %s are gone without applying it; dropped their commits and %d samples",
-            self.epoch,
-            self.run_id,
-            [t[-8:] for t in trainers],
-            dropped,
-        )
-
-    async def _apply_decided(self, decision: Decision, compute: Compute) -> None:
-        logger.warning(
-            "update %d of run %r: its trainer %s decided it and is gone without applying it here; applying it as "
-            "decided (clip scale %.4g)",
-            self.epoch,
-            self.run_id,
-            decision.trainer[-8:],
-            decision.clip_scale,
-        )
+    async def apply_decided(self, decision: Decision, compute: Compute) -> pb.ApplyResponse:
+        """Apply the averaged round as a trainer decided it (its Apply never came)."""
         request = pb.ApplyRequest(
             run_id=self.run_id,
             span=pb.Span(model=self.prefix, start=self.span.start, end=self.span.end),
@@ -701,19 +594,18 @@ class SpanTraining:
             grad_digest=self.status.grad_digest,
             clip_scale=decision.clip_scale,
         )
-        self._orphaned_since = None
-        await self.apply(request, compute)
+        return await self.apply(request, compute)
 
-    async def _catch_up(self, compute: Compute) -> None:
-        logger.warning(
-            "group %s moved on without this peer (here update %d): dropping %d samples and copying its state",
-            self.group.key,
-            self.epoch,
-            self.samples,
-        )
-        verified = await asyncio.to_thread(self.group.load_state, self.state())
-        await compute(lambda: self.load_state(verified.epoch, verified.tensors))
-        self._ahead_since = None
+    def drop_update(self, trainers) -> int:
+        """Drop the update's commits and the micro-batches of `trainers` (gone without applying it); how many
+        samples were dropped."""
+        if self._round is not None and not self._round.done() and self.status.round_id:
+            self.group.abandon(bytes.fromhex(self.status.round_id))
+        dropped = self.accumulators.drop(trainers)
+        self.commits = Commits(self.epoch)
+        self._averaged = None
+        self.status = pb.RoundStatus(epoch=self.epoch, state=pb.RoundStatus.IDLE)
+        return dropped
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):

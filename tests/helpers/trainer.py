@@ -3,7 +3,8 @@
     python tests/helpers/trainer.py CONFIG_JSON
 
 CONFIG_JSON names the model folder, the initial peers, the run id, the batch and micro-batch sizes, the sequence
-length, the vocabulary size, the averaging timeout and the number of steps. The batches are drawn from a generator
+length, the vocabulary size, the averaging timeout and the number of steps, and may name a file to wait for
+("go_file") before the last step, for a test to set up its fault meanwhile. The batches are drawn from a generator
 seeded with 0, as a test's reference draws them. After each step it prints "step N done".
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script: import this repository's packages
@@ -26,6 +28,14 @@ def batches(config: dict):
     generator = torch.Generator().manual_seed(0)
     while True:
         yield torch.randint(3, config["vocab_size"], (config["batch"], config["seq_len"]), generator=generator)
+
+
+def wait_for_file(path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s:g}s")
+        time.sleep(0.05)
 
 
 def main(argv: list[str]) -> int:
@@ -44,6 +54,8 @@ def main(argv: list[str]) -> int:
     )
     try:
         for step, batch in zip(range(1, config["steps"] + 1), batches(config)):
+            if step == config["steps"] and config.get("go_file"):
+                wait_for_file(Path(config["go_file"]))
             result = trainer.step(batch)
             print(f"step {step} done: loss {result.loss:.6f}", flush=True)
     finally:

@@ -52,10 +52,11 @@ def test_a_stage_whose_apply_never_came_applies_the_update_its_dead_trainer_deci
         swarm.wait_for(lambda: len(swarm.snapshot(prefix, 4).online()) == 2, 120, "2 peers ONLINE")
         config = {"model": str(path), "initial_peers": swarm.initial_peers, "run_id": RUN, "batch": BATCH,
                   "micro": MICRO, "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE, "averaging_timeout_s": 8.0,
-                  "steps": 2}  # fmt: skip
+                  "steps": 2, "go_file": str(tmp_path / "go")}  # fmt: skip
         trainer = swarm.start_script("trainer", HELPERS / "trainer.py", json.dumps(config))
         swarm.wait_for(lambda: "step 1 done" in trainer.stdout(), 180, "the trainer's first step")
         mode_file.write_text(json.dumps({"lie": "withhold", "on": "apply"}))
+        (tmp_path / "go").touch()  # the second step begins
 
         client = AutoDistributedModelForCausalLM.from_pretrained(
             str(path), initial_peers=swarm.initial_peers, dtype=torch.float32

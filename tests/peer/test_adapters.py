@@ -81,7 +81,9 @@ def test_rows_of_one_batch_take_their_own_adapters(folders):
             folders["model"], load_config(folders["model"]), *BLOCKS, dtype=torch.float32, device=torch.device("cpu")
         )
         base = plain(hidden[1:2])
-    torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-6, rtol=1e-6)
+    # a batch of 3 rows sums in another order than one row (BLAS picks kernels by shape): float32 rounding apart
+    torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    assert float((alone[0] - base).abs().max()) > 1e-3 and float((alone[2] - base).abs().max()) > 1e-3
     assert torch.equal(alone[1], base)  # no adapter: exactly the span without any
 
 

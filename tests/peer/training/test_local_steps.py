@@ -7,6 +7,7 @@ import torch
 
 from peer.blocks import load_span
 from peer.config import TrainingConfig
+from peer.training.follow import Follower
 from peer.training.span import SpanTraining
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError
@@ -68,10 +69,10 @@ def test_a_member_apart_from_the_majority_at_its_own_update_copies_it_only_with_
     local, synchronous = member(checkpoint, 4), member(checkpoint, 1)
     for training in (local, synchronous):
         mine = training.digest()
-        assert not training._behind((0, mine))
-        assert training._behind((0, "another state")) is (training is local)
+        assert not Follower(training).behind((0, mine))
+        assert Follower(training).behind((0, "another state")) is (training is local)
     local.accumulators.add("trainer", 0, 1, own_gradients(local, 0))
-    assert not local._behind((0, "another state"))  # copying now would drop that micro-batch
+    assert not Follower(local).behind((0, "another state"))  # copying now would drop that micro-batch
 
 
 def test_a_gradient_far_above_the_runs_median_is_refused_with_what_to_do(checkpoint):

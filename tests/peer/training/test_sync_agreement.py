@@ -44,7 +44,7 @@ def pair(tmp_path):
 
     def publish_forever(training: SpanTraining) -> None:
         while not stop.wait(AVERAGING.progress_period_s):
-            training.group.publish(training._progress())
+            training.group.publish(training.progress())
 
     publishers = []
     try:
@@ -52,7 +52,7 @@ def pair(tmp_path):
             dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
             training = member(checkpoint)
             training.start_group(dhts[-1])
-            training.group.publish(training._progress())
+            training.group.publish(training.progress())
             training.group.serve_state(True)
             members.append(training)
             publishers.append(threading.Thread(target=publish_forever, args=(training,), daemon=True))

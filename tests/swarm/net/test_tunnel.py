@@ -29,6 +29,7 @@ from swarm.net.tunnel import (
     TUNNEL_PROTOCOL,
     TunnelPool,
     TunnelServer,
+    open_tunnel,
     read_message,
     tunnel_address,
     write_message,
@@ -371,6 +372,44 @@ def test_a_remote_peer_that_closed_its_tunnels_can_open_new_ones(dhts):
             await tunnel.stop()
             await server.stop(None)
             await peer_p2p.shutdown()
+            await client_p2p.shutdown()
+
+    run(main())
+
+
+def test_a_relay_stream_that_ends_before_the_relays_answer_is_opened_again_once(dhts):
+    """A stream to the relay that breaks before its answer is tried once more; a second that breaks is the relay's
+    failure, named as such."""
+    relay, client = dhts(), dhts(client_mode=True)
+
+    async def main():
+        relay_p2p, client_p2p = await relay.replicate_p2p(), await client.replicate_p2p()
+        streams = []
+
+        async def breaks_first(info, reader, writer):  # a relay whose first streams end without a word
+            streams.append(info.peer_id)
+            await read_message(reader, pb.RelayOpen)
+            if len(streams) in breaks:
+                writer.close()
+                return
+            await write_message(
+                writer, pb.RelayOpened(error=pb.Error(code=PeerUnavailableError.code, message="is not registered here"))
+            )
+            writer.close()
+
+        await relay_p2p.add_binary_stream_handler(RELAY_PROTOCOL, breaks_first)
+        address = tunnel_address(client.peer_id.to_base58(), relay.peer_id.to_base58())
+        try:
+            breaks = {1}
+            with pytest.raises(PeerUnavailableError, match="is not registered here"):
+                await open_tunnel(client_p2p, address)
+            assert len(streams) == 2
+            breaks = {3, 4}
+            with pytest.raises(PeerUnavailableError, match="the relay did not answer: the stream ended"):
+                await open_tunnel(client_p2p, address)
+            assert len(streams) == 4
+        finally:
+            await relay_p2p.shutdown()
             await client_p2p.shutdown()
 
     run(main())

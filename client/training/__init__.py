@@ -1,6 +1,7 @@
 """Training with the swarm: the trainer, its local reference, data, export and `swarmlm train`.
 
 - trainer: SwarmTrainer, pipelined synchronous training with the peers of a run
+- microbatches: a step's micro-batches through one member per stage, each added once, fenced members' moved
 - stages, ledger, update: the run's stage members, where each micro-batch went, and the commit and apply of an update
 - cotrainers: CoTrainers, meeting the run's other trainers and averaging the trainers' own parts with them
 - local: LocalTrainer, the same training in one process (the reference the swarm is checked against)

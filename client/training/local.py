@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client.config import TrainConfig
-from client.training.trainer import StepResult, lm_loss, local_named_parameters, local_parameters
+from client.training.microbatches import lm_loss
+from client.training.trainer import StepResult, local_named_parameters, local_parameters
 from protocol.vocab import TrainMode
 from swarm.models.checkpoint import attention_for, load_config
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors

@@ -2,10 +2,8 @@
 
 One step is one update of the whole model (the swarm computes what one process would):
 1. find every stage's members at the run's current update (client/training/stages.py);
-2. run the batch's micro-batches, several in flight at once: embeddings here, the blocks on one member per stage
-   (forward kept for the backward), loss and head here, then backward through the stages. Each micro-batch has an
-   id (this trainer, its index); a member adds an id once, so a backward whose answer was lost goes to the same
-   member again, never to another while the first may hold it (client/training/ledger.py);
+2. run the batch's micro-batches, several in flight at once, through one member per stage, each added once by
+   one member (client/training/microbatches.py);
 3. commit the update to every member, wait for each stage's round, and apply it everywhere with one clipping
    factor from the global norm (client/training/update.py);
 4. apply the same update to the embeddings, norm and head here.
@@ -25,24 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from transformers.loss.loss_utils import ForCausalLMLoss
 
-from client import checks
 from client.config import TrainConfig
-from client.retry import describe
-from client.routing import RouteHop
-from client.sequence import HopRecord, TakenBackward, TrainingTag
 from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
+from client.training.microbatches import MicroBatches
 from client.training.stages import INFO_TIMEOUT_S, Span, Stages
 from client.training.update import Averaged, Update
 from protocol.errors import (
-    BadRequestError,
     StaleEpochError,
     StateDownloadError,
     SwarmError,
     TrainingFaultError,
-    UnauthorizedError,
 )
 from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
@@ -53,7 +45,6 @@ from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_no
 
 logger = logging.getLogger(__name__)
 
-MAX_WAIT_S = 5.0
 MAX_LATE_STEPS = 20  # tries of one batch whose update moves on without it (other trainers going on meanwhile)
 ORPHAN_MARGIN_S = 10.0  # past a dead trainer's record lifetime: the stages drop its update within ORPHAN_GRACE_S
 ORPHAN_POLL_S = 1.0
@@ -107,11 +98,6 @@ def local_named_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.P
     return params
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Mean next-token cross-entropy over a micro-batch, as transformers computes it with labels=input_ids."""
-    return ForCausalLMLoss(logits=logits, labels=ids, vocab_size=vocab_size)
-
-
 class SwarmTrainer:
     """Trains `model` (a connected DistributedModelForCausalLM) with the peers of `config.run_id`.
 
@@ -147,6 +133,7 @@ class SwarmTrainer:
         )
         self.stages = Stages(self.sequence, config.run_id)
         self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local")
+        self.micro_batches = MicroBatches(model, self.params, self.stages, config, self.trainer_id, self._local)
         self.epoch = epoch
         self.steps_done = 0
         try:
@@ -278,7 +265,7 @@ class SwarmTrainer:
         micro = list(batch.split(self.config.micro_batch_size))
         phases.end("ready")
         losses = await asyncio.gather(
-            *(self._micro_batch(i, ids, epoch, ledger, sums, gate) for i, ids in enumerate(micro))
+            *(self.micro_batches.run(i, ids, epoch, ledger, sums, gate) for i, ids in enumerate(micro))
         )
         for span in members:
             if not ledger.complete(span, len(micro)):
@@ -299,7 +286,7 @@ class SwarmTrainer:
             trainers=list(trainers),
             members=members,
             ledger=ledger,
-            redo=lambda span, pid: self._fence(span, pid, epoch, ledger),
+            redo=lambda span, pid: self.micro_batches.fence(span, pid, epoch, ledger),
             round_timeout_s=self.config.averaging.averaging_timeout_s,
             trainers_alive=lambda: asyncio.to_thread(self.trainers.alive),
             local_steps=self.outer is not None,
@@ -383,113 +370,6 @@ class SwarmTrainer:
         return await self.trainers.settle(
             epoch, sums, samples, {t: trainers[t] for t in kept}, attempt=self.trainers.first_try(epoch)
         )
-
-    async def _micro_batch(
-        self,
-        index: int,
-        ids: torch.Tensor,
-        epoch: int,
-        ledger: Ledger,
-        sums: list[torch.Tensor],
-        gate: asyncio.Semaphore,
-    ) -> float:
-        async with gate:
-            model = self.model
-            positions = torch.arange(ids.shape[1]).unsqueeze(0)
-
-            def embed():
-                with torch.enable_grad():
-                    return model.embed(ids)
-
-            hidden = await self._local(embed)
-            outputs, records = await self.sequence.forward(hidden.detach(), None, positions, keep_for_backward=True)
-
-            def head():
-                with torch.enable_grad():
-                    out = outputs.detach().requires_grad_(True)
-                    loss = lm_loss(model.head(out), ids, model.config.vocab_size)
-                    grads = torch.autograd.grad(loss, [out, *self.params], allow_unused=True)
-                return float(loss.detach()), grads[0], grads[1:]
-
-            loss, grad, head_grads = await self._local(head)
-            tag = TrainingTag(
-                self.config.run_id, dict.fromkeys(ledger.stages, epoch), (self.trainer_id, index, ids.shape[0])
-            )
-            for record in reversed(records):
-                grad = await self._backward_once(record, grad, positions, tag, ledger)
-
-            def embed_backward():
-                with torch.enable_grad():
-                    grads = torch.autograd.grad(hidden, self.params, grad, allow_unused=True)
-                for acc, a, b in zip(sums, head_grads, grads):
-                    for g in (a, b):
-                        if g is not None:
-                            acc.add_(g.to(torch.float32), alpha=ids.shape[0])
-
-            await self._local(embed_backward)
-            return loss
-
-    async def _backward_once(
-        self, record: HopRecord, grad: torch.Tensor, positions, tag: TrainingTag, ledger: Ledger
-    ) -> torch.Tensor:
-        """The backward of one stage for one micro-batch, added by exactly one member of the stage."""
-        hop, backward_id = record.hop, record.backward_id
-        span: Span = (hop.start, hop.end)
-        _, index, samples = tag.micro_batch
-        deadline = time.monotonic() + self.config.step_timeout_s
-        attempt = 0
-        while True:
-            try:
-                grad_in = await self.sequence._call_backward(
-                    hop, record.inputs, grad, None, positions, backward_id, tag
-                )
-            except Exception as exc:
-                error = checks.blame(exc, describe(hop), training=True)
-                if isinstance(error, (BadRequestError, UnauthorizedError)):  # ours to fix (StaleEpochError too)
-                    raise error from exc
-                if await self.stages.lost(hop.peer_id, error):
-                    await self._fence(span, hop.peer_id, tag.epochs[span], ledger)
-                    hop, backward_id = await self._other_member(span), ""
-                    continue
-                if time.monotonic() > deadline:
-                    raise TrainingFaultError(
-                        f"peer {describe(hop)} neither answered micro-batch {index} nor left the swarm within "
-                        f"{self.config.step_timeout_s:.0f}s: {error}"
-                    ) from exc
-                # it may hold the micro-batch: only it may take it again (it adds it once)
-                logger.info("peer %s did not answer micro-batch %d (%s); asking it again", describe(hop), index, error)
-                await asyncio.sleep(min(0.25 * 2**attempt, MAX_WAIT_S))
-                attempt += 1
-                continue
-            if ledger.record(span, hop.peer_id, index, samples, TakenBackward(hop, record.inputs, grad)):
-                return grad_in
-            hop, backward_id = await self._other_member(span), ""  # fenced meanwhile: its answer counts for nothing
-
-    async def _fence(self, span: Span, peer_id: str, epoch: int, ledger: Ledger) -> None:
-        """Leave `peer_id` out of this update and send every micro-batch it held to another member of `span`."""
-        moved = ledger.fence(span, peer_id)
-        self.sequence.avoid = self.sequence.avoid | {peer_id}
-        logger.warning(
-            "peer %s (blocks %d:%d) is gone: left out of update %d, its %d micro-batches sent to other members",
-            peer_id,
-            *span,
-            epoch,
-            len(moved),
-        )
-        for index, taken in moved:
-            tag = TrainingTag(
-                self.config.run_id, {span: epoch}, (self.trainer_id, index, ledger.stages[span].samples[index])
-            )
-            positions = torch.arange(taken.inputs.shape[1]).unsqueeze(0)
-            hop = await self._other_member(span)
-            await self._backward_once(HopRecord(hop, taken.inputs, ""), taken.grad, positions, tag, ledger)
-
-    async def _other_member(self, span: Span) -> RouteHop:
-        """A live member of the stage that is not avoided (one hop over the whole span)."""
-        hops = await self.sequence.plan(span[0], span[1], inference=False, refresh=True)
-        if len(hops) != 1 or (hops[0].start, hops[0].end) != span:
-            raise TrainingFaultError(f"no member of stage {span[0]}:{span[1]} is left to take its micro-batches")
-        return hops[0]
 
     # --- the run's other trainers ---
 

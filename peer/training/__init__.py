@@ -4,6 +4,9 @@
   calls (backward, commit, apply)
 - accumulators: the gradients held for the next update, one sum per trainer, each micro-batch added once
 - commits: the trainers' commits of an update and the round they define (plain data)
+- follow: Follower, keeping a member in step with its group and trainers between calls (catching up, finishing or
+  dropping an update whose trainers are gone)
+- decision: which trainer's record decides a member's averaged round (plain data)
 
 May import protocol, swarm and the rest of peer.
 """

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
 from client.config import TrainConfig
 from client.training.local import LocalTrainer
-from client.training.trainer import lm_loss, local_parameters
+from client.training.microbatches import lm_loss
+from client.training.trainer import local_parameters
 from swarm.training.recipe import RunRecipe, lr_at
 
 BATCH, MICRO, SEQ = 4, 2, 8

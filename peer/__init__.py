@@ -5,7 +5,8 @@
 - server: PeerServer lifecycle (DHT, block choice, gRPC, announcing)
 - reach: how clients reach the peer (direct gRPC, or libp2p through a relay from behind NAT)
 - handler: the gRPC service; its unary calls (forward, backward, info, state)
-- inference: the inference stream (sessions, their steps, steps pushed into them by the previous peer)
+- inference: the inference stream (sessions, steps pushed into them by the previous peer)
+- steps: one step of a session, checked against its cache, then batched with others or computed in chunks
 - inbox: the kinds of work a session's inbox holds, and the reader of the client's requests
 - served: the span served now, and what every request goes through (span check, validation, compute thread)
 - validation: checks that turn bad input into typed errors

@@ -3,8 +3,8 @@
 A session's work comes through one queue, its inbox (peer/inbox.py): the client's requests, steps that the previous peer of the
 route pushed into it (peer/forwarding.py), and reports of pushes of ours that failed. Each kind of item has its
 own type and its own answer. The bytes of requests and pushed steps count as queued (peer/admission.py) from when
-they enter the inbox: a push is refused when the peer's queue is full. One-token steps of concurrent sessions are computed in one batch
-(peer/batching.py); a long prefill is computed in chunks, other sessions' steps running between them.
+they enter the inbox: a push is refused when the peer's queue is full. Each step is computed by peer/steps.py:
+one-token steps of concurrent sessions in one batch (peer/batching.py), a long prefill in chunks.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
-import torch
-
-from peer import validation
-from peer.batching import DecodeBatcher, Member, can_batch
-from peer.blocks import BlockSpan, rewind_cache
+from peer.batching import DecodeBatcher
 from peer.cache import CacheBudget
-from peer.compute import INFERENCE
 from peer.config import ServingLimits
-from peer.forwarding import Forwarder, check_next, failure_report
+from peer.forwarding import Forwarder, failure_report
 from peer.inbox import (
     ClientRequest,
     InboxItem,
@@ -40,6 +35,7 @@ from peer.inbox import (
     size_of,
 )
 from peer.served import ServedSpan, as_swarm_error
+from peer.steps import Session, SessionSteps
 from peer.timings import StepClock, StepTimings
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import (
@@ -62,23 +58,6 @@ DECODING_S = 2.0  # a session that stepped within this long is decoding: a batch
 RECLAIM_IDLE_S = 60.0
 """A session idle this long is closed when a new one waits for cache (SessionExpiredError: its client, idle since
 at least the lifetime a client excuses, reopens and replays without blaming this peer)."""
-
-
-@dataclass
-class Session:
-    session_id: str
-    blocks: tuple[int, int]
-    max_length: int
-    batch_size: int
-    cache: object
-    position: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    opened_at: float = field(default_factory=time.monotonic)
-    away_s: float | None = None  # usual time from the end of a decode step to the next one's arrival
-    push_token: bytes = b""  # what the previous peer of the route shows to push steps into it (empty: none may)
-    inbox: asyncio.Queue[InboxItem] | None = None  # the session's work
-    reclaimed: bool = False  # told to end, to make room for another session
-    adapter: str = ""  # the named adapter it computes with (peer/adapters.py); "" for none
 
 
 @dataclass
@@ -115,6 +94,7 @@ class InferenceStreams:
         self.batcher = DecodeBatcher(
             served.compute, lambda: served.span, limits.max_batch_tokens, expected=self._decoding
         )
+        self.steps = SessionSteps(served, limits, self.batcher)
         self.step_timings = StepTimings()  # where inference steps spend their time (for Info and benchmarks)
         self.reclaimed = 0  # idle sessions closed to make room for others
         budget.reclaim = self._reclaim
@@ -363,22 +343,9 @@ class InferenceStreams:
     async def _step(self, session: Session, step: pb.InferenceStep, payload: memoryview) -> bytes:
         """Compute one step of `session` (the client's, or pushed into it), push it on if asked, pack the answer."""
         clock = StepClock()
-        span = self._span_of(session)
-        hidden, mask, positions = self._check_step(session, step, payload)
-        clock.parsed()
-        batch, new = hidden.shape[:2]
-        with self.served.admission.admit(batch * new, hidden.nbytes):
-            if (
-                mask is None
-                and len(self.sessions) > 1
-                and can_batch(span, new)
-                and batch * new <= self.limits.max_batch_tokens
-            ):
-                out = await self._decode_in_batch(session, span, step, hidden, positions, clock)
-            else:
-                out = await self._compute_in_chunks(session, span, step, hidden, mask, positions, clock)
-        session.position = step.prefix_length + new
-        session.last_used = time.monotonic()
+        out, mask, positions = await self.steps.compute(
+            session, step, payload, clock, alone=len(self.sessions) <= 1, can_push=self.forwarder is not None
+        )
         if step.next:  # on to the next peer now; our answer to the client goes out meanwhile
             in_background(self._push_on(session, step, out, mask, positions))
         clock.replying()
@@ -396,92 +363,6 @@ class InferenceStreams:
         self.step_timings.add(clock)
         return packed
 
-    def _span_of(self, session: Session) -> BlockSpan:
-        span = self.served.span
-        if span is None or not span.start <= session.blocks[0] < session.blocks[1] <= span.end:
-            raise WrongSpanError(
-                f"this peer no longer serves blocks {session.blocks[0]}:{session.blocks[1]}; "
-                f"continue the session on another peer"
-            )
-        return span
-
-    def _check_step(self, session: Session, step: pb.InferenceStep, payload: memoryview):
-        """The step's (hidden states, mask, positions), checked against the session and its cache."""
-        hidden, mask, positions = self.served.inputs(step, payload, step.prefix_length)
-        if hidden.shape[0] != session.batch_size:
-            raise BadRequestError(f"the session was opened for batch {session.batch_size}, got batch {hidden.shape[0]}")
-        if step.prefix_length > session.position:
-            raise BadRequestError(
-                f"step builds on {step.prefix_length} tokens but the session's cache holds {session.position}; "
-                f"replay the missing tokens first"
-            )
-        validation.check_length(step.prefix_length, hidden.shape[1], session.max_length)
-        if step.next:
-            if self.forwarder is None:
-                raise BadRequestError("this peer does not push steps on to other peers; send each step yourself")
-            check_next(step.next, blocks_left=self.served.num_blocks - session.blocks[1])
-        return hidden, mask, positions
-
-    async def _decode_in_batch(
-        self, session: Session, span: BlockSpan, step: pb.InferenceStep, hidden, positions, clock: StepClock
-    ) -> torch.Tensor:
-        """A one-token step (or a few tokens: speculative decoding's verification), computed together with other
-        sessions' steps of the same blocks (peer/batching.py)."""
-        away = time.monotonic() - session.last_used
-        session.away_s = away if session.away_s is None else 0.7 * session.away_s + 0.3 * away
-        batch = hidden.shape[0]
-        member = Member(
-            session.session_id,
-            session.cache,
-            hidden,
-            positions
-            if positions is not None
-            else (step.prefix_length + torch.arange(hidden.shape[1])).expand(batch, -1),
-            step.prefix_length,
-            session.position,
-            asyncio.get_running_loop().create_future(),
-            reset=lambda: _forget_step(session, span, 0),
-            adapter=session.adapter,
-        )
-        out = await self.batcher.step(session.blocks, member)
-        clock.computed(member.forward_s, member.shared_by)
-        return out
-
-    async def _compute_in_chunks(
-        self, session: Session, span: BlockSpan, step: pb.InferenceStep, hidden, mask, positions, clock: StepClock
-    ) -> torch.Tensor:
-        """The step alone, in chunks of at most max_batch_tokens: other sessions' decode steps run between them."""
-
-        def run(begin: int, end: int):
-            """Tokens [begin, end) of the step (a chunk of a long prefill, or all of it)."""
-            if begin == 0 and step.prefix_length < session.position:  # a retried step, or a branch
-                rewind_cache(session.cache, step.prefix_length)
-                session.position = step.prefix_length
-            try:
-                with torch.inference_mode():
-                    return span(
-                        hidden[:, begin:end],
-                        mask[:, : step.prefix_length + end] if mask is not None else None,
-                        positions[:, begin:end] if positions is not None else None,
-                        session.cache,
-                        step.prefix_length + begin,
-                        blocks=session.blocks,
-                        between_layers=self.served.compute.checkpoint,
-                        adapter=session.adapter,
-                    )
-            except Exception:
-                _forget_step(session, span, step.prefix_length)  # some layers may have grown
-                raise
-
-        batch, new = hidden.shape[:2]
-        chunk = max(1, self.limits.max_batch_tokens // batch)
-        parts = []
-        for begin in range(0, new, chunk):
-            end = min(new, begin + chunk)
-            timed = clock.timed(functools.partial(run, begin, end))
-            parts.append(await self.served.run(timed, batch * (end - begin), INFERENCE))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
 
 async def _guarded(answer: Awaitable[_Reply], what: str) -> _Reply:
     """`answer`, or the typed error it failed with: one request fails, the stream goes on."""
@@ -489,15 +370,6 @@ async def _guarded(answer: Awaitable[_Reply], what: str) -> _Reply:
         return await answer
     except Exception as exc:
         return _Reply(_error(as_swarm_error(exc, what)))
-
-
-def _forget_step(session: Session, span: BlockSpan, prefix_length: int) -> None:
-    """Put the session's cache back to `prefix_length` tokens; where it cannot be (a sliding window), start the
-    session afresh, so that no step builds on a bad cache."""
-    try:
-        rewind_cache(session.cache, prefix_length)
-    except BadRequestError:
-        session.cache, session.position = span.new_cache(), 0
 
 
 def source_of(context) -> str:

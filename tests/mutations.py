@@ -100,7 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "peer-cache-does-not-grow",
-        "peer/inference.py",
+        "peer/steps.py",
         "                    return span(\n"
         "                        hidden[:, begin:end],\n"
         "                        mask[:, : step.prefix_length + end] if mask is not None else None,\n"
@@ -556,7 +556,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "inference-queued-as-training",
-        "peer/inference.py",
+        "peer/steps.py",
         "            parts.append(await self.served.run(timed, batch * (end - begin), INFERENCE))\n",
         "            parts.append(await self.served.run(timed, batch * (end - begin)))  # MUTATION: TRAINING, the default\n",
         "a peer's decode steps wait behind every queued training request",
@@ -596,9 +596,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decode-never-batched",
-        "peer/inference.py",
-        "                mask is None\n                and len(self.sessions) > 1\n",
-        "                False  # MUTATION\n                and len(self.sessions) > 1\n",
+        "peer/steps.py",
+        "            if mask is None and not alone and can_batch(span, new) and batch * new <= self.limits.max_batch_tokens:\n",
+        "            if False:  # MUTATION\n",
         "a peer computes concurrent sessions' decode steps one by one",
         ("tests/integration/test_batching.py::test_concurrent_sessions_are_batched_and_each_stays_exact",),
     ),

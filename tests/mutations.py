@@ -896,6 +896,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/test_training_decided.py",),
     ),
     Mutation(
+        "lost-apply-never-finished",
+        "peer/training/follow.py",
+        "            if decider is not None and decider.epoch > decision.epoch and not training.applying():\n",
+        "            if False:  # MUTATION\n",
+        "a lone stage member whose Apply was lost stays one update behind while its trainer goes on: the run stalls",
+        ("tests/integration/test_training_decided.py",),
+    ),
+    Mutation(
         "decision-not-stored",
         "client/training/trainer.py",
         "        await asyncio.to_thread(self.trainers.decide, epoch, [d.round_id for d in done.values()], scale)\n",

@@ -69,7 +69,8 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of the step by phase: `ready` (waiting for the stages to open the update), `micro_batches` (compute
     and the wire), `rounds` (the trainers' and stages' rounds), `decide` (storing the decision on the update),
-    `apply` (the stages' and own update), `sync` (local steps' outer sync, and the new state's record). All but `micro_batches` is waiting on others."""
+    `apply` (the stages' and own update), `sync` (local steps' outer sync, and the new state's record). All but
+    `micro_batches` is waiting on others."""
 
 
 class Phases:

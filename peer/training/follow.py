@@ -5,7 +5,7 @@
 - An update whose trainers all died after committing it, before any Apply came, is dropped once their records have
   lapsed: nobody would apply it, and it would refuse the micro-batches of the trainers left for good. Unless one of
   them had decided it (peer/training/decision.py): then other stages may have applied it, and this one applies it
-  as decided.
+  as decided. So it does too when the trainer that decided it went on to the next update: its Apply here was lost.
 """
 
 from __future__ import annotations
@@ -102,9 +102,10 @@ class Follower:
         return not busy or now - self._ahead_since > training.config.averaging.averaging_timeout_s
 
     async def _settle_if_orphaned(self, compute: Compute, on_update: Callable[[], None]) -> None:
-        """When every trainer the update's commits follow has been gone (no live record in the run's group of
-        trainers) for ORPHAN_GRACE_S and none of them applied it here: apply the round as one of them decided, if
-        one did (it may have applied it at other stages before it died), else drop the commits."""
+        """Apply the round as a trainer decided it when that trainer has gone on past the update (its Apply here was
+        lost) or when every trainer the update's commits follow has been gone (no live record in the run's group of
+        trainers) for ORPHAN_GRACE_S (it may have applied it at other stages before it died); drop the commits of
+        trainers gone without deciding."""
         training = self.training
         commits, trainers = training.commits, training.commits.trainers()
         if trainers is None or training.trainers is None:
@@ -117,33 +118,24 @@ class Follower:
         decision = decision_for(records, training.status)
         if decision is not None:
             self._decision = decision  # kept once the record lapses: it lives a few reads longer than the trainer
+        decision = self._decision
+        if decision is not None and (decision.epoch, decision.round_id) != (training.epoch, training.status.round_id):
+            decision = None
         if any(t in records and not records[t].left for t in trainers):
             self._orphaned_since = None
+            decider = records.get(decision.trainer) if decision is not None else None
+            if decider is not None and decider.epoch > decision.epoch and not training.applying():
+                await self._apply_decided(decision, compute, on_update, "went on past it without applying it here")
             return
         now = time.monotonic()
         self._orphaned_since = self._orphaned_since or now
         if now - self._orphaned_since < ORPHAN_GRACE_S or training.applying():
             return
         self._orphaned_since = None
-        decision = self._decision
-        if decision is not None and (decision.epoch, decision.round_id) == (training.epoch, training.status.round_id):
-            logger.warning(
-                "update %d of run %r: its trainer %s decided it and is gone without applying it here; applying it "
-                "as decided (clip scale %.4g)",
-                training.epoch,
-                training.run_id,
-                decision.trainer[-8:],
-                decision.clip_scale,
-            )
-            try:
-                await training.apply_decided(decision, compute)
-            except (BadRequestError, StaleEpochError) as exc:  # the round changed meanwhile: nothing to apply
-                logger.warning(
-                    "update %d of run %r: applying it as decided failed: %s", training.epoch, training.run_id, exc
-                )
-            else:
-                on_update()
-                return
+        if decision is not None and await self._apply_decided(
+            decision, compute, on_update, "is gone without applying it here"
+        ):
+            return
         dropped = training.drop_update(trainers)
         logger.warning(
             "update %d of run %r: its trainers %s are gone without applying it; dropped their commits and %d samples",
@@ -152,6 +144,29 @@ class Follower:
             [t[-8:] for t in trainers],
             dropped,
         )
+
+    async def _apply_decided(
+        self, decision: Decision, compute: Compute, on_update: Callable[[], None], why: str
+    ) -> bool:
+        """Apply the round under way as `decision` says; whether it was applied."""
+        training = self.training
+        logger.warning(
+            "update %d of run %r: its trainer %s decided it and %s; applying it as decided (clip scale %.4g)",
+            training.epoch,
+            training.run_id,
+            decision.trainer[-8:],
+            why,
+            decision.clip_scale,
+        )
+        try:
+            await training.apply_decided(decision, compute)
+        except (BadRequestError, StaleEpochError) as exc:  # the round changed meanwhile: nothing to apply
+            logger.warning(
+                "update %d of run %r: applying it as decided failed: %s", training.epoch, training.run_id, exc
+            )
+            return False
+        on_update()
+        return True
 
     async def _catch_up(self, compute: Compute) -> None:
         training = self.training

@@ -18,8 +18,9 @@ proxy passes every call through, and corrupts the answers that MODE_FILE (JSON, 
                  dtype asked for, so only a spot check on another peer (client/verify.py) can tell;
     lose         pass the call on, then drop the answer as a lost connection would (UNAVAILABLE): the peer did
                  the work, the client cannot know; with "times": N, only the first N calls
-    withhold     do not pass the call on: hold it while MODE_FILE still says so (at most the call's deadline),
-                 then answer UNAVAILABLE, as if the request had been lost on its way; the peer never sees it
+    withhold     do not pass the call on: hold it while MODE_FILE still says so (at most the call's deadline, and
+                 with "for_s": S at most S seconds), then answer UNAVAILABLE, as if the request had been lost on
+                 its way; the peer never sees it
   and for inference only:
     kind         `opened` where a step result is due;
     position     a cache position one past the truth;
@@ -122,7 +123,10 @@ class Liar:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, _REFUSAL)
             if lie == "withhold":
                 told(lie, name)
+                until = time.monotonic() + mode.get("for_s", float("inf"))
                 while self.mode(name)["lie"] == "withhold" and (context.time_remaining() or 0) > 0.2:
+                    if time.monotonic() > until:
+                        break
                     time.sleep(0.1)
                 context.abort(grpc.StatusCode.UNAVAILABLE, "connection lost (a test's proxy withheld the call)")
             try:

@@ -3,8 +3,8 @@
     python tests/helpers/trainer.py CONFIG_JSON
 
 CONFIG_JSON names the model folder, the initial peers, the run id, the batch and micro-batch sizes, the sequence
-length, the vocabulary size, the averaging timeout and the number of steps, and may name a file to wait for
-("go_file") before the last step, for a test to set up its fault meanwhile. The batches are drawn from a generator
+length, the vocabulary size, the averaging timeout and the number of steps, and may name files to wait for before
+some steps ("wait_before": {"2": PATH}), for a test to set up a fault meanwhile. The batches are drawn from a generator
 seeded with 0, as a test's reference draws them. After each step it prints "step N done".
 """
 
@@ -54,8 +54,8 @@ def main(argv: list[str]) -> int:
     )
     try:
         for step, batch in zip(range(1, config["steps"] + 1), batches(config)):
-            if step == config["steps"] and config.get("go_file"):
-                wait_for_file(Path(config["go_file"]))
+            if str(step) in config.get("wait_before", {}):
+                wait_for_file(Path(config["wait_before"][str(step)]))
             result = trainer.step(batch)
             print(f"step {step} done: loss {result.loss:.6f}", flush=True)
     finally:

@@ -21,7 +21,7 @@ import hivemind
 import torch
 
 from client.config import TrainConfig
-from protocol.errors import DHTUnavailableError
+from protocol.errors import DHTUnavailableError, InvalidRecordError
 from protocol.records import TrainingProgress, round_tag
 from swarm.dht.node import dht_result
 from swarm.training import agreement
@@ -96,10 +96,11 @@ class CoTrainers:
         record says the rest as before. Whether the DHT took it within `timeout_s` (blocking)."""
         decided = tuple(sorted({round_tag(round_id) for round_id in rounds}))
         progress = self.progress.model_copy(update={"epoch": epoch, "decided": decided, "clip_scale": clip_scale})
-        self.progress = TrainingProgress.from_wire(progress.to_wire())  # validated: a record the DHT refuses is lost
         try:
-            return bool(dht_result(self.dht, self.group.publish(self.progress), "storing a decision", timeout_s))
-        except DHTUnavailableError as exc:
+            progress = TrainingProgress.from_wire(progress.to_wire())  # validated: a record the DHT refuses is lost
+            self.progress = progress
+            return bool(dht_result(self.dht, self.group.publish(progress), "storing a decision", timeout_s))
+        except (InvalidRecordError, DHTUnavailableError) as exc:  # more stages than a record holds; a DHT outage
             logger.warning("update %d: could not store this trainer's decision: %s", epoch, exc)
             return False
 

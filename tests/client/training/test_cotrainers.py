@@ -87,3 +87,18 @@ def test_trainers_that_met_different_trainers_agree_on_one_set(trainers):
     assert plan is not None and plan.trainers == tuple(sorted([a, b, c])) and plan.samples == 3 * SAMPLES
     # the sync that follows starts past every try of the agreement, at the same try everywhere
     assert len({t.first_try(EPOCH) for t in trainers}) == 1 and trainers[0].first_try(EPOCH) >= 2
+
+
+def test_a_decision_is_in_the_trainers_record_once_stored_and_too_many_stages_are_refused_not_raised(trainers, caplog):
+    """What a stage member reads (its trainers' records) holds the decision, and the rest of the record as before;
+    a decision no record can hold is left out with a warning, and the step applies anyway."""
+    first, second, _ = trainers
+    rounds = ["ab" * 32, "cd" * 32]
+    assert first.decide(EPOCH, rounds, 0.25)
+    record = second.group.members()[first.trainer_id]
+    assert (record.epoch, record.samples, record.decided, record.clip_scale) == (
+        EPOCH, SAMPLES, ("abababababababab", "cdcdcdcdcdcdcdcd"), 0.25
+    )  # fmt: skip
+    assert not first.decide(EPOCH + 1, [f"{i:016x}" + "0" * 48 for i in range(300)], 0.5)
+    assert "could not store this trainer's decision" in caplog.text
+    assert first.progress.decided == ("abababababababab", "cdcdcdcdcdcdcdcd")  # the last one stored stands

@@ -122,10 +122,18 @@ def test_a_flood_of_tunnel_streams_from_one_identity_is_capped_and_others_still_
     async def main():
         server, endpoint = await serve_grpc(peer.peer_id.to_base58())
         peer_p2p, flood_p2p, client_p2p = [await d.replicate_p2p() for d in (peer, flooder, client)]
-        tunnel = TunnelServer(peer_p2p, endpoint, idle_s=1.0, first_bytes_s=1.0)
+        tunnel = TunnelServer(peer_p2p, endpoint, idle_s=5.0, first_bytes_s=1.0)
         await tunnel.start()
         pool = ChannelPool(MESSAGE_BYTES, TunnelPool(lambda: asyncio.sleep(0, client_p2p)))
         streams = []
+        most = [0]  # the most streams spliced at once, sampled throughout the flood
+
+        async def sample() -> None:
+            while True:
+                most[0] = max(most[0], tunnel.active)
+                await asyncio.sleep(0.005)
+
+        sampler = asyncio.ensure_future(sample())
         try:
             silent = await flood_p2p.call_binary_stream_handler(peer.peer_id, TUNNEL_PROTOCOL)
             for _ in range(500):
@@ -134,17 +142,21 @@ def test_a_flood_of_tunnel_streams_from_one_identity_is_capped_and_others_still_
                 await writer.drain()
                 streams.append((reader, writer))
             await asyncio.sleep(0.5)
-            assert tunnel.active <= MAX_TUNNELS_PER_SOURCE, tunnel.active
-            assert tunnel.refused >= 500 + 1 - MAX_TUNNELS_PER_SOURCE
+            sampler.cancel()
+            assert 0 < most[0] <= MAX_TUNNELS_PER_SOURCE, most[0]
+            # a spliced stream that closes (idle for idle_s, or reset on its way) frees its place for a later one,
+            # so over the flood somewhat more than the cap are spliced; the most of it is refused at once
+            assert tunnel.refused >= 500 // 2, tunnel.refused
             answer = await pool.unary(tunnel_address(peer.peer_id.to_base58()), "info", pb.InfoRequest(), 10.0)
             assert answer.peer_id == peer.peer_id.to_base58()
             assert await asyncio.wait_for(silent[1].read(), 5) == b"", "a silent stream was kept"
             # the spliced ones carried nothing since (the gRPC server waits for the rest of the preface): closed
-            deadline = asyncio.get_running_loop().time() + 10
+            deadline = asyncio.get_running_loop().time() + 15
             while tunnel.active > 1 and asyncio.get_running_loop().time() < deadline:  # the client's channel
                 await asyncio.sleep(0.2)
             assert tunnel.active <= 1
         finally:
+            sampler.cancel()
             for _, writer in streams:
                 writer.close()
             await pool.close()

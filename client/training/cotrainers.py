@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 DECIDE_TIMEOUT_S = 10.0  # for the DHT to take a decision; past it the trainer applies anyway, and warns
+DECIDE_TRIES = 3
 
 T = TypeVar("T")
 
@@ -96,10 +97,17 @@ class CoTrainers:
         record says the rest as before. Whether the DHT took it within `timeout_s` (blocking)."""
         decided = tuple(sorted({round_tag(round_id) for round_id in rounds}))
         progress = self.progress.model_copy(update={"epoch": epoch, "decided": decided, "clip_scale": clip_scale})
+        deadline = time.monotonic() + timeout_s
         try:
             progress = TrainingProgress.from_wire(progress.to_wire())  # validated: a record the DHT refuses is lost
             self.progress = progress
-            return bool(dht_result(self.dht, self.group.publish(progress), "storing a decision", timeout_s))
+            # a store is refused where a record that expires later is held: the publisher thread's renewal of the
+            # record before, racing this one; the next try expires later still
+            for _ in range(DECIDE_TRIES):
+                remaining = max(0.0, deadline - time.monotonic())
+                if dht_result(self.dht, self.group.publish(progress), "storing a decision", remaining):
+                    return True
+            raise DHTUnavailableError(f"{DECIDE_TRIES} stores were refused")
         except (InvalidRecordError, DHTUnavailableError) as exc:  # more stages than a record holds; a DHT outage
             logger.warning("update %d: could not store this trainer's decision: %s", epoch, exc)
             return False

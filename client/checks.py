@@ -42,6 +42,7 @@ from protocol.errors import (
 )
 from protocol.finite import all_finite
 from protocol.packing import Packed, Received
+from swarm.models.routers import check_stats
 
 # --- the caller's input ---
 
@@ -178,6 +179,14 @@ def unary_answer(
 ) -> torch.Tensor:
     """The one tensor of a Forward or Backward answer, checked."""
     return tensor_answer(received.message, field, received.payload, peer=peer, shape=shape, dtype=dtype)
+
+
+def router_answer(received: Received, *, peer: str, moe: tuple[int, int]) -> tuple[list[float], list[float], float]:
+    """The router sums of a Forward answer, checked as a forward of real rows gives them."""
+    try:
+        return check_stats(received.message.router, *moe, peer)
+    except ValueError as exc:
+        raise PeerFaultError(str(exc)) from None
 
 
 def opened_answer(received: Received, *, peer: str, session_id: str, max_length: int) -> None:

@@ -192,6 +192,9 @@ class TrainConfig:
     """The outer step's learning rate (local_steps > 1)."""
     outer_momentum: float | None = None
     """The outer step's Nesterov momentum (local_steps > 1)."""
+    router_aux_loss_coef: float | None = None
+    """Weight of a mixture-of-experts model's load-balancing loss (swarm/models/routers.py). None: as transformers
+    trains the model, its config's router_aux_loss_coef where it sets output_router_logits, else none; 0: none."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     step_timeout_s: float = 60.0
     """How long to wait for the stages' update, once their samples stop growing, before adding to it again."""
@@ -207,6 +210,8 @@ class TrainConfig:
                 f"batch_size ({self.batch_size}) must be a positive multiple of micro_batch_size "
                 f"({self.micro_batch_size})"
             )
+        if self.router_aux_loss_coef is not None and not 0 <= self.router_aux_loss_coef < float("inf"):
+            raise ValueError(f"router_aux_loss_coef must be >= 0 and finite, got {self.router_aux_loss_coef}")
         if self.max_in_flight < 0 or not self.step_timeout_s > 0:
             raise ValueError(
                 f"max_in_flight must be >= 0 and step_timeout_s > 0, got {self.max_in_flight}, {self.step_timeout_s}"

@@ -4,7 +4,7 @@ training backwards a peer answered. Shared by client/sequence.py, client/hop_che
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,8 @@ class TrainingTag:
     epochs: Mapping[tuple[int, int], int]
     micro_batch: tuple[str, int, int] | None = None
     """(trainer, index, samples): the micro-batch's id, which a peer adds to its update once."""
+    router_grad: tuple[float, ...] = ()
+    """Per expert, the loss's gradient w.r.t. each stage's summed routing probabilities (swarm/models/routers.py)."""
 
 
 @dataclass(frozen=True, eq=False)  # identity: its tensors have no truth value
@@ -28,6 +30,7 @@ class TakenBackward:
     hop: RouteHop
     inputs: torch.Tensor
     grad: torch.Tensor
+    router_grad: tuple[float, ...] = ()
 
 
 @dataclass
@@ -38,3 +41,13 @@ class HopRecord:
     inputs: torch.Tensor
     backward_id: str = ""
     """Under which id the peer was asked to keep this hop's activations ("" if it was not)."""
+    router: list[tuple[list[float], list[float], float]] | None = None
+    """The hop's router sums (counts, probabilities, rows), one per request, where the forward asked for them."""
+
+
+@dataclass
+class RouterReport:
+    """Collects one hop's router sums as its answers come (a hop cut into pieces of rows answers several)."""
+
+    moe: tuple[int, int]  # (experts, top_k) of the model
+    parts: list[tuple[list[float], list[float], float]] = field(default_factory=list)

@@ -33,7 +33,7 @@ from client.bans import BanList
 from client.config import ClientConfig
 from client.dialing import Dialer
 from client.hop_checks import HopChecks
-from client.hops import HopRecord, TakenBackward, TrainingTag
+from client.hops import HopRecord, RouterReport, TakenBackward, TrainingTag
 from client.retry import Attempts, describe
 from client.routing import RouteHop, plan_forward_route, plan_inference_route
 from client.speeds import Speeds
@@ -273,20 +273,24 @@ class RemoteSequence:
         servers = self._snapshot.servers if self._snapshot else {}
         return route_caps(servers.get(hop.peer_id) for hop in hops)
 
-    async def _call_forward(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
+    async def _call_forward(
+        self, hop: RouteHop, hidden, mask, positions, backward_id: str, routers: RouterReport | None = None
+    ) -> torch.Tensor:
         """One hop's forward, in pieces of rows where the whole would exceed the peer's caps (nothing is then kept
-        for the backward, which recomputes)."""
+        for the backward, which recomputes). `routers`: where to add the router sums each answer reports."""
         batch, length = hidden.shape[:2]
         caps = self.caps([hop])
         if batch * length <= caps[0] and batch * length * length <= caps[1]:
-            return await self._forward_request(hop, hidden, mask, positions, backward_id)
+            return await self._forward_request(hop, hidden, mask, positions, backward_id, routers)
         pieces = []
         for begin, end in row_chunks(batch, length, caps):
             rows = _rows(begin, end, batch, mask, positions)
-            pieces.append(await self._forward_request(hop, hidden[begin:end], *rows, ""))
+            pieces.append(await self._forward_request(hop, hidden[begin:end], *rows, "", routers))
         return torch.cat(pieces)
 
-    async def _forward_request(self, hop: RouteHop, hidden, mask, positions, backward_id: str) -> torch.Tensor:
+    async def _forward_request(
+        self, hop: RouteHop, hidden, mask, positions, backward_id: str, routers: RouterReport | None = None
+    ) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
         request = packer.pack(
@@ -297,6 +301,7 @@ class RemoteSequence:
                 position_ids=packer.optional(positions),
                 backward_id=backward_id,
                 output_compression=self.compression,
+                router_stats=routers is not None,
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
@@ -304,6 +309,8 @@ class RemoteSequence:
         response = await self.pool.unary(hop.endpoint, "forward", request, self.config.request_timeout_s)
         took = time.perf_counter() - began
         output = checks.unary_answer(response, "hidden_states", peer=describe(hop), shape=hidden.shape, dtype=dtype)
+        if routers is not None:
+            routers.parts.append(checks.router_answer(response, peer=describe(hop), moe=routers.moe))
         info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
         if info is not None:  # as announced: tokens a second through its whole span, a hop over part of it faster
             part = (hop.end - hop.start) / (info.end_block - info.start_block)
@@ -347,6 +354,7 @@ class RemoteSequence:
                 )
                 if training is not None and training.micro_batch is not None
                 else None,
+                router_grad=training.router_grad if training is not None else (),
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
@@ -362,11 +370,13 @@ class RemoteSequence:
         start: int = 0,
         end: int | None = None,
         keep_for_backward: bool = False,
+        routers: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, list[HopRecord]]:
         """Run blocks [start, end); return the outputs and what each hop was sent (for backward).
 
         With `keep_for_backward`, peers are asked to keep their activations until the backward, which then
-        need not recompute the forward.
+        need not recompute the forward. With `routers` (experts, top_k of a mixture-of-experts model), each hop's
+        record also holds the router sums its peer reported (swarm/models/routers.py).
 
         Raises:
             BadRequestError: the inputs are not what a peer accepts (nothing was sent).
@@ -382,8 +392,9 @@ class RemoteSequence:
             for hop in route:
                 backward_id = uuid.uuid4().hex if keep_for_backward else ""
                 row_chunks(*hidden.shape[:2], self.caps([hop]))  # a row over the caps is ours to shorten, not a fault
+                report = RouterReport(routers) if routers is not None else None
                 try:
-                    output = await self._call_forward(hop, hidden, mask, positions, backward_id)
+                    output = await self._call_forward(hop, hidden, mask, positions, backward_id, report)
                 except Exception as exc:
                     error = await attempts.failed(exc, hop)
                     if error is not None:
@@ -391,7 +402,7 @@ class RemoteSequence:
                     await attempts.backoff()
                     refresh = True
                     break
-                hop_records = [HopRecord(hop, hidden, backward_id)]
+                hop_records = [HopRecord(hop, hidden, backward_id, report.parts if report is not None else None)]
                 if self._draw_check():
                     output, hop_records = await self.hop_checks.forward(hop_records[0], output, mask, positions)
                 records.extend(hop_records)
@@ -442,7 +453,7 @@ class RemoteSequence:
             await attempts.backoff()
         else:
             if done is not None:
-                done.append(TakenBackward(hop, inputs, grad))
+                done.append(TakenBackward(hop, inputs, grad, training.router_grad if training is not None else ()))
             if training is None and self._draw_check():
                 grad_inputs = await self.hop_checks.backward(record, grad, grad_inputs, mask, positions)
             return grad_inputs

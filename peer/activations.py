@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.models.routers import RouterStats
+
 
 @dataclass
 class Kept:
@@ -29,6 +31,7 @@ class Kept:
     nbytes: int
     expires: float = 0.0
     adapter: str = ""  # the named adapter it computed with (peer/adapters.py)
+    routers: RouterStats | None = None  # its routed layers' sums, in the graph (swarm/models/routers.py)
 
     def matches(self, blocks, hidden: torch.Tensor, mask, positions, adapter: str = "") -> bool:
         """Whether this graph computed exactly the forward a backward request describes."""

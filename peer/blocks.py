@@ -29,6 +29,7 @@ from protocol.errors import BadRequestError, ModelNotFoundError
 from protocol.vocab import Quantization
 from swarm.models import ends
 from swarm.models.checkpoint import attention_for, checkpoint_dtype, family_class, load_tensors
+from swarm.models.routers import RouterStats, recording
 from swarm.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -132,19 +133,23 @@ class BlockSpan(nn.Module):
         blocks: tuple[int, int] | None = None,
         between_layers: Callable[[], None] | None = None,
         adapter: str | None = None,
+        routers: RouterStats | None = None,
     ) -> torch.Tensor:
         """Run blocks `blocks` (default: all of the span) on hidden states of shape [batch, seq, hidden].
 
         `prefix_length` tokens are already in `cache`; `attention_mask` covers prefix + new tokens.
         `between_layers` is called between layers, in the forward and (when it builds a graph) in its backward:
         see peer/compute.py. `adapter`: the named LoRA adapter to compute with (peer/adapters.py); None: none.
+        `routers`: where to add the routed layers' sums (swarm/models/routers.py); None: nowhere.
         """
         with self.adapter_rows(adapter, hidden_states.shape[0]):
             return self._forward(
-                hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers
+                hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers, routers
             )
 
-    def _forward(self, hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers):
+    def _forward(
+        self, hidden_states, attention_mask, position_ids, cache, prefix_length, blocks, between_layers, routers
+    ):
         start, end = blocks or (self.start, self.end)
         types = self.types[start - self.start : end - self.start]
         # masks are sized against the first cache layer of each attention type among the blocks run
@@ -174,14 +179,16 @@ class BlockSpan(nn.Module):
                     hidden_states.register_hook(lambda grad: between_layers())
             if self.expert_caches is not None:
                 self.expert_caches.before(start + index, hidden_states)
-            hidden_states = self.layer(start + index)(
-                hidden_states,
-                attention_mask=masks[kind],
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=cache is not None,
-                position_embeddings=position_embeddings[kind],
-            )
+            layer = self.layer(start + index)
+            with recording(layer, routers, self.config):
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=masks[kind],
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=cache is not None,
+                    position_embeddings=position_embeddings[kind],
+                )
         return hidden_states
 
 

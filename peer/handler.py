@@ -29,6 +29,7 @@ from protocol.codec import decode_tensor
 from protocol.errors import BadRequestError, OverloadedError, SwarmError, WrongSpanError
 from protocol.packing import Packer, Received
 from protocol.service import ERROR_CODE_KEY, status_for
+from swarm.models.routers import RouterStats, check_prob_grad, moe_shape
 from swarm.trust.identity import MAX_NONCE_BYTES
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class PeerServicer:
         self._info, self._prove = info, prove
         self.proofs = ProofMeter()
         self.served = ServedSpan(model_config, prefix, limits.work)
+        self.moe = moe_shape(model_config)  # (experts, top_k) of a mixture-of-experts model
         self.activation_cache_bytes = limits.activation_cache_bytes
         self.activations = ActivationStore(limits.activation_cache_bytes, limits.activation_ttl_s)
         self.training: SpanTraining | None = None
@@ -106,10 +108,11 @@ class PeerServicer:
             hidden, mask, positions = self.served.inputs(request, received.payload)
 
             span, keep_id = self.served.span, request.backward_id
+            routers = self._routers(mask) if request.router_stats else None
 
             def run():
                 if keep_id and self.activations.enabled:
-                    return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions, adapter)
+                    return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions, adapter, routers)
                 with torch.inference_mode():
                     return span(
                         hidden,
@@ -118,13 +121,17 @@ class PeerServicer:
                         blocks=blocks,
                         between_layers=self.served.compute.checkpoint,
                         adapter=adapter,
+                        routers=routers,
                     )
 
             tokens = hidden.shape[0] * hidden.shape[1]
             with self.served.admission.admit(tokens, hidden.nbytes):
                 out = await self.served.run(run, tokens)
             packer = Packer()
-            return packer.pack(pb.ForwardResponse(hidden_states=packer.tensor(out, request.output_compression)))
+            response = pb.ForwardResponse(hidden_states=packer.tensor(out, request.output_compression))
+            if routers is not None:
+                response.router.CopyFrom(routers.to_message())
+            return packer.pack(response)
 
         return await _unary(context, work)
 
@@ -138,6 +145,7 @@ class PeerServicer:
                 raise BadRequestError("grad_outputs is missing")
             grad = decode_tensor(request.grad_outputs, "grad_outputs", received.payload)
             validation.check_grad(grad, hidden)
+            router_grad = self._router_grad(request.router_grad)
 
             span, training = self.served.span, None
             if request.run_id:
@@ -151,15 +159,22 @@ class PeerServicer:
 
             def run():
                 kept = self.activations.pop(request.backward_id) if request.backward_id else None
-                if kept is None or not kept.matches(blocks, hidden, mask, positions, adapter):
+                if (
+                    kept is None
+                    or not kept.matches(blocks, hidden, mask, positions, adapter)
+                    or (router_grad is not None and kept.routers is None)
+                ):
                     # recompute the forward: the kept one expired, was evicted, or was kept by another peer
-                    kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter)
+                    routers = self._routers(mask) if router_grad is not None else None
+                    kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter, routers)
+                outputs, grads = [kept.outputs], [grad.to(span.device)]
+                if router_grad is not None and kept.routers.probs is not None:  # the load-balancing loss's part
+                    outputs.append(kept.routers.probs)
+                    grads.append(router_grad.to(kept.routers.probs.device))
                 if training is not None:
-                    return training.backward(
-                        kept.outputs, kept.inputs, grad.to(span.device), request.micro_batch, request.epoch
-                    )
+                    return training.backward(outputs, kept.inputs, grads, request.micro_batch, request.epoch)
                 with torch.enable_grad():
-                    (grad_inputs,) = torch.autograd.grad(kept.outputs, kept.inputs, grad.to(span.device))
+                    (grad_inputs,) = torch.autograd.grad(outputs, kept.inputs, grads)
                 return grad_inputs
 
             tokens = hidden.shape[0] * hidden.shape[1]
@@ -170,20 +185,41 @@ class PeerServicer:
 
         return await _unary(context, work)
 
-    def _forward_graph(self, span: BlockSpan, blocks, hidden, mask, positions, adapter: str = "") -> Kept:
+    def _routers(self, mask: torch.Tensor | None) -> RouterStats | None:
+        """Where a forward adds its routed layers' sums (None for a dense model, which has none to report)."""
+        if self.moe is None:
+            return None
+        return RouterStats(*self.moe, row_weights=None if mask is None else mask.reshape(-1))
+
+    def _router_grad(self, values) -> torch.Tensor | None:
+        if not values:
+            return None
+        if self.moe is None:
+            raise BadRequestError("router_grad was sent, but this model has no routers; send none")
+        return check_prob_grad(values, self.moe[0])
+
+    def _forward_graph(
+        self, span: BlockSpan, blocks, hidden, mask, positions, adapter: str = "", routers: RouterStats | None = None
+    ) -> Kept:
         inputs = hidden.to(span.device).requires_grad_(True)
         with torch.enable_grad():
             outputs = span(
-                inputs, mask, positions, blocks=blocks, between_layers=self.served.compute.checkpoint, adapter=adapter
+                inputs,
+                mask,
+                positions,
+                blocks=blocks,
+                between_layers=self.served.compute.checkpoint,
+                adapter=adapter,
+                routers=routers,
             )
-        return Kept(blocks, inputs, outputs, mask, positions, nbytes=0, adapter=adapter)
+        return Kept(blocks, inputs, outputs, mask, positions, nbytes=0, adapter=adapter, routers=routers)
 
     def _forward_keeping(
-        self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions, adapter: str
+        self, keep_id: str, span: BlockSpan, blocks, hidden, mask, positions, adapter: str, routers=None
     ) -> torch.Tensor:
         """Forward with autograd, keeping the graph for the backward with `keep_id` if it fits."""
         with ActivationStore.counting(span) as saved:  # only what is kept needs its size
-            kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter)
+            kept = self._forward_graph(span, blocks, hidden, mask, positions, adapter, routers)
         kept.nbytes = saved.bytes
         self.activations.put(keep_id, kept)
         return kept.outputs.detach()

@@ -47,13 +47,14 @@ class Span(_message.Message):
     def __init__(self, model: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression", "backward_id", "payload")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "output_compression", "backward_id", "router_stats", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_STATS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
@@ -61,19 +62,32 @@ class ForwardRequest(_message.Message):
     position_ids: Tensor
     output_compression: Compression
     backward_id: str
+    router_stats: bool
     payload: bytes
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., router_stats: _Optional[bool] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("hidden_states", "payload")
+    __slots__ = ("hidden_states", "router", "payload")
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     hidden_states: Tensor
+    router: RouterStats
     payload: bytes
-    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class RouterStats(_message.Message):
+    __slots__ = ("counts", "probs", "rows")
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    counts: _containers.RepeatedScalarFieldContainer[float]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    rows: float
+    def __init__(self, counts: _Optional[_Iterable[float]] = ..., probs: _Optional[_Iterable[float]] = ..., rows: _Optional[float] = ...) -> None: ...
 
 class BackwardRequest(_message.Message):
-    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "run_id", "epoch", "micro_batch", "payload")
+    __slots__ = ("span", "hidden_states", "attention_mask", "position_ids", "grad_outputs", "output_compression", "backward_id", "run_id", "epoch", "micro_batch", "router_grad", "payload")
     SPAN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +98,7 @@ class BackwardRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_GRAD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     span: Span
     hidden_states: Tensor
@@ -95,8 +110,9 @@ class BackwardRequest(_message.Message):
     run_id: str
     epoch: int
     micro_batch: MicroBatch
+    router_grad: _containers.RepeatedScalarFieldContainer[float]
     payload: bytes
-    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., micro_batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, span: _Optional[_Union[Span, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., grad_outputs: _Optional[_Union[Tensor, _Mapping]] = ..., output_compression: _Optional[_Union[Compression, str]] = ..., backward_id: _Optional[str] = ..., run_id: _Optional[str] = ..., epoch: _Optional[int] = ..., micro_batch: _Optional[_Union[MicroBatch, _Mapping]] = ..., router_grad: _Optional[_Iterable[float]] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("trainer", "index", "samples")

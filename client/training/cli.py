@@ -93,6 +93,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         f"the reference does the same; default {d.train_mode})",
     )
     recipe.add_argument("--lora-rank", type=int, help=f"rank of the LoRA adapters (the run's; default {d.lora_rank})")
+    p.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        metavar="X",
+        help="mixture-of-experts models: weight of the load-balancing loss added to the LM loss (0: none; default: "
+        "the model config's router_aux_loss_coef where it sets output_router_logits, as transformers trains it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="data order: the shuffle within windows (default: 0)")
     p.add_argument("--run-id", default="default", help="the peers' training run (default: default)")
     p.add_argument("--dht-prefix", help="name of the model in the DHT (default: derived from MODEL)")
@@ -118,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size,
         max_in_flight=args.max_in_flight,
+        router_aux_loss_coef=args.router_aux_loss_coef,
         **recipe_arguments(args),
         train_mode=args.train_mode,
         lora_rank=args.lora_rank,

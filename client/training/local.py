@@ -23,6 +23,7 @@ from client.training.microbatches import lm_loss
 from client.training.trainer import StepResult, local_named_parameters, local_parameters
 from protocol.vocab import TrainMode
 from swarm.models.checkpoint import attention_for, load_config
+from swarm.models.routers import aux_coefficient
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
 from swarm.training.outer import OuterStep, sync_due
 from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
@@ -43,6 +44,7 @@ class LocalTrainer:
             model_path, dtype=torch.float32, attn_implementation=attention
         )
         self.model.eval()  # as the peers run their blocks: no dropout
+        self.aux_coef = aux_coefficient(self.model.config, config.router_aux_loss_coef)
         self.lora = self.recipe.train_mode == TrainMode.LORA
         if self.lora:
             self.params = _add_lora(self.model, self.recipe)
@@ -65,8 +67,12 @@ class LocalTrainer:
         losses = []
         for ids in batch.split(self.config.micro_batch_size):
             with torch.enable_grad():
-                logits = self.model(input_ids=ids, use_cache=False).logits
-                loss = lm_loss(logits, ids, self.model.config.vocab_size)
+                if self.aux_coef:  # transformers' own load-balancing loss, as its forward adds it
+                    out = self.model(input_ids=ids, use_cache=False, output_router_logits=True)
+                    loss = lm_loss(out.logits, ids, self.model.config.vocab_size) + self.aux_coef * out.aux_loss
+                else:
+                    out = self.model(input_ids=ids, use_cache=False)
+                    loss = lm_loss(out.logits, ids, self.model.config.vocab_size)
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             for acc, grad in zip(sums, grads):
                 if grad is not None:

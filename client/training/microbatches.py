@@ -25,6 +25,7 @@ from client.sequence import HopRecord, TakenBackward, TrainingTag
 from client.training.ledger import Ledger
 from client.training.stages import Span, Stages
 from protocol.errors import BadRequestError, TrainingFaultError, UnauthorizedError
+from swarm.models.routers import RouterTotals, aux_coefficient, moe_shape
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class MicroBatches:
         self.model, self.params, self.stages, self.config = model, params, stages, config
         self.sequence = model.sequence
         self.trainer_id = trainer_id
+        # a mixture-of-experts model whose loss has the load-balancing term: its stages report their router sums
+        self.aux_coef = aux_coefficient(model.config, config.router_aux_loss_coef)
+        self.moe = moe_shape(model.config) if self.aux_coef else None
         self._local = local
 
     async def run(
@@ -72,7 +76,9 @@ class MicroBatches:
                     return model.embed(ids)
 
             hidden = await self._local(embed)
-            outputs, records = await self.sequence.forward(hidden.detach(), None, positions, keep_for_backward=True)
+            outputs, records = await self.sequence.forward(
+                hidden.detach(), None, positions, keep_for_backward=True, routers=self.moe
+            )
 
             def head():
                 with torch.enable_grad():
@@ -82,8 +88,16 @@ class MicroBatches:
                 return float(loss.detach()), grads[0], grads[1:]
 
             loss, grad, head_grads = await self._local(head)
+            router_grad = ()
+            if self.moe is not None:  # the head has no part in it: the stages take its gradient with their backward
+                totals = RouterTotals.add([part for r in records for part in r.router or ()], self.moe[0])
+                loss += self.aux_coef * totals.loss()
+                router_grad = tuple(totals.prob_grad(self.aux_coef))
             tag = TrainingTag(
-                self.config.run_id, dict.fromkeys(ledger.stages, epoch), (self.trainer_id, index, ids.shape[0])
+                self.config.run_id,
+                dict.fromkeys(ledger.stages, epoch),
+                (self.trainer_id, index, ids.shape[0]),
+                router_grad,
             )
             for record in reversed(records):
                 grad = await self._backward_once(record, grad, positions, tag, ledger)
@@ -131,7 +145,8 @@ class MicroBatches:
                 await asyncio.sleep(min(0.25 * 2**attempt, MAX_WAIT_S))
                 attempt += 1
                 continue
-            if ledger.record(span, hop.peer_id, index, samples, TakenBackward(hop, record.inputs, grad)):
+            taken = TakenBackward(hop, record.inputs, grad, tag.router_grad)
+            if ledger.record(span, hop.peer_id, index, samples, taken):
                 return grad_in
             hop, backward_id = await self._other_member(span), ""  # fenced meanwhile: its answer counts for nothing
 
@@ -148,7 +163,10 @@ class MicroBatches:
         )
         for index, taken in moved:
             tag = TrainingTag(
-                self.config.run_id, {span: epoch}, (self.trainer_id, index, ledger.stages[span].samples[index])
+                self.config.run_id,
+                {span: epoch},
+                (self.trainer_id, index, ledger.stages[span].samples[index]),
+                taken.router_grad,
             )
             positions = torch.arange(taken.inputs.shape[1]).unsqueeze(0)
             hop = await self._other_member(span)

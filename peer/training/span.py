@@ -142,26 +142,32 @@ class SpanTraining:
             )
 
     def backward(
-        self, outputs: torch.Tensor, inputs: torch.Tensor, grad: torch.Tensor, micro_batch: pb.MicroBatch, epoch: int
+        self,
+        outputs: list[torch.Tensor],
+        inputs: torch.Tensor,
+        grads: list[torch.Tensor],
+        micro_batch: pb.MicroBatch,
+        epoch: int,
     ) -> torch.Tensor:
-        """Gradient w.r.t. `inputs`; the parameters' gradients join the update once per micro-batch id."""
+        """Gradient w.r.t. `inputs` of `outputs` (the span's, and the routers' sums where the loss has a part in them)
+        given `grads`; the parameters' gradients join the update once per micro-batch id."""
         if epoch != self.epoch:  # an update may have come while the request waited
             raise StaleEpochError(f"this peer moved to update {self.epoch} while the gradient for {epoch} waited")
         trainer, index = micro_batch.trainer, int(micro_batch.index)
         if self.accumulators.holds(trainer, index):  # sent again (its answer was lost): answer, add nothing
             with torch.enable_grad():
-                (grad_inputs,) = torch.autograd.grad(outputs, inputs, grad)
+                (grad_inputs,) = torch.autograd.grad(outputs, inputs, grads)
             return grad_inputs
         with torch.enable_grad():
-            grads = torch.autograd.grad(outputs, [inputs, *self.params], grad, allow_unused=True)
-        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads[1:])]
+            found = torch.autograd.grad(outputs, [inputs, *self.params], grads, allow_unused=True)
+        param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, found[1:])]
         if has_nonfinite(param_grads):
             raise BadRequestError("the gradients are not finite; check grad_outputs and the learning rate")
         self._check_norm(param_grads, int(micro_batch.samples))
         if micro_batch.samples != inputs.shape[0]:
             raise BadRequestError(f"micro_batch.samples is {micro_batch.samples}, the batch is {inputs.shape[0]}")
         self.accumulators.add(trainer, index, inputs.shape[0], param_grads)
-        return grads[0]
+        return found[0]
 
     def _check_norm(self, grads: list[torch.Tensor], samples: int) -> None:
         """Refuse a gradient far above the run's usual ones: one sender must not own an update."""

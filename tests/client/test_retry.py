@@ -156,7 +156,7 @@ def test_a_forward_counts_every_failed_hop_and_raises_the_last(waits):
     sequence, routes, tried = _sequence(max_retries=5, retry_delay_s=2.0), Routes(), []
     sequence.plan = routes.plan
 
-    async def call_forward(hop, hidden, mask, positions, backward_id):
+    async def call_forward(hop, hidden, mask, positions, backward_id, routers=None):
         tried.append(hop.peer_id)
         raise PeerUnavailableError(f"{hop.peer_id} is gone")
 
@@ -174,7 +174,7 @@ def test_a_forward_goes_on_after_a_failure_and_a_bug_is_raised_unreported(waits)
     sequence.plan = routes.plan
     outputs = _hidden()
 
-    async def call_forward(hop, hidden, mask, positions, backward_id):
+    async def call_forward(hop, hidden, mask, positions, backward_id, routers=None):
         if hop.peer_id == "p1":
             raise PeerUnavailableError("gone")
         return outputs
@@ -184,7 +184,7 @@ def test_a_forward_goes_on_after_a_failure_and_a_bug_is_raised_unreported(waits)
     assert output is outputs and [record.hop.peer_id for record in records] == ["p2"]
     assert sequence.failovers == 1 and waits == []
 
-    async def broken(hop, hidden, mask, positions, backward_id):
+    async def broken(hop, hidden, mask, positions, backward_id, routers=None):
         raise RuntimeError("a bug of ours")
 
     sequence._call_forward = broken
@@ -197,7 +197,7 @@ def test_a_backward_hop_counts_from_its_depth_of_re_routing(waits):
     sequence, routes, tried = _sequence(max_retries=2), Routes(), []
     sequence.plan = routes.plan
 
-    async def call_forward(hop, hidden, mask, positions, backward_id):
+    async def call_forward(hop, hidden, mask, positions, backward_id, routers=None):
         return hidden
 
     async def call_backward(hop, inputs, grad, mask, positions, backward_id, training=None):

@@ -76,7 +76,7 @@ def test_rows_of_one_batch_take_their_own_adapters(folders):
     with torch.no_grad():
         alone = [span(hidden[i : i + 1], adapter=name) for i, name in enumerate(["law", "", "poems"])]
         with span.adapter_rows(["law", "", "poems"], 3):
-            mixed = span._forward(hidden, None, None, None, 0, None, None)
+            mixed = span._forward(hidden, None, None, None, 0, None, None, None)
         plain = load_span(
             folders["model"], load_config(folders["model"]), *BLOCKS, dtype=torch.float32, device=torch.device("cpu")
         )

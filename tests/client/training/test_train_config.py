@@ -22,6 +22,8 @@ from swarm.training.recipe import LRSchedule, RunRecipe
         (dict(optimizer="lion"), "optimizer"),
         (dict(max_in_flight=-1), "max_in_flight"),
         (dict(step_timeout_s=0), "step_timeout_s"),
+        (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef"),
+        (dict(router_aux_loss_coef=float("nan")), "router_aux_loss_coef"),
     ],
 )
 def test_trainer_settings(kwargs, words):
@@ -122,6 +124,8 @@ def _train_config(*flags: str) -> TrainConfig:
 def test_the_trainers_flags_map_onto_the_recipe_fields_and_default_to_not_given():
     assert _train_config().recipe_overrides() == {}
     assert _train_config().batch_size == 8
+    assert _train_config().router_aux_loss_coef is None  # the model config's, as transformers trains it
+    assert _train_config("--router-aux-loss-coef", "0.02").router_aux_loss_coef == 0.02  # a trainer's own setting
     config = _train_config(
         "--optimizer=adam",
         "--lr=0.001",

@@ -86,16 +86,18 @@ class HopChecks:
         return chosen.value, chosen.records
 
     async def backward(
-        self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask, positions
+        self, record: HopRecord, grad: torch.Tensor, grad_inputs: torch.Tensor, mask, positions, router_grad=()
     ) -> torch.Tensor:
-        """`record`'s backward computed again elsewhere; the gradient to use."""
+        """`record`'s backward computed again elsewhere (with the same `router_grad`); the gradient to use."""
         hop, seq = record.hop, self.sequence
 
         async def forward(other: RouteHop, hidden: torch.Tensor) -> torch.Tensor | None:
             return await self._call(other, seq._call_forward(other, hidden, mask, positions, ""))
 
         async def backward(other: RouteHop, hidden: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-            return await self._call(other, seq._call_backward(other, hidden, grad_out, mask, positions, ""))
+            return await self._call(
+                other, seq._call_backward(other, hidden, grad_out, mask, positions, "", router_grad=router_grad)
+            )
 
         async def recompute(excluded: frozenset[str]) -> Computed | None:
             route = await self._route(hop.start, hop.end, excluded)

@@ -19,8 +19,6 @@ class TrainingTag:
     epochs: Mapping[tuple[int, int], int]
     micro_batch: tuple[str, int, int] | None = None
     """(trainer, index, samples): the micro-batch's id, which a peer adds to its update once."""
-    router_grad: tuple[float, ...] = ()
-    """Per expert, the loss's gradient w.r.t. each stage's summed routing probabilities (swarm/models/routers.py)."""
 
 
 @dataclass(frozen=True, eq=False)  # identity: its tensors have no truth value
@@ -31,6 +29,7 @@ class TakenBackward:
     inputs: torch.Tensor
     grad: torch.Tensor
     router_grad: tuple[float, ...] = ()
+    """Per expert, the loss's gradient w.r.t. the hop's router sums (a mixture-of-experts loss; else empty)."""
 
 
 @dataclass

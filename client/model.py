@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from client import speculative
 from client.config import ClientConfig
@@ -31,6 +31,7 @@ from swarm.dht.node import start_dht, stop_dht
 from swarm.models import ends
 from swarm.models.adapters import whole_modules
 from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
+from swarm.models.routers import balance_loss, moe_shape
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +263,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        output_router_logits: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """As transformers' forward; with `output_router_logits` (by default the config's) on a mixture-of-experts
+        model, the load-balancing loss too (`aux_loss`, and added to `loss` with labels), not the logits
+        themselves: the peers report only their sums (swarm/models/routers.py)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise BadRequestError("pass exactly one of input_ids or inputs_embeds")
+        aux_loss = None
         if self._session is not None:
             hidden = self._session_step(input_ids, inputs_embeds, attention_mask, position_ids)
         else:
@@ -276,14 +282,27 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 position_ids = torch.arange(hidden.shape[1]).unsqueeze(0)
             if attention_mask is not None and bool(attention_mask.all()):
                 attention_mask = None
-            hidden = RemoteBlocks.apply(hidden, attention_mask, position_ids, self.sequence, self._run)
+            if output_router_logits is None:
+                output_router_logits = getattr(self.config, "output_router_logits", False)
+            moe = moe_shape(self.config) if output_router_logits else None
+            if moe is not None:  # a mixture-of-experts model's load-balancing loss, as transformers computes it
+                hidden, probs, counts, rows = RemoteBlocks.apply(
+                    hidden, attention_mask, position_ids, self.sequence, self._run, moe
+                )
+                aux_loss = balance_loss(probs, counts, rows, moe[0]).to(hidden.dtype)
+            else:
+                hidden = RemoteBlocks.apply(hidden, attention_mask, position_ids, self.sequence, self._run)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.head(hidden)
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if aux_loss is None:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
 
     def _session_step(self, input_ids, inputs_embeds, attention_mask, position_ids) -> torch.Tensor:
         session = self._session

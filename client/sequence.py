@@ -48,6 +48,7 @@ from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.adapters import folder_digest
+from swarm.models.routers import RouterTotals
 from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
@@ -318,22 +319,41 @@ class RemoteSequence:
         return output.to(hidden.dtype)
 
     async def _call_backward(
-        self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str, training: TrainingTag | None = None
+        self,
+        hop: RouteHop,
+        inputs,
+        grad,
+        mask,
+        positions,
+        backward_id: str,
+        training: TrainingTag | None = None,
+        router_grad: tuple[float, ...] = (),
     ) -> torch.Tensor:
         """One hop's backward, in pieces of rows where the whole would exceed the peer's caps (not a training
-        step's: a micro-batch counts once, whole, and the trainer sizes it)."""
+        step's: a micro-batch counts once, whole, and the trainer sizes it). `router_grad`: the loss's gradient
+        w.r.t. the hop's router sums, per expert (swarm/models/routers.py), for every piece alike."""
         batch, length = inputs.shape[:2]
         caps = self.caps([hop])
         if training is not None or (batch * length <= caps[0] and batch * length * length <= caps[1]):
-            return await self._backward_request(hop, inputs, grad, mask, positions, backward_id, training)
+            return await self._backward_request(hop, inputs, grad, mask, positions, backward_id, training, router_grad)
         pieces = []
         for begin, end in row_chunks(batch, length, caps):
             rows = _rows(begin, end, batch, mask, positions)
-            pieces.append(await self._backward_request(hop, inputs[begin:end], grad[begin:end], *rows, "", None))
+            pieces.append(
+                await self._backward_request(hop, inputs[begin:end], grad[begin:end], *rows, "", None, router_grad)
+            )
         return torch.cat(pieces)
 
     async def _backward_request(
-        self, hop: RouteHop, inputs, grad, mask, positions, backward_id: str, training: TrainingTag | None
+        self,
+        hop: RouteHop,
+        inputs,
+        grad,
+        mask,
+        positions,
+        backward_id: str,
+        training: TrainingTag | None,
+        router_grad: tuple[float, ...] = (),
     ) -> torch.Tensor:
         dtype = self.hop_dtype(hop)
         packer = Packer()
@@ -354,7 +374,7 @@ class RemoteSequence:
                 )
                 if training is not None and training.micro_batch is not None
                 else None,
-                router_grad=training.router_grad if training is not None else (),
+                router_grad=router_grad,
             )
         )
         checks.check_size(request, self.config.max_message_bytes)
@@ -405,10 +425,20 @@ class RemoteSequence:
                 hop_records = [HopRecord(hop, hidden, backward_id, report.parts if report is not None else None)]
                 if self._draw_check():
                     output, hop_records = await self.hop_checks.forward(hop_records[0], output, mask, positions)
+                    if routers is not None:  # replaced by another route's answer: take that route's sums
+                        hop_records = [await self._with_routers(r, mask, positions, routers) for r in hop_records]
                 records.extend(hop_records)
                 hidden, block = output, hop.end
         self.last_route = [record.hop for record in records]
         return hidden, records
+
+    async def _with_routers(self, record: HopRecord, mask, positions, routers: tuple[int, int]) -> HopRecord:
+        """`record` with its hop's router sums, asked again of its peer where the record has none."""
+        if record.router is not None:
+            return record
+        report = RouterReport(routers)
+        await self._call_forward(record.hop, record.inputs, mask, positions, "", report)
+        return replace(record, router=report.parts)
 
     async def backward(
         self,
@@ -418,8 +448,10 @@ class RemoteSequence:
         positions,
         training: TrainingTag | None = None,
         done: list[TakenBackward] | None = None,
+        router_grad: tuple[float, ...] = (),
     ) -> torch.Tensor:
-        """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output.
+        """Gradient w.r.t. the inputs of the hops in `records`, given the gradient w.r.t. their last output (and,
+        for a mixture-of-experts loss, `router_grad`: w.r.t. the router sums of every hop, per expert).
 
         With `training`, peers add their parameter gradients to their run's next update; `done` then receives
         a TakenBackward for each hop that answered, so that a trainer can redo the work of a peer that died.
@@ -427,7 +459,7 @@ class RemoteSequence:
         if records:
             checks.check_grad(grad, tuple(records[-1].inputs.shape))
         for record in reversed(records):
-            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done)
+            grad = await self._backward_hop(record, grad, mask, positions, 0, training, done, router_grad)
         return grad
 
     async def _backward_hop(
@@ -439,13 +471,16 @@ class RemoteSequence:
         attempt: int,
         training: TrainingTag | None = None,
         done: list[TakenBackward] | None = None,
+        router_grad: tuple[float, ...] = (),
     ) -> torch.Tensor:
         hop, inputs = record.hop, record.inputs
         attempts = self.attempts(attempt)  # each re-routed hop's backward counts from its depth of re-routing
         if training is None:
             row_chunks(*inputs.shape[:2], self.caps([hop]))  # as in forward: ours to shorten
         try:
-            grad_inputs = await self._call_backward(hop, inputs, grad, mask, positions, record.backward_id, training)
+            grad_inputs = await self._call_backward(
+                hop, inputs, grad, mask, positions, record.backward_id, training, router_grad
+            )
         except Exception as exc:
             error = await attempts.failed(exc, hop, training=training is not None)
             if error is not None:
@@ -453,14 +488,14 @@ class RemoteSequence:
             await attempts.backoff()
         else:
             if done is not None:
-                done.append(TakenBackward(hop, inputs, grad, training.router_grad if training is not None else ()))
+                done.append(TakenBackward(hop, inputs, grad, router_grad))
             if training is None and self._draw_check():
-                grad_inputs = await self.hop_checks.backward(record, grad, grad_inputs, mask, positions)
+                grad_inputs = await self.hop_checks.backward(record, grad, grad_inputs, mask, positions, router_grad)
             return grad_inputs
         # any peers of these blocks recompute the same function: re-run their forward for their inputs
         _, records = await self.forward(inputs, mask, positions, hop.start, hop.end, keep_for_backward=True)
         for record in reversed(records):
-            grad = await self._backward_hop(record, grad, mask, positions, attempts.count, training, done)
+            grad = await self._backward_hop(record, grad, mask, positions, attempts.count, training, done, router_grad)
         return grad
 
     # --- spot checks (client/verify.py decides, client/hop_checks.py runs them) ---
@@ -495,17 +530,32 @@ def _rows(begin: int, end: int, batch: int, mask, positions) -> tuple:
 
 
 class RemoteBlocks(torch.autograd.Function):
-    """Autograd over the remote blocks: gradients flow back through the peers' backward RPCs."""
+    """Autograd over the remote blocks: gradients flow back through the peers' backward RPCs.
+
+    With `routers` (experts, top_k of a mixture-of-experts model) it also returns the hops' router sums added up
+    (swarm/models/routers.py): probabilities per expert, which carry a gradient back to every hop, then picks per
+    expert and rows, which do not.
+    """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, mask, positions, sequence: RemoteSequence, run) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, mask, positions, sequence: RemoteSequence, run, routers=None):
         # only a forward whose backward will come asks the peers to keep activations for it
         keep = ctx.needs_input_grad[0]
-        output, records = run(sequence.forward(hidden.detach(), mask, positions, keep_for_backward=keep))
+        output, records = run(
+            sequence.forward(hidden.detach(), mask, positions, keep_for_backward=keep, routers=routers)
+        )
         ctx.sequence, ctx.run, ctx.records, ctx.mask, ctx.positions = sequence, run, records, mask, positions
-        return output
+        if routers is None:
+            return output
+        totals = RouterTotals.add([part for r in records for part in r.router or ()], routers[0])
+        counts, rows = totals.counts, torch.tensor(totals.rows, dtype=torch.float64)
+        ctx.mark_non_differentiable(counts, rows)
+        return output, totals.probs, counts, rows
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad_inputs = ctx.run(ctx.sequence.backward(grad.contiguous(), ctx.records, ctx.mask, ctx.positions))
-        return grad_inputs, None, None, None, None
+    def backward(ctx, grad: torch.Tensor, grad_probs: torch.Tensor | None = None, *_):
+        router_grad = tuple(grad_probs.tolist()) if grad_probs is not None and bool(grad_probs.any()) else ()
+        grad_inputs = ctx.run(
+            ctx.sequence.backward(grad.contiguous(), ctx.records, ctx.mask, ctx.positions, router_grad=router_grad)
+        )
+        return grad_inputs, None, None, None, None, None

@@ -94,13 +94,10 @@ class MicroBatches:
                 loss += self.aux_coef * totals.loss()
                 router_grad = tuple(totals.prob_grad(self.aux_coef))
             tag = TrainingTag(
-                self.config.run_id,
-                dict.fromkeys(ledger.stages, epoch),
-                (self.trainer_id, index, ids.shape[0]),
-                router_grad,
+                self.config.run_id, dict.fromkeys(ledger.stages, epoch), (self.trainer_id, index, ids.shape[0])
             )
             for record in reversed(records):
-                grad = await self._backward_once(record, grad, positions, tag, ledger)
+                grad = await self._backward_once(record, grad, positions, tag, ledger, router_grad)
 
             def embed_backward():
                 with torch.enable_grad():
@@ -114,7 +111,13 @@ class MicroBatches:
             return loss
 
     async def _backward_once(
-        self, record: HopRecord, grad: torch.Tensor, positions, tag: TrainingTag, ledger: Ledger
+        self,
+        record: HopRecord,
+        grad: torch.Tensor,
+        positions,
+        tag: TrainingTag,
+        ledger: Ledger,
+        router_grad: tuple[float, ...] = (),
     ) -> torch.Tensor:
         """The backward of one stage for one micro-batch, added by exactly one member of the stage."""
         hop, backward_id = record.hop, record.backward_id
@@ -125,7 +128,7 @@ class MicroBatches:
         while True:
             try:
                 grad_in = await self.sequence._call_backward(
-                    hop, record.inputs, grad, None, positions, backward_id, tag
+                    hop, record.inputs, grad, None, positions, backward_id, tag, router_grad
                 )
             except Exception as exc:
                 error = checks.blame(exc, describe(hop), training=True)
@@ -145,7 +148,7 @@ class MicroBatches:
                 await asyncio.sleep(min(0.25 * 2**attempt, MAX_WAIT_S))
                 attempt += 1
                 continue
-            taken = TakenBackward(hop, record.inputs, grad, tag.router_grad)
+            taken = TakenBackward(hop, record.inputs, grad, router_grad)
             if ledger.record(span, hop.peer_id, index, samples, taken):
                 return grad_in
             hop, backward_id = await self._other_member(span), ""  # fenced meanwhile: its answer counts for nothing
@@ -163,14 +166,12 @@ class MicroBatches:
         )
         for index, taken in moved:
             tag = TrainingTag(
-                self.config.run_id,
-                {span: epoch},
-                (self.trainer_id, index, ledger.stages[span].samples[index]),
-                taken.router_grad,
+                self.config.run_id, {span: epoch}, (self.trainer_id, index, ledger.stages[span].samples[index])
             )
             positions = torch.arange(taken.inputs.shape[1]).unsqueeze(0)
             hop = await self._other_member(span)
-            await self._backward_once(HopRecord(hop, taken.inputs, ""), taken.grad, positions, tag, ledger)
+            record = HopRecord(hop, taken.inputs, "")
+            await self._backward_once(record, taken.grad, positions, tag, ledger, taken.router_grad)
 
     async def _other_member(self, span: Span) -> RouteHop:
         """A live member of the stage that is not avoided (one hop over the whole span)."""

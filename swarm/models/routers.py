@@ -151,15 +151,20 @@ class RouterTotals:
 
     def loss(self) -> float:
         """transformers' load_balancing_loss_func over every stage's layers (0 with no routed row)."""
-        if not self.rows:
-            return 0.0
-        return float(self.experts * ((self.counts / self.rows) * (self.probs / self.rows)).sum())
+        return float(balance_loss(self.probs, self.counts, self.rows, self.experts))
 
     def prob_grad(self, coef: float) -> list[float]:
         """d(coef * loss) / dP of every layer (empty with no routed row: nothing to add)."""
         if not self.rows or not coef:
             return []
         return (coef * self.experts * self.counts / self.rows**2).tolist()
+
+
+def balance_loss(probs: torch.Tensor, counts: torch.Tensor, rows, experts: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func from the sums (differentiable in `probs`; 0 with no routed row)."""
+    if not float(rows):
+        return probs.sum() * 0
+    return experts * ((counts / rows) * (probs / rows)).sum()
 
 
 def check_stats(message, experts: int, top_k: int, peer: str) -> tuple[list[float], list[float], float]:

@@ -200,7 +200,7 @@ def test_a_backward_hop_counts_from_its_depth_of_re_routing(waits):
     async def call_forward(hop, hidden, mask, positions, backward_id, routers=None):
         return hidden
 
-    async def call_backward(hop, inputs, grad, mask, positions, backward_id, training=None):
+    async def call_backward(hop, inputs, grad, mask, positions, backward_id, training=None, router_grad=()):
         tried.append(hop.peer_id)
         raise PeerUnavailableError(f"{hop.peer_id} is gone")
 
@@ -213,7 +213,7 @@ def test_a_backward_hop_counts_from_its_depth_of_re_routing(waits):
 
     tag = TrainingTag("run", {})
 
-    async def stale(hop, inputs, grad, mask, positions, backward_id, training=None):
+    async def stale(hop, inputs, grad, mask, positions, backward_id, training=None, router_grad=()):
         raise StaleEpochError("the stage updated")
 
     sequence._call_backward = stale

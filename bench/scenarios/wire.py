@@ -79,6 +79,7 @@ class EchoSpan:
         blocks=None,
         between_layers=None,
         adapter=None,
+        routers=None,
     ):
         return hidden
 

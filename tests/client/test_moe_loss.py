@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.fake_swarm import Fault, FakeSwarm
+from tests.helpers.fake_swarm import FakeSwarm, Fault
 from tests.helpers.models import MOE_CONFIGS, VOCAB_SIZE, save_random_model
 
 AUX_COEF = 0.3

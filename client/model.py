@@ -30,12 +30,10 @@ from protocol.records import check_prefix, prefix_for_model
 from swarm.dht.node import start_dht, stop_dht
 from swarm.models import ends
 from swarm.models.adapters import whole_modules
-from swarm.models.checkpoint import checkpoint_dtype, family_class, load_config, load_tensors, resolve_model_path
+from swarm.models.checkpoint import checkpoint_dtype, load_config, load_tensors, resolve_model_path
 from swarm.models.routers import balance_loss, moe_shape
 
 logger = logging.getLogger(__name__)
-
-LOCAL_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
 class _LocalParts(nn.Module):
@@ -44,7 +42,7 @@ class _LocalParts(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.embed_tokens = ends.embedding(config)
-        self.norm = family_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = ends.final_norm(config)
 
 
 class ClientSession:
@@ -93,6 +91,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors held here (embeddings, final norm, head), by checkpoint name; the head once, as
+        `lm_head.weight`, even when tied to the embeddings."""
+        tensors = {f"model.{name}": t for name, t in self.model.state_dict(keep_vars=True).items()}
+        return {**tensors, "lm_head.weight": self.lm_head.weight}
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states block 0 takes for `input_ids`, as the model's forward computes them."""
         return ends.scale_embeddings(self.config, self.model.embed_tokens(input_ids))
@@ -130,13 +134,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         ends.check_ends(config)
         with torch.device("meta"):
             instance = cls(config)
-        tensors = load_tensors(path, lambda name: name in LOCAL_TENSORS, dtype=dtype)
+        local_names = set(instance.local_tensors())
+        tensors = load_tensors(path, lambda name: name in local_names, dtype=dtype)
         if config_options.adapter_path is not None:  # what the adapter replaces whole (swarm/models/adapters.py)
-            tensors.update(_adapter_modules(config_options, dtype))
+            tensors.update(_adapter_modules(config_options, dtype, local_names))
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
         if tied:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        missing = set(LOCAL_TENSORS) - set(tensors)
+        missing = local_names - set(tensors)
         if missing:
             raise ModelNotFoundError(f"checkpoint {path} lacks {sorted(missing)}")
         instance.load_state_dict(tensors, strict=True, assign=True)
@@ -357,17 +362,17 @@ class AutoDistributedModelForCausalLM:
         return DistributedModelForCausalLM.from_pretrained(model, **kwargs)
 
 
-def _adapter_modules(options: ClientConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _adapter_modules(options: ClientConfig, dtype: torch.dtype, local: set[str]) -> dict[str, torch.Tensor]:
     """The embeddings, norm or head that the adapter folder replaces, in `dtype`.
 
     Raises:
         ValueError: the folder is not an adapter, or replaces something the client does not hold.
     """
     replaced = whole_modules(options.adapter_path, options.adapter)
-    unknown = sorted(set(replaced) - set(LOCAL_TENSORS))
+    unknown = sorted(set(replaced) - local)
     if unknown:
         raise ValueError(
             f"adapter {options.adapter}: {options.adapter_path} replaces {unknown[:3]} whole, which neither this "
-            f"client ({sorted(LOCAL_TENSORS)}) nor the peers' LoRA layers hold"
+            f"client ({sorted(local)}) nor the peers' LoRA layers hold"
         )
     return {name: tensor.to(dtype) for name, tensor in replaced.items()}

@@ -960,6 +960,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_moe_loss.py",),
     ),
     Mutation(
+        "trainer-save-without-norm-bias",
+        "client/training/cli.py",
+        "        tensors = model.local_tensors()\n",
+        "        tensors = {k: v for k, v in model.local_tensors().items() if not k.endswith('bias')}  # MUTATION\n",
+        "a trainer's save leaves out its final LayerNorm's bias: a resumed run and the export lose what it trained",
+        ("tests/integration/test_training_layernorm.py",),
+    ),
+    Mutation(
         "router-probs-of-last-layer-only",
         "swarm/models/routers.py",
         "        self.probs = probs if self.probs is None else self.probs + probs\n",

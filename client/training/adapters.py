@@ -25,6 +25,7 @@ from protocol.records import check_prefix, prefix_for_model
 from protocol.vocab import TrainMode
 from swarm.dht.node import start_dht, stop_dht
 from swarm.models.checkpoint import load_config, resolve_model_path, tensor_shapes
+from swarm.models.ends import LOCAL_PREFIXES
 from swarm.training.recipe import read_recipe
 from swarm.trust.swarmkey import SwarmKey
 
@@ -182,7 +183,7 @@ def _trainer_tensors(trainer_dir: Path, epoch: int, tied: bool) -> dict[str, tor
     tensors = load_trainer_save(trainer_dir, epoch)
     if tied:
         tensors.pop("lm_head.weight", None)
-    unknown = sorted(set(tensors) - {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"})
+    unknown = sorted(name for name in tensors if not name.startswith(LOCAL_PREFIXES))
     if unknown:
         raise BadRequestError(f"{trainer_dir / TRAINER_FILE} holds {unknown[:3]}, not a trainer's embeddings and head")
     return tensors

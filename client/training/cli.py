@@ -330,11 +330,7 @@ def _save(save: Path, trainer, batches, args) -> None:
         trainer.save_pretrained(save)
     else:
         model = trainer.model
-        tensors = {
-            "model.embed_tokens.weight": model.model.embed_tokens.weight,
-            "model.norm.weight": model.model.norm.weight,
-            "lm_head.weight": model.lm_head.weight,
-        }
+        tensors = model.local_tensors()
         if model.lm_head.weight is model.model.embed_tokens.weight:
             tensors.pop("lm_head.weight")
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(save / TRAINER_FILE))
@@ -355,7 +351,6 @@ def _load_local_parts(model, file: Path) -> None:
 
     tensors = load_file(str(file))
     with torch.no_grad():
-        model.model.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
-        model.model.norm.weight.copy_(tensors["model.norm.weight"])
-        if "lm_head.weight" in tensors:
-            model.lm_head.weight.copy_(tensors["lm_head.weight"])
+        for name, tensor in model.local_tensors().items():
+            if name in tensors:  # a tied head is saved once, as the embeddings
+                tensor.copy_(tensors[name])

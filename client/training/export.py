@@ -198,7 +198,8 @@ def export_model(
     tensors.update(local)
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
-    missing = [i for i in range(config.num_hidden_layers) if f"model.layers.{i}.input_layernorm.weight" not in tensors]
+    served = {int(name.split(".")[2]) for name in tensors if name.startswith("model.layers.")}
+    missing = [i for i in range(config.num_hidden_layers) if i not in served]
     if missing:
         raise NoPeersError(f"no weights came for blocks {missing}; start peers serving them")
     out = Path(out)

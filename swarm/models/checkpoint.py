@@ -111,15 +111,21 @@ def attention_for(config: PretrainedConfig) -> str:
     return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
+def causal_lm_class(config: PretrainedConfig) -> type:
+    """The family's causal LM class, as AutoModelForCausalLM picks it (LlamaForCausalLM for Llama)."""
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if causal_lm is None:
+        raise ModelNotFoundError(f"model type {config.model_type!r} has no causal-LM class in transformers")
+    return getattr(transformers, causal_lm)
+
+
 def family_class(config: PretrainedConfig, suffix: str) -> type:
     """A class of the model's transformers family by suffix: "DecoderLayer" gives LlamaDecoderLayer for Llama."""
     model_type = config.model_type
-    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    if causal_lm is None:
-        raise ModelNotFoundError(f"model type {model_type!r} has no causal-LM class in transformers")
-    family = causal_lm.removesuffix("ForCausalLM")
+    causal_lm = causal_lm_class(config)
+    family = causal_lm.__name__.removesuffix("ForCausalLM")
     # the class's own module: not always named after the model type (gemma3_text lives in models/gemma3)
-    module = importlib.import_module(getattr(transformers, causal_lm).__module__)
+    module = importlib.import_module(causal_lm.__module__)
     found = getattr(module, f"{family}{suffix}", None)
     if found is None:
         raise ModelNotFoundError(

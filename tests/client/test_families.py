@@ -1,7 +1,8 @@
-"""Families whose causal LM does more around its blocks than a lookup and `lm_head(norm(hidden))`, on an in-memory
-swarm (swarm/models/ends.py): Gemma 2 (scaled embeddings, capped attention scores and logits, sliding and full
-layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type, capped logits, a tied head) and Granite
-(embedding, residual, attention and logit multipliers). Logits, greedy tokens and the gradient of the caller's
+"""Families whose causal LM does more around its blocks than a lookup and `lm_head(norm(hidden))` with an RMSNorm, on
+an in-memory swarm (swarm/models/ends.py): Gemma 2 (scaled embeddings, capped attention scores and logits, sliding and
+full layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type, capped logits, a tied head), Granite
+(embedding, residual, attention and logit multipliers), StableLM and StarCoder2 (a LayerNorm with a bias as final
+norm; partial rotary, qk norms; a sliding window) and OLMo (a LayerNorm without parameters, clipped qkv). Logits, greedy tokens and the gradient of the caller's
 embeddings equal the local model's; a family that scales its logits in a way the client does not is refused."""
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ FAMILIES = {
         },
     ),
     "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.1),
+    # final norms other than an RMSNorm: a LayerNorm with a bias, and one without parameters
+    "stablelm": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True),
+    "starcoder2": dict(norm_epsilon=1e-5, sliding_window=6, use_bias=True),
+    "olmo": dict(clip_qkv=4.0),
 }
 
 

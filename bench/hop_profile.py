@@ -71,7 +71,7 @@ def _profiled_round(client, prompt: torch.Tensor, steps: int, acc: dict) -> None
     try:
         with torch.inference_mode():
             out = client._run(session.step(embed(prompt), None, torch.arange(length).unsqueeze(0)))  # prefill
-            token = client.lm_head(client.model.norm(out[:, -1:])).argmax(-1)
+            token = client.head(out[:, -1:]).argmax(-1)
             hops_before = {k: dataclasses.replace(v) for k, v in session.hop_timings.items()}
             peers_before = client._run(_peer_timings(client))
             for i in range(steps):
@@ -81,7 +81,7 @@ def _profiled_round(client, prompt: torch.Tensor, steps: int, acc: dict) -> None
                 sent = time.perf_counter()
                 out = client._run(session.step(hidden, None, positions))
                 back = time.perf_counter()
-                token = client.lm_head(client.model.norm(out[:, -1:])).argmax(-1)
+                token = client.head(out[:, -1:]).argmax(-1)
                 ended = time.perf_counter()
                 acc["embed_head"] += (sent - began) + (ended - back)
                 acc["steps"].append(ended - began)

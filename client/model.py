@@ -37,12 +37,17 @@ logger = logging.getLogger(__name__)
 
 
 class _LocalParts(nn.Module):
-    """Named like the checkpoint's `model.` prefix so its tensors load by name."""
+    """Named like the checkpoint's `model.` prefix so its tensors load by name (the final norm by its family's name)."""
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, norm_name: str, norm: nn.Module):
         super().__init__()
         self.embed_tokens = ends.embedding(config)
-        self.norm = ends.final_norm(config)
+        self.norm_name = norm_name
+        self.add_module(norm_name, norm)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return getattr(self, self.norm_name)
 
 
 class ClientSession:
@@ -74,8 +79,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        self.model = _LocalParts(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        norm_name, norm, self.lm_head = ends.head_modules(config)
+        self.model = _LocalParts(config, norm_name, norm)
         self.sequence: RemoteSequence | None = None
         self._loop: BackgroundLoop | None = None
         self._dht = None
@@ -95,7 +100,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """The tensors held here (embeddings, final norm, head), by checkpoint name; the head once, as
         `lm_head.weight`, even when tied to the embeddings."""
         tensors = {f"model.{name}": t for name, t in self.model.state_dict(keep_vars=True).items()}
-        return {**tensors, "lm_head.weight": self.lm_head.weight}
+        return {**tensors, **{f"lm_head.{name}": t for name, t in self.lm_head.state_dict(keep_vars=True).items()}}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states block 0 takes for `input_ids`, as the model's forward computes them."""
@@ -103,7 +108,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the last block's `hidden` states: final norm, LM head, and what the family adds."""
-        return ends.finish_logits(self.config, self.lm_head(self.model.norm(hidden)))
+        return ends.finish_logits(self.config, self.lm_head(self.model.final_norm(hidden)))
 
     # --- construction ---
 

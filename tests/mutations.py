@@ -965,7 +965,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        tensors = model.local_tensors()\n",
         "        tensors = {k: v for k, v in model.local_tensors().items() if not k.endswith('bias')}  # MUTATION\n",
         "a trainer's save leaves out its final LayerNorm's bias: a resumed run and the export lose what it trained",
-        ("tests/integration/test_training_layernorm.py",),
+        ("tests/integration/test_training_ends.py",),
     ),
     Mutation(
         "router-probs-of-last-layer-only",

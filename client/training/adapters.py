@@ -144,7 +144,7 @@ def write_adapter(
             trainer = {**trainer, "lm_head.weight": trainer["model.embed_tokens.weight"].clone()}
         tensors.update({PEFT_PREFIX + name: t for name, t in trainer.items()})
         # peft matches these by suffix: "model.norm", not "norm", which every block's layer norms end with too
-        modules_to_save = [name.removesuffix(".weight").removeprefix("model.") for name in trainer]
+        modules_to_save = sorted({name.rsplit(".", 1)[0].removeprefix("model.") for name in trainer})
         modules_to_save = ["model.norm" if m == "norm" else m for m in modules_to_save]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,10 +6,10 @@ is repeated here as transformers computes it:
 - Gemma 1-3 multiply the embeddings by sqrt(hidden_size), inside their `*TextScaledWordEmbedding`;
 - Granite multiplies the embeddings by `embedding_multiplier` and divides the logits by `logits_scaling`;
 - Gemma 2 and 3 cap the logits: `tanh(logits / cap) * cap` with `final_logit_softcapping`.
-The final norm is the family's own module, built as its model builds it (`final_norm`): an RMSNorm for most, a
-LayerNorm with a bias for StableLM and StarCoder2, one without parameters for OLMo. The ways known not to be
-repeated here (Cohere's logit scale, MiniCPM's embedding scale, a final norm not named `norm`) are refused
-(`check_ends`) rather than computed wrong; other families were checked against transformers by hand (Phi-3, OLMo 2
+The final norm and the LM head are the family's own modules, built as its model builds them (`head_modules`): an
+RMSNorm for most, a LayerNorm with a bias for StableLM and StarCoder2, one without parameters for OLMo, Phi's
+`final_layernorm` and its head's bias. The ways known not to be repeated here (Cohere's logit scale, MiniCPM's
+embedding scale, blocks outside `model.layers` as in GPT-NeoX) are refused (`check_ends`) rather than computed wrong; other families were checked against transformers by hand (Phi-3, OLMo 2
 and 3, GLM, GLM-4, SmolLM3, Arcee, Apertus, EXAONE 4, ERNIE 4.5, Seed-OSS: the same logits).
 """
 
@@ -33,14 +33,17 @@ _UNSUPPORTED = {
 }
 
 
-LOCAL_PREFIXES = ("model.embed_tokens.", "model.norm.", "lm_head.")
+FINAL_NORMS = ("norm", "final_layernorm")
+"""What families name the norm after their blocks, under `model.` (Phi and Persimmon: final_layernorm)."""
+
+LOCAL_PREFIXES = ("model.embed_tokens.", *(f"model.{name}." for name in FINAL_NORMS), "lm_head.")
 """Checkpoint names of the tensors a client holds (and a trainer trains) rather than the peers."""
 
 
 def check_ends(config: PretrainedConfig) -> None:
     """Refuse a model whose ends a client cannot compute as its forward does: embeddings or logits scaled in a way
-    this module does not repeat, or a final norm the family's model does not name `norm` (Phi's
-    `final_layernorm`). Peers refuse it too, at start: no client could use them.
+    this module does not repeat, or blocks not under `model.layers` with a final norm beside them (GPT-NeoX,
+    Falcon). Peers refuse it too, at start: no client could use them.
 
     Raises:
         ModelNotFoundError: naming the setting.
@@ -48,26 +51,31 @@ def check_ends(config: PretrainedConfig) -> None:
     for name, what in _UNSUPPORTED.items():
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: it {what}")
-    final_norm(config)
+    head_modules(config)
 
 
-def final_norm(config: PretrainedConfig) -> nn.Module:
-    """The family's final norm as its model builds it (on the meta device: load its tensors by name, if it has any).
+def head_modules(config: PretrainedConfig) -> tuple[str, nn.Module, nn.Linear]:
+    """(its name, the final norm, the LM head) as the family's causal LM builds them, on the meta device: load their
+    tensors by name (a norm may have none, a head may have a bias).
 
     Raises:
-        ModelNotFoundError: the family's model has no module `norm`.
+        ModelNotFoundError: the family's model keeps its blocks elsewhere than `model.layers`, or names its final
+        norm otherwise than FINAL_NORMS.
     """
     # the whole causal LM, on the meta device: 0.07 s for 80 layers, and no family refuses its own config
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"  # it runs no attention: spare the families that refuse sdpa
     with torch.device("meta"):
-        norm = getattr(causal_lm_class(config)(config).base_model, "norm", None)
-    if not isinstance(norm, nn.Module):
+        causal_lm = causal_lm_class(config)(config)
+    base = causal_lm.base_model
+    names = [name for name in FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)]
+    head = causal_lm.get_output_embeddings()
+    if causal_lm.base_model_prefix != "model" or not hasattr(base, "layers") or not names or head is None:
         raise ModelNotFoundError(
-            f"model type {config.model_type!r} is not supported: its final norm is not the model's `norm`, the only "
-            f"one clients compute"
+            f"model type {config.model_type!r} is not supported: its blocks are not `model.layers` followed by a "
+            f"final norm named {' or '.join(FINAL_NORMS)}, the layout clients and peers compute"
         )
-    return norm
+    return names[0], getattr(base, names[0]), head
 
 
 def embedding(config: PretrainedConfig) -> nn.Embedding:

@@ -2,7 +2,8 @@
 an in-memory swarm (swarm/models/ends.py): Gemma 2 (scaled embeddings, capped attention scores and logits, sliding and
 full layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type, capped logits, a tied head), Granite
 (embedding, residual, attention and logit multipliers), StableLM and StarCoder2 (a LayerNorm with a bias as final
-norm; partial rotary, qk norms; a sliding window) and OLMo (a LayerNorm without parameters, clipped qkv). Logits, greedy tokens and the gradient of the caller's
+norm; partial rotary, qk norms; a sliding window), OLMo (a LayerNorm without parameters, clipped qkv), and Phi and
+Persimmon (a final norm named `final_layernorm`; Phi's head has a bias). Logits, greedy tokens and the gradient of the caller's
 embeddings equal the local model's; a family that scales its logits in a way the client does not is refused."""
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ FAMILIES = {
     "stablelm": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, use_qkv_bias=True, qk_layernorm=True),
     "starcoder2": dict(norm_epsilon=1e-5, sliding_window=6, use_bias=True),
     "olmo": dict(clip_qkv=4.0),
+    # a final norm named otherwise, a head with a bias, parallel attention and MLP, partial rotary
+    "phi": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, qk_layernorm=True),
+    "persimmon": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, qk_layernorm=True),
 }
 
 

@@ -169,7 +169,7 @@ def test_a_checkpoint_without_some_tensor_of_the_span_is_refused_by_name(tmp_pat
 
 @pytest.mark.parametrize(
     ("family", "said"),
-    [("stablelm", "final norm is not an RMSNorm"), ("cohere", "multiplies its logits by logit_scale")],
+    [("gpt_neox", "blocks are not `model.layers`"), ("cohere", "multiplies its logits by logit_scale")],
 )
 def test_a_model_whose_ends_no_client_computes_is_refused_by_the_peer(tmp_path, family, said):
     """A peer would serve blocks no client can use (swarm/models/ends.py): it refuses at start, saying why."""

@@ -1,9 +1,10 @@
-"""A family whose final norm is a LayerNorm with a bias (StableLM) trains end to end, as `swarmlm train --local` does.
+"""A family whose ends differ from Llama's (Phi: a LayerNorm with a bias named `final_layernorm`, and a head with a
+bias) trains end to end, as `swarmlm train --local` does.
 
-The trainer holds the final norm, so its bias is trained, saved, resumed from and exported with the embeddings and
-head (client/model.py `local_tensors`). One training peer serves every block; `swarmlm train` runs two steps with
+The trainer holds the final norm and the head, so their biases are trained, saved, resumed from and exported with the
+embeddings (client/model.py `local_tensors`). One training peer serves every block; `swarmlm train` runs two steps with
 `--save`, then one more resumed from that save, and `swarmlm export` writes the whole model: it equals the local run's
-three steps, bias included.
+three steps, biases included.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ FLAGS = ["--lr", "3e-3", "--seq-len", "16", "--batch-size", "4", "--micro-batch-
 
 
 def test_a_layernorm_family_trains_saves_resumes_and_exports_like_local(tmp_path):
-    config = AutoConfig.for_model("stablelm", **_common(4), layer_norm_eps=1e-5, use_qkv_bias=True)
-    path = save_char_tokenizer(save_random_model(config, tmp_path / "stablelm", seed=0))
+    config = AutoConfig.for_model("phi", **_common(4), layer_norm_eps=1e-5, partial_rotary_factor=0.5)
+    path = save_char_tokenizer(save_random_model(config, tmp_path / "phi", seed=0))
     with Swarm(tmp_path / "swarm") as swarm:
         local = swarm.spawn(
             "train-local", "train", str(path), "--local", "--steps", "3", *FLAGS, "--save", str(tmp_path / "local")
@@ -50,7 +51,8 @@ def test_a_layernorm_family_trains_saves_resumes_and_exports_like_local(tmp_path
     mine = load_file(tmp_path / "exported" / "model.safetensors")
     reference = load_file(tmp_path / "local" / "model.safetensors")
     initial = load_file(path / "model.safetensors")
-    assert set(mine) == set(reference) and "model.norm.bias" in mine
+    assert set(mine) == set(reference) and {"model.final_layernorm.bias", "lm_head.bias"} <= set(mine)
     for name, tensor in reference.items():
         torch.testing.assert_close(mine[name], tensor, atol=1e-4, rtol=0, msg=name)
-    assert not torch.equal(reference["model.norm.bias"], initial["model.norm.bias"])  # the bias trained
+    for name in ("model.final_layernorm.bias", "lm_head.bias"):  # the biases trained
+        assert not torch.equal(reference[name], initial[name]), name

@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 class _LocalParts(nn.Module):
     """Named like the checkpoint's `model.` prefix so its tensors load by name (the final norm by its family's name)."""
 
-    def __init__(self, config: PretrainedConfig, norm_name: str, norm: nn.Module):
+    def __init__(self, embed_tokens: nn.Module, norm_name: str, norm: nn.Module):
         super().__init__()
-        self.embed_tokens = ends.embedding(config)
+        self.embed_tokens = embed_tokens
         self.norm_name = norm_name
         self.add_module(norm_name, norm)
 
@@ -79,8 +79,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: PretrainedConfig):
         super().__init__(config)
-        norm_name, norm, self.lm_head = ends.head_modules(config)
-        self.model = _LocalParts(config, norm_name, norm)
+        embed_tokens, norm_name, norm, self.lm_head = ends.family_ends(config)
+        self.model = _LocalParts(embed_tokens, norm_name, norm)
         self.sequence: RemoteSequence | None = None
         self._loop: BackgroundLoop | None = None
         self._dht = None

@@ -968,6 +968,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/test_training_ends.py",),
     ),
     Mutation(
+        "logit-scale-ignored",
+        "swarm/models/ends.py",
+        "        logits = logits * scale\n",
+        "        pass  # MUTATION\n",
+        "a Cohere model's logits are not scaled by logit_scale: other logits, other tokens",
+        ("tests/client/test_families.py",),
+    ),
+    Mutation(
         "router-probs-of-last-layer-only",
         "swarm/models/routers.py",
         "        self.probs = probs if self.probs is None else self.probs + probs\n",

@@ -1,16 +1,17 @@
 """What a family's causal LM computes around its blocks: the token embedding before them, the logits after them.
 
-The client holds these ends (client/model.py) and the peers the blocks. Most families embed with a plain lookup
-and take logits as `lm_head(norm(hidden))`; a few do more, in their model's forward rather than in a module, so it
-is repeated here as transformers computes it:
-- Gemma 1-3 multiply the embeddings by sqrt(hidden_size), inside their `*TextScaledWordEmbedding`;
-- Granite multiplies the embeddings by `embedding_multiplier` and divides the logits by `logits_scaling`;
+The client holds these ends (client/model.py) and the peers the blocks. The embedding, the final norm and the LM
+head are the family's own modules, built as its causal LM builds them (`family_ends`): Gemma's and MiniCPM3's
+embeddings scale their lookups, most final norms are RMSNorms, StableLM's and StarCoder2's LayerNorms have a bias,
+OLMo's has no parameters, Phi and Persimmon name theirs `final_layernorm`, Phi's head has a bias. What a few do in
+their model's forward rather than in a module is repeated here as transformers computes it:
+- Granite multiplies the embeddings by `embedding_multiplier` and divides the logits by `logits_scaling` (MiniCPM3
+  divides its head's input by it, which is the same);
+- Cohere multiplies the logits by `logit_scale`;
 - Gemma 2 and 3 cap the logits: `tanh(logits / cap) * cap` with `final_logit_softcapping`.
-The final norm and the LM head are the family's own modules, built as its model builds them (`head_modules`): an
-RMSNorm for most, a LayerNorm with a bias for StableLM and StarCoder2, one without parameters for OLMo, Phi's
-`final_layernorm` and its head's bias. The ways known not to be repeated here (Cohere's logit scale, MiniCPM's
-embedding scale, blocks outside `model.layers` as in GPT-NeoX) are refused (`check_ends`) rather than computed wrong; other families were checked against transformers by hand (Phi-3, OLMo 2
-and 3, GLM, GLM-4, SmolLM3, Arcee, Apertus, EXAONE 4, ERNIE 4.5, Seed-OSS: the same logits).
+Families whose blocks are not `model.layers` (GPT-NeoX, Falcon) are refused (`check_ends`) rather than computed
+wrong; other families were checked against transformers by hand (Phi-3, OLMo 2 and 3, GLM, GLM-4, SmolLM3, Arcee,
+Apertus, EXAONE 4, ERNIE 4.5, Seed-OSS: the same logits).
 """
 
 from __future__ import annotations
@@ -22,16 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from protocol.errors import ModelNotFoundError
-from swarm.models.checkpoint import causal_lm_class, family_class
-
-SQRT_SCALED = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
-"""Model types whose embeddings are scaled by sqrt(hidden_size) (their `{Family}TextScaledWordEmbedding`)."""
-
-_UNSUPPORTED = {
-    "logit_scale": "multiplies its logits by logit_scale (Cohere)",
-    "scale_emb": "scales its embeddings by scale_emb (MiniCPM)",
-}
-
+from swarm.models.checkpoint import causal_lm_class
 
 FINAL_NORMS = ("norm", "final_layernorm")
 """What families name the norm after their blocks, under `model.` (Phi and Persimmon: final_layernorm)."""
@@ -41,26 +33,24 @@ LOCAL_PREFIXES = ("model.embed_tokens.", *(f"model.{name}." for name in FINAL_NO
 
 
 def check_ends(config: PretrainedConfig) -> None:
-    """Refuse a model whose ends a client cannot compute as its forward does: embeddings or logits scaled in a way
-    this module does not repeat, or blocks not under `model.layers` with a final norm beside them (GPT-NeoX,
-    Falcon). Peers refuse it too, at start: no client could use them.
+    """Refuse a model whose ends a client cannot compute as its forward does: blocks not under `model.layers`, with
+    `model.embed_tokens` before them and a final norm after them (GPT-NeoX, Falcon). Peers refuse it too, at start:
+    no client could use them.
 
     Raises:
-        ModelNotFoundError: naming the setting.
+        ModelNotFoundError: naming what differs.
     """
-    for name, what in _UNSUPPORTED.items():
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ModelNotFoundError(f"model type {config.model_type!r} is not supported: it {what}")
-    head_modules(config)
+    family_ends(config)
 
 
-def head_modules(config: PretrainedConfig) -> tuple[str, nn.Module, nn.Linear]:
-    """(its name, the final norm, the LM head) as the family's causal LM builds them, on the meta device: load their
-    tensors by name (a norm may have none, a head may have a bias).
+def family_ends(config: PretrainedConfig) -> tuple[nn.Module, str, nn.Module, nn.Module]:
+    """(the token embedding, the final norm's name, the final norm, the LM head) as the family's causal LM builds
+    them, on the meta device: load their tensors by name (a norm may have none, a head may have a bias), then
+    `restore_buffers` of the embedding.
 
     Raises:
-        ModelNotFoundError: the family's model keeps its blocks elsewhere than `model.layers`, or names its final
-        norm otherwise than FINAL_NORMS.
+        ModelNotFoundError: the family's model keeps its blocks elsewhere than `model.layers`, or names its
+        embedding or final norm otherwise.
     """
     # the whole causal LM, on the meta device: 0.07 s for 80 layers, and no family refuses its own config
     config = copy.deepcopy(config)
@@ -69,21 +59,14 @@ def head_modules(config: PretrainedConfig) -> tuple[str, nn.Module, nn.Linear]:
         causal_lm = causal_lm_class(config)(config)
     base = causal_lm.base_model
     names = [name for name in FINAL_NORMS if isinstance(getattr(base, name, None), nn.Module)]
-    head = causal_lm.get_output_embeddings()
-    if causal_lm.base_model_prefix != "model" or not hasattr(base, "layers") or not names or head is None:
+    embed, head = getattr(base, "embed_tokens", None), causal_lm.get_output_embeddings()
+    if causal_lm.base_model_prefix != "model" or not hasattr(base, "layers") or not names or None in (embed, head):
         raise ModelNotFoundError(
-            f"model type {config.model_type!r} is not supported: its blocks are not `model.layers` followed by a "
-            f"final norm named {' or '.join(FINAL_NORMS)}, the layout clients and peers compute"
+            f"model type {config.model_type!r} is not supported: its blocks are not `model.layers` between "
+            f"`model.embed_tokens` and a final norm named {' or '.join(FINAL_NORMS)}, the layout clients and peers "
+            f"compute"
         )
-    return names[0], getattr(base, names[0]), head
-
-
-def embedding(config: PretrainedConfig) -> nn.Embedding:
-    """The family's token embedding module (on the current default device)."""
-    if config.model_type in SQRT_SCALED:
-        scaled = family_class(config, "TextScaledWordEmbedding")
-        return scaled(config.vocab_size, config.hidden_size, config.pad_token_id, embed_scale=config.hidden_size**0.5)
-    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    return embed, names[0], getattr(base, names[0]), head
 
 
 def restore_buffers(embed: nn.Module) -> None:
@@ -101,9 +84,12 @@ def scale_embeddings(config: PretrainedConfig, embeds: torch.Tensor) -> torch.Te
 
 def finish_logits(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
     """What the causal LM's forward does to `lm_head`'s output."""
-    scaling = getattr(config, "logits_scaling", None)
+    scaling = getattr(config, "logits_scaling", None)  # Granite; MiniCPM3 divides its head's input alike
     if scaling not in (None, 1, 1.0):
         logits = logits / scaling
+    scale = getattr(config, "logit_scale", None)  # Cohere
+    if scale not in (None, 1, 1.0):
+        logits = logits * scale
     cap = getattr(config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap

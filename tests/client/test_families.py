@@ -2,9 +2,11 @@
 an in-memory swarm (swarm/models/ends.py): Gemma 2 (scaled embeddings, capped attention scores and logits, sliding and
 full layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type, capped logits, a tied head), Granite
 (embedding, residual, attention and logit multipliers), StableLM and StarCoder2 (a LayerNorm with a bias as final
-norm; partial rotary, qk norms; a sliding window), OLMo (a LayerNorm without parameters, clipped qkv), and Phi and
-Persimmon (a final norm named `final_layernorm`; Phi's head has a bias). Logits, greedy tokens and the gradient of the caller's
-embeddings equal the local model's; a family that scales its logits in a way the client does not is refused."""
+norm; partial rotary, qk norms; a sliding window), OLMo (a LayerNorm without parameters, clipped qkv), Phi and
+Persimmon (a final norm named `final_layernorm`; Phi's head has a bias), Cohere 1 and 2 (logits times `logit_scale`)
+and MiniCPM3 (embeddings scaled in their module, logits divided, latent attention). A family whose blocks are laid
+out otherwise (GPT-NeoX) is refused. Logits, greedy tokens and the gradient of the caller's
+embeddings equal the local model's."""
 
 from __future__ import annotations
 
@@ -47,6 +49,20 @@ FAMILIES = {
     # a final norm named otherwise, a head with a bias, parallel attention and MLP, partial rotary
     "phi": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, qk_layernorm=True),
     "persimmon": dict(layer_norm_eps=1e-5, partial_rotary_factor=0.5, qk_layernorm=True),
+    # logits scaled by logit_scale; Cohere 2 with sliding layers too
+    "cohere": dict(logit_scale=0.25, use_qk_norm=True),
+    "cohere2": dict(logit_scale=0.25, sliding_window=6, layer_types=ALTERNATING),
+    # embeddings scaled by scale_emb in their module, the head's input divided by logits_scaling
+    "minicpm3": dict(
+        scale_emb=12.0,
+        dim_model_base=8,  # logits_scaling = hidden_size / dim_model_base = 8
+        scale_depth=1.4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
 }
 
 
@@ -81,8 +97,8 @@ def test_logits_tokens_and_gradients_equal_the_local_model(family, tmp_path):
         torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
 
 
-def test_a_family_that_scales_its_logits_otherwise_is_refused(tmp_path):
-    config = AutoConfig.for_model("cohere", **_common(4), logit_scale=0.0625)
-    path = save_random_model(config, tmp_path / "cohere")
-    with FakeSwarm(path) as swarm, pytest.raises(ModelNotFoundError, match="logit_scale"):
+def test_a_family_whose_blocks_are_laid_out_otherwise_is_refused(tmp_path):
+    config = AutoConfig.for_model("gpt_neox", **_common(4))
+    path = save_random_model(config, tmp_path / "gpt_neox")
+    with FakeSwarm(path) as swarm, pytest.raises(ModelNotFoundError, match=r"not `model\.layers` between"):
         swarm.client()

@@ -167,17 +167,12 @@ def test_a_checkpoint_without_some_tensor_of_the_span_is_refused_by_name(tmp_pat
     _spans(path, [(0, 2)])  # the other blocks are whole
 
 
-@pytest.mark.parametrize(
-    ("family", "said"),
-    [("gpt_neox", "blocks are not `model.layers`"), ("cohere", "multiplies its logits by logit_scale")],
-)
-def test_a_model_whose_ends_no_client_computes_is_refused_by_the_peer(tmp_path, family, said):
+def test_a_model_whose_ends_no_client_computes_is_refused_by_the_peer(tmp_path):
     """A peer would serve blocks no client can use (swarm/models/ends.py): it refuses at start, saying why."""
     from transformers import AutoConfig
 
     from tests.helpers.models import _common
 
-    config = AutoConfig.for_model(family, **_common(4), **({"logit_scale": 0.0625} if family == "cohere" else {}))
-    path = save_random_model(config, tmp_path, seed=0)
-    with pytest.raises(ModelNotFoundError, match=said):
+    path = save_random_model(AutoConfig.for_model("gpt_neox", **_common(4)), tmp_path, seed=0)
+    with pytest.raises(ModelNotFoundError, match=r"blocks are not `model\.layers` between"):
         _spans(path, [(0, 2)])

@@ -42,7 +42,7 @@ from protocol.errors import (
 )
 from protocol.finite import all_finite
 from protocol.packing import Packed, Received
-from swarm.models.routers import check_stats
+from swarm.models.routers import MoeLayout, check_stats
 
 # --- the caller's input ---
 
@@ -181,10 +181,12 @@ def unary_answer(
     return tensor_answer(received.message, field, received.payload, peer=peer, shape=shape, dtype=dtype)
 
 
-def router_answer(received: Received, *, peer: str, moe: tuple[int, int]) -> tuple[list[float], list[float], float]:
-    """The router sums of a Forward answer, checked as a forward of real rows gives them."""
+def router_answer(
+    received: Received, *, peer: str, moe: MoeLayout, rows: float
+) -> tuple[list[float], list[float], float]:
+    """The router sums of a Forward answer, checked as a forward of `rows` rows through its routed layers gives them."""
     try:
-        return check_stats(received.message.router, *moe, peer)
+        return check_stats(received.message.router, moe.experts, moe.top_k, peer, rows)
     except ValueError as exc:
         raise PeerFaultError(str(exc)) from None
 

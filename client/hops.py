@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from client.routing import RouteHop
+from swarm.models.routers import MoeLayout
 
 
 @dataclass(frozen=True)
@@ -48,5 +49,5 @@ class HopRecord:
 class RouterReport:
     """Collects one hop's router sums as its answers come (a hop cut into pieces of rows answers several)."""
 
-    moe: tuple[int, int]  # (experts, top_k) of the model
+    moe: MoeLayout
     parts: list[tuple[list[float], list[float], float]] = field(default_factory=list)

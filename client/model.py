@@ -31,7 +31,7 @@ from swarm.dht.node import start_dht, stop_dht
 from swarm.models import ends
 from swarm.models.adapters import whole_modules
 from swarm.models.checkpoint import checkpoint_dtype, load_config, load_tensors, resolve_model_path
-from swarm.models.routers import balance_loss, moe_shape
+from swarm.models.routers import MoeLayout, balance_loss, moe_layout
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         embed_tokens, norm_name, norm, self.lm_head = ends.family_ends(config)
         self.model = _LocalParts(embed_tokens, norm_name, norm)
+        self.moe: MoeLayout | None = moe_layout(config)  # a mixture-of-experts model's routed blocks
         self.sequence: RemoteSequence | None = None
         self._loop: BackgroundLoop | None = None
         self._dht = None
@@ -294,12 +295,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 attention_mask = None
             if output_router_logits is None:
                 output_router_logits = getattr(self.config, "output_router_logits", False)
-            moe = moe_shape(self.config) if output_router_logits else None
+            moe = self.moe if output_router_logits else None
             if moe is not None:  # a mixture-of-experts model's load-balancing loss, as transformers computes it
                 hidden, probs, counts, rows = RemoteBlocks.apply(
                     hidden, attention_mask, position_ids, self.sequence, self._run, moe
                 )
-                aux_loss = balance_loss(probs, counts, rows, moe[0]).to(hidden.dtype)
+                aux_loss = balance_loss(probs, counts, rows, moe.experts).to(hidden.dtype)
             else:
                 hidden = RemoteBlocks.apply(hidden, attention_mask, position_ids, self.sequence, self._run)
         if logits_to_keep:

@@ -48,7 +48,7 @@ from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.adapters import folder_digest
-from swarm.models.routers import RouterTotals
+from swarm.models.routers import MoeLayout, RouterTotals
 from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
@@ -311,7 +311,9 @@ class RemoteSequence:
         took = time.perf_counter() - began
         output = checks.unary_answer(response, "hidden_states", peer=describe(hop), shape=hidden.shape, dtype=dtype)
         if routers is not None:
-            routers.parts.append(checks.router_answer(response, peer=describe(hop), moe=routers.moe))
+            tokens = float(mask.sum()) if mask is not None else hidden.shape[0] * hidden.shape[1]
+            rows = tokens * routers.moe.routed_in(hop.start, hop.end)
+            routers.parts.append(checks.router_answer(response, peer=describe(hop), moe=routers.moe, rows=rows))
         info = self._snapshot.servers.get(hop.peer_id) if self._snapshot else None
         if info is not None:  # as announced: tokens a second through its whole span, a hop over part of it faster
             part = (hop.end - hop.start) / (info.end_block - info.start_block)
@@ -390,13 +392,13 @@ class RemoteSequence:
         start: int = 0,
         end: int | None = None,
         keep_for_backward: bool = False,
-        routers: tuple[int, int] | None = None,
+        routers: MoeLayout | None = None,
     ) -> tuple[torch.Tensor, list[HopRecord]]:
         """Run blocks [start, end); return the outputs and what each hop was sent (for backward).
 
         With `keep_for_backward`, peers are asked to keep their activations until the backward, which then
-        need not recompute the forward. With `routers` (experts, top_k of a mixture-of-experts model), each hop's
-        record also holds the router sums its peer reported (swarm/models/routers.py).
+        need not recompute the forward. With `routers` (a mixture-of-experts model's layout), each hop's record also
+        holds the router sums its peer reported (swarm/models/routers.py).
 
         Raises:
             BadRequestError: the inputs are not what a peer accepts (nothing was sent).
@@ -432,7 +434,7 @@ class RemoteSequence:
         self.last_route = [record.hop for record in records]
         return hidden, records
 
-    async def _with_routers(self, record: HopRecord, mask, positions, routers: tuple[int, int]) -> HopRecord:
+    async def _with_routers(self, record: HopRecord, mask, positions, routers: MoeLayout) -> HopRecord:
         """`record` with its hop's router sums, asked again of its peer where the record has none."""
         if record.router is not None:
             return record
@@ -532,7 +534,7 @@ def _rows(begin: int, end: int, batch: int, mask, positions) -> tuple:
 class RemoteBlocks(torch.autograd.Function):
     """Autograd over the remote blocks: gradients flow back through the peers' backward RPCs.
 
-    With `routers` (experts, top_k of a mixture-of-experts model) it also returns the hops' router sums added up
+    With `routers` (a mixture-of-experts model's layout) it also returns the hops' router sums added up
     (swarm/models/routers.py): probabilities per expert, which carry a gradient back to every hop, then picks per
     expert and rows, which do not.
     """
@@ -547,7 +549,7 @@ class RemoteBlocks(torch.autograd.Function):
         ctx.sequence, ctx.run, ctx.records, ctx.mask, ctx.positions = sequence, run, records, mask, positions
         if routers is None:
             return output
-        totals = RouterTotals.add([part for r in records for part in r.router or ()], routers[0])
+        totals = RouterTotals.add([part for r in records for part in r.router or ()], routers.experts)
         counts, rows = totals.counts, torch.tensor(totals.rows, dtype=torch.float64)
         ctx.mark_non_differentiable(counts, rows)
         return output, totals.probs, counts, rows

@@ -25,7 +25,7 @@ from client.sequence import HopRecord, TakenBackward, TrainingTag
 from client.training.ledger import Ledger
 from client.training.stages import Span, Stages
 from protocol.errors import BadRequestError, TrainingFaultError, UnauthorizedError
-from swarm.models.routers import RouterTotals, aux_coefficient, moe_shape
+from swarm.models.routers import RouterTotals, aux_coefficient, moe_layout
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class MicroBatches:
         self.trainer_id = trainer_id
         # a mixture-of-experts model whose loss has the load-balancing term: its stages report their router sums
         self.aux_coef = aux_coefficient(model.config, config.router_aux_loss_coef)
-        self.moe = moe_shape(model.config) if self.aux_coef else None
+        self.moe = moe_layout(model.config) if self.aux_coef else None
         self._local = local
 
     async def run(
@@ -90,7 +90,7 @@ class MicroBatches:
             loss, grad, head_grads = await self._local(head)
             router_grad = ()
             if self.moe is not None:  # the head has no part in it: the stages take its gradient with their backward
-                totals = RouterTotals.add([part for r in records for part in r.router or ()], self.moe[0])
+                totals = RouterTotals.add([part for r in records for part in r.router or ()], self.moe.experts)
                 loss += self.aux_coef * totals.loss()
                 router_grad = tuple(totals.prob_grad(self.aux_coef))
             tag = TrainingTag(

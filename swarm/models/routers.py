@@ -16,6 +16,7 @@ sum_e prob_grad[e] * P_stage[e] to what it differentiates: the gradient transfor
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from transformers import PretrainedConfig
 
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, ModelNotFoundError
-from swarm.models.checkpoint import family_class
+from swarm.models.checkpoint import causal_lm_class, family_class
 
 
 def moe_shape(config: PretrainedConfig) -> tuple[int, int] | None:
@@ -36,6 +37,33 @@ def moe_shape(config: PretrainedConfig) -> tuple[int, int] | None:
     if not experts or not top_k or router_recorder(config) is None:
         return None
     return int(experts), int(top_k)
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """What a client needs to know of a mixture-of-experts model to ask for and check its stages' router sums."""
+
+    experts: int
+    top_k: int
+    routed: tuple[bool, ...]
+    """Per block: whether it routes (Qwen2-MoE's `mlp_only_layers` do not)."""
+
+    def routed_in(self, start: int, end: int) -> int:
+        return sum(self.routed[start:end])
+
+
+def moe_layout(config: PretrainedConfig) -> MoeLayout | None:
+    """The model's MoeLayout (None for a dense model): which blocks have a router, as its causal LM builds them on
+    the meta device."""
+    shape, recorder = moe_shape(config), router_recorder(config)
+    if shape is None:
+        return None
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"  # it runs no attention: spare the families that refuse sdpa
+    with torch.device("meta"):
+        layers = causal_lm_class(config)(config).base_model.layers
+    routed = tuple(any(isinstance(m, recorder.target_class) for m in layer.modules()) for layer in layers)
+    return MoeLayout(*shape, routed)
 
 
 def aux_coefficient(config: PretrainedConfig, given: float | None = None) -> float:
@@ -167,13 +195,21 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, rows, experts: int) 
     return experts * ((counts / rows) * (probs / rows)).sum()
 
 
-def check_stats(message, experts: int, top_k: int, peer: str) -> tuple[list[float], list[float], float]:
-    """A stage's reported RouterStats, refused unless it is what a forward of real rows can give.
+def check_stats(
+    message, experts: int, top_k: int, peer: str, rows_expected: float | None = None
+) -> tuple[list[float], list[float], float]:
+    """A stage's reported RouterStats, refused unless it is what a forward of real rows can give (`rows_expected`:
+    the rows its routed layers counted, where the caller knows them).
 
     Raises:
         ValueError: naming what is wrong (the caller treats the peer as faulty).
     """
     counts, probs, rows = list(message.counts), list(message.probs), float(message.rows)
+    if rows_expected is not None and not math.isclose(rows, rows_expected, rel_tol=1e-9):
+        raise ValueError(
+            f"peer {peer} reported router sums over {rows:g} rows; its routed layers have {rows_expected:g} (an older "
+            f"peer ignores the request for them)"
+        )
     if not rows and not counts and not probs:
         return counts, probs, rows
     if len(counts) != experts or len(probs) != experts:

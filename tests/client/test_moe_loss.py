@@ -1,7 +1,7 @@
 """A mixture-of-experts model's load-balancing loss through the client's own forward and backward (RemoteBlocks), on
 an in-memory swarm (tests/helpers/fake_swarm.py): `model(..., labels=ids)` gives transformers' loss and aux_loss, and
 the gradient of the caller's embeddings equals transformers' (the router term reaches every hop), also with padding,
-and with a corrupter of forward or backward answers caught by spot checks."""
+with a corrupter of forward or backward answers caught by spot checks, and with a peer whose answers lack the sums."""
 
 from __future__ import annotations
 
@@ -69,6 +69,25 @@ def test_a_corrupter_caught_by_spot_checks_leaves_the_loss_and_gradients_exact(m
             theirs, their_grad = _loss_and_grad(local, ids, embeds, None)
             assert model.sequence.spot_checks.stats.caught  # its answer was replaced by the honest majority's
             assert corrupter.peer_id in model.sequence.bans.banned()
+            assert float(ours.loss.detach()) == pytest.approx(float(theirs.loss.detach()), rel=1e-5)
+            torch.testing.assert_close(our_grad, their_grad, atol=1e-5, rtol=1e-4)
+        finally:
+            model.shutdown()
+
+
+def test_a_peer_that_leaves_out_its_router_sums_is_left_out_and_the_loss_stays_exact(tmp_path):
+    """As a peer that predates router sums answers: its hidden states are right, its sums missing."""
+    path, local = _checkpoint("qwen2_moe", tmp_path)
+    with FakeSwarm(path) as swarm:
+        swarm.add_peer(0, 4)
+        old = swarm.add_peer(0, 4, throughput=1e6, faults=[Fault("no_router", method="forward")])
+        model = swarm.client()
+        try:
+            ids = torch.randint(3, VOCAB_SIZE, (2, 8), generator=torch.Generator().manual_seed(2))
+            embeds = local.get_input_embeddings()(ids).detach()
+            ours, our_grad = _loss_and_grad(model, ids, embeds, None)
+            theirs, their_grad = _loss_and_grad(local, ids, embeds, None)
+            assert old.peer_id in model.sequence.bans.banned() and model.sequence.failovers == 1
             assert float(ours.loss.detach()) == pytest.approx(float(theirs.loss.detach()), rel=1e-5)
             torch.testing.assert_close(our_grad, their_grad, atol=1e-5, rtol=1e-4)
         finally:

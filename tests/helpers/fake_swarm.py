@@ -51,12 +51,13 @@ from protocol.service import ERROR_CODE_KEY, METHODS, PeerStub, status_for
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.checkpoint import load_config
 from swarm.trust.identity import NodeIdentity, peer_id_of, prove_identity
-from tests.helpers.liar import TENSOR_FIELD, corrupt
+from tests.helpers.liar import TENSOR_FIELD, corrupt, replace_tensor
 from tests.helpers.memory_channel import MemoryServer, Network, rpc_error
 
 INITIAL_PEERS = ("/ip4/127.0.0.1/tcp/1",)  # a client needs some; nothing dials them here
-LIES = ("shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id")
-"""What a lying peer may do to its answers (tests/helpers/liar.py); the last three only to inference steps."""
+LIES = ("shape", "dtype", "nan", "empty", "perturb", "no_router", "kind", "position", "step_id")
+"""What a lying peer may do to its answers (tests/helpers/liar.py; "no_router": a Forward answer without the router
+sums asked for, as a peer that predates them gives); the last three only to inference steps."""
 ACTS = ("crash", "stall", "error", *LIES)
 
 
@@ -260,9 +261,9 @@ class FakePeer:
             return response_type().SerializeToString()
         received = unpack(response_type, data)
         tensor = decode_tensor(getattr(received.message, tensor_field), tensor_field, received.payload)
-        packer = Packer()
-        lie = packer.tensor(corrupt(tensor, fault.act, fault.scale))
-        return packer.pack(response_type(**{tensor_field: lie})).SerializeToString()
+        if fault.act == "no_router":
+            received.message.ClearField("router")
+        return replace_tensor(received, tensor_field, corrupt(tensor, fault.act, fault.scale))
 
     def _lie_step(self, data: bytes, fault: Fault) -> bytes:
         step = unpack(pb.InferenceResponse, data)

@@ -77,6 +77,21 @@ def corrupt(tensor: torch.Tensor, lie: str, scale: float = 1e-2) -> torch.Tensor
     return tensor
 
 
+def replace_tensor(received, field: str, tensor: torch.Tensor) -> bytes:
+    """`received`'s answer with `tensor` in `field` and every other field as the peer answered it (a liar that
+    changes only the numbers: a Forward's router sums stay)."""
+    packer = Packer()
+    response = type(received.message)(**{field: packer.tensor(tensor)})
+    for descriptor, value in received.message.ListFields():
+        if descriptor.name in (field, "payload"):
+            continue
+        if descriptor.message_type is not None:
+            getattr(response, descriptor.name).CopyFrom(value)
+        else:
+            setattr(response, descriptor.name, value)
+    return packer.pack(response).SerializeToString()
+
+
 class Liar:
     """The proxy's handlers: pass each call to the peer at `upstream`, then lie as MODE_FILE says."""
 
@@ -151,8 +166,7 @@ class Liar:
             return response_type().SerializeToString()
         received = unpack(response_type, answer)
         tensor = decode_tensor(getattr(received.message, field), field, received.payload)
-        packer = Packer()
-        return packer.pack(response_type(**{field: packer.tensor(corrupt(tensor, lie, scale))})).SerializeToString()
+        return replace_tensor(received, field, corrupt(tensor, lie, scale))
 
     def _state(self, request: bytes, context):
         yield from self.channel.unary_stream(METHODS["State"].path)(request, timeout=context.time_remaining())

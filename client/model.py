@@ -23,7 +23,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from client import speculative
 from client.config import ClientConfig
 from client.loop import BackgroundLoop
-from client.sequence import RemoteBlocks, RemoteSequence
+from client.remote_blocks import RemoteBlocks
+from client.sequence import RemoteSequence
 from client.session import InferenceSession
 from protocol.errors import BadRequestError, ModelNotFoundError, OutputRewoundError
 from protocol.records import check_prefix, prefix_for_model

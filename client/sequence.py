@@ -1,4 +1,4 @@
-"""The remote blocks of one model: forward and backward over chains of peers, with autograd (RemoteBlocks).
+"""The remote blocks of one model: forward and backward over chains of peers (autograd over them: client/remote_blocks.py).
 
 A failed peer is banned for a while (client/bans.py), the directory is refreshed at once, and the failed part of
 the chain is routed to other peers (client/retry.py: the rule every request here and in client/session.py
@@ -48,7 +48,7 @@ from protocol.records import ServerInfo
 from swarm.dht.directory import fetch_snapshot
 from swarm.dht.snapshot import SwarmSnapshot
 from swarm.models.adapters import folder_digest
-from swarm.models.routers import MoeLayout, RouterTotals
+from swarm.models.routers import MoeLayout
 from swarm.net.tunnel import TunnelPool, is_tunnel
 
 logger = logging.getLogger(__name__)
@@ -529,35 +529,3 @@ def _rows(begin: int, end: int, batch: int, mask, positions) -> tuple:
     if positions is not None and positions.shape[0] == batch and batch > 1:
         positions = positions[begin:end]
     return mask, positions
-
-
-class RemoteBlocks(torch.autograd.Function):
-    """Autograd over the remote blocks: gradients flow back through the peers' backward RPCs.
-
-    With `routers` (a mixture-of-experts model's layout) it also returns the hops' router sums added up
-    (swarm/models/routers.py): probabilities per expert, which carry a gradient back to every hop, then picks per
-    expert and rows, which do not.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, mask, positions, sequence: RemoteSequence, run, routers=None):
-        # only a forward whose backward will come asks the peers to keep activations for it
-        keep = ctx.needs_input_grad[0]
-        output, records = run(
-            sequence.forward(hidden.detach(), mask, positions, keep_for_backward=keep, routers=routers)
-        )
-        ctx.sequence, ctx.run, ctx.records, ctx.mask, ctx.positions = sequence, run, records, mask, positions
-        if routers is None:
-            return output
-        totals = RouterTotals.add([part for r in records for part in r.router or ()], routers.experts)
-        counts, rows = totals.counts, torch.tensor(totals.rows, dtype=torch.float64)
-        ctx.mark_non_differentiable(counts, rows)
-        return output, totals.probs, counts, rows
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, grad_probs: torch.Tensor | None = None, *_):
-        router_grad = tuple(grad_probs.tolist()) if grad_probs is not None and bool(grad_probs.any()) else ()
-        grad_inputs = ctx.run(
-            ctx.sequence.backward(grad.contiguous(), ctx.records, ctx.mask, ctx.positions, router_grad=router_grad)
-        )
-        return grad_inputs, None, None, None, None, None

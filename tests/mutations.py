@@ -953,7 +953,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "remote-blocks-drop-router-grad",
-        "client/sequence.py",
+        "client/remote_blocks.py",
         "        router_grad = tuple(grad_probs.tolist()) if grad_probs is not None and bool(grad_probs.any()) else ()\n",
         "        router_grad = ()  # MUTATION\n",
         "the client's own backward leaves the load-balancing loss out of the peers' gradients",

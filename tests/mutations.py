@@ -984,6 +984,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_moe_loss.py",),
     ),
     Mutation(
+        "sdpa-for-every-family",
+        "swarm/models/checkpoint.py",
+        '        return "sdpa" if getattr(causal_lm_class(config), "_supports_sdpa", True) else "eager"\n',
+        '        return "sdpa"  # MUTATION\n',
+        "a family that refuses sdpa (GPT-OSS's attention sinks) is built with it: its peers cannot load",
+        ("tests/client/test_families.py",),
+    ),
+    Mutation(
+        "balancing-loss-for-every-moe",
+        "swarm/models/routers.py",
+        '    if not hasattr(importlib.import_module(causal_lm_class(config).__module__), "load_balancing_loss_func"):\n',
+        "    if False:  # MUTATION\n",
+        "DeepSeek's experts, which transformers balances without this loss, get it added anyway",
+        ("tests/swarm/models/test_routers.py",),
+    ),
+    Mutation(
         "router-probs-of-last-layer-only",
         "swarm/models/routers.py",
         "        self.probs = probs if self.probs is None else self.probs + probs\n",

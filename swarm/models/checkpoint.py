@@ -107,8 +107,14 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype:
 
 def attention_for(config: PretrainedConfig) -> str:
     """The attention implementation peers and references compute with: sdpa, or the model's own eager attention
-    where sdpa refuses the model (scores capped by `attn_logit_softcapping`, Gemma 2)."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    where sdpa refuses the model (scores capped by `attn_logit_softcapping`, Gemma 2; a family without sdpa support,
+    GPT-OSS with its attention sinks)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return "eager"
+    try:
+        return "sdpa" if getattr(causal_lm_class(config), "_supports_sdpa", True) else "eager"
+    except ModelNotFoundError:  # not a causal LM transformers knows: refused later, by whoever needs its classes
+        return "sdpa"
 
 
 def causal_lm_class(config: PretrainedConfig) -> type:

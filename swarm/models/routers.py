@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,10 +32,14 @@ from swarm.models.checkpoint import causal_lm_class, family_class
 
 
 def moe_shape(config: PretrainedConfig) -> tuple[int, int] | None:
-    """(experts, experts per token) of a mixture-of-experts model; None for a dense one."""
+    """(experts, experts per token) of a mixture-of-experts model whose training in transformers can add this
+    load-balancing loss (its family defines `load_balancing_loss_func`: not DeepSeek's, balanced without one);
+    None for any other model."""
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not experts or not top_k or router_recorder(config) is None:
+        return None
+    if not hasattr(importlib.import_module(causal_lm_class(config).__module__), "load_balancing_loss_func"):
         return None
     return int(experts), int(top_k)
 
@@ -76,8 +81,8 @@ def aux_coefficient(config: PretrainedConfig, given: float | None = None) -> flo
     if moe_shape(config) is None:
         if given:
             raise ValueError(
-                f"a load-balancing loss needs a mixture-of-experts model; {config.model_type!r} has no routers: "
-                f"leave out --router-aux-loss-coef"
+                f"model type {config.model_type!r} has no load-balancing loss in transformers (a dense model, or "
+                f"experts balanced otherwise): leave out --router-aux-loss-coef"
             )
         return 0.0
     if given is not None:

@@ -4,8 +4,9 @@ full layers), Gemma 3 (scaled embeddings, a rotary embedding per attention type,
 (embedding, residual, attention and logit multipliers), StableLM and StarCoder2 (a LayerNorm with a bias as final
 norm; partial rotary, qk norms; a sliding window), OLMo (a LayerNorm without parameters, clipped qkv), Phi and
 Persimmon (a final norm named `final_layernorm`; Phi's head has a bias), Cohere 1 and 2 (logits times `logit_scale`)
-and MiniCPM3 (embeddings scaled in their module, logits divided, latent attention). A family whose blocks are laid
-out otherwise (GPT-NeoX) is refused. Logits, greedy tokens and the gradient of the caller's
+and MiniCPM3 (embeddings scaled in their module, logits divided, latent attention); and four mixture-of-experts
+families: OLMoE, GraniteMoE, DeepSeek-V3 and GPT-OSS. A family whose blocks are laid out otherwise (GPT-NeoX) is
+refused. Logits, greedy tokens and the gradient of the caller's
 embeddings equal the local model's."""
 
 from __future__ import annotations
@@ -63,6 +64,25 @@ FAMILIES = {
         qk_rope_head_dim=8,
         v_head_dim=16,
     ),
+    # mixture-of-experts families beyond tests/integration/test_moe.py's three: DeepSeek-V3 with a dense first
+    # layer, a shared expert and latent attention; GPT-OSS with attention sinks, which sdpa refuses (eager)
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=4.0, logits_scaling=2.0),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    ),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6, layer_types=ALTERNATING),
 }
 
 

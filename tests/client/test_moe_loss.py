@@ -7,19 +7,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from swarm.models.checkpoint import attention_for
 from tests.helpers.fake_swarm import FakeSwarm, Fault
-from tests.helpers.models import MOE_CONFIGS, VOCAB_SIZE, save_random_model
+from tests.helpers.models import MOE_CONFIGS, VOCAB_SIZE, _common, save_random_model
 
 AUX_COEF = 0.3
 
 
+OTHER_FAMILIES = {  # besides MOE_CONFIGS: GPT-OSS computes with eager attention (its sinks), OLMoE plainly
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=6),
+}
+
+
 def _checkpoint(family: str, path):
-    config = MOE_CONFIGS[family](4)
+    if family in MOE_CONFIGS:
+        config = MOE_CONFIGS[family](4)
+    else:
+        config = AutoConfig.for_model(family, **_common(4), **OTHER_FAMILIES[family])
     config.output_router_logits, config.router_aux_loss_coef = True, AUX_COEF
     path = save_random_model(config, path / family)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention_for(config))
+    return path, local.eval()
 
 
 def _loss_and_grad(model, ids, embeds, mask, **kwargs):
@@ -29,7 +40,7 @@ def _loss_and_grad(model, ids, embeds, mask, **kwargs):
     return out, inputs.grad
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_loss_aux_loss_and_gradients_equal_transformers(family, tmp_path):
     path, local = _checkpoint(family, tmp_path)
     ids = torch.randint(3, VOCAB_SIZE, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from client.training.microbatches import lm_loss
 from protocol import swarmlm_pb2 as pb
@@ -81,7 +81,7 @@ def test_stages_add_up_to_transformers_loss_and_gradient(family, masked):
 
 def test_the_weight_is_transformers_unless_given_and_a_dense_model_has_none():
     assert moe_shape(llama_config(2)) is None and aux_coefficient(llama_config(2)) == 0.0
-    with pytest.raises(ValueError, match="has no routers"):
+    with pytest.raises(ValueError, match="no load-balancing loss"):
         aux_coefficient(llama_config(2), 0.01)
     config = MOE_CONFIGS["mixtral"](2)
     assert moe_shape(config) == (4, 2) and aux_coefficient(config) == 0.0  # output_router_logits is off by default
@@ -89,6 +89,11 @@ def test_the_weight_is_transformers_unless_given_and_a_dense_model_has_none():
     config.output_router_logits = True
     assert aux_coefficient(config) == config.router_aux_loss_coef and aux_coefficient(config, 0.0) == 0.0
     assert RouterTotals.add([([], [], 0.0)], 4).prob_grad(0.05) == []
+    # DeepSeek's experts are balanced without this loss in transformers: no term, and none to ask for
+    deepseek = AutoConfig.for_model("deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, output_router_logits=True)
+    assert moe_shape(deepseek) is None and aux_coefficient(deepseek) == 0.0
+    with pytest.raises(ValueError, match="no load-balancing loss"):
+        aux_coefficient(deepseek, 0.01)
 
 
 def test_stats_no_forward_gives_are_refused():

@@ -222,8 +222,8 @@ def check_stats(
     values = [*counts, *probs, rows]
     if not all(math.isfinite(v) and v >= 0 for v in values):
         raise ValueError(f"peer {peer} reported router stats that are negative or not finite")
-    # every routed row picks top_k experts and its probabilities sum to 1
-    if not math.isclose(sum(counts), rows * top_k, rel_tol=1e-6) or not math.isclose(sum(probs), rows, rel_tol=1e-3):
+    # every routed row picks top_k experts and its probabilities sum to 1 (to 2%: a bfloat16 peer's softmax rounds)
+    if not math.isclose(sum(counts), rows * top_k, rel_tol=1e-6) or not math.isclose(sum(probs), rows, rel_tol=2e-2):
         raise ValueError(f"peer {peer} reported router stats that no forward gives (picks or probabilities vs rows)")
     return counts, probs, rows
 

@@ -138,9 +138,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = load_config(path)
         if isinstance(dtype, str):
             dtype = checkpoint_dtype(config) if dtype == "auto" else getattr(torch, dtype)
-        ends.check_ends(config)
         with torch.device("meta"):
-            instance = cls(config)
+            instance = cls(config)  # a family whose ends no client computes is refused here (ends.family_ends)
         local_names = set(instance.local_tensors())
         tensors = load_tensors(path, lambda name: name in local_names, dtype=dtype)
         if config_options.adapter_path is not None:  # what the adapter replaces whole (swarm/models/adapters.py)

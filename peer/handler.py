@@ -114,15 +114,7 @@ class PeerServicer:
                 if keep_id and self.activations.enabled:
                     return self._forward_keeping(keep_id, span, blocks, hidden, mask, positions, adapter, routers)
                 with torch.inference_mode():
-                    return span(
-                        hidden,
-                        mask,
-                        positions,
-                        blocks=blocks,
-                        between_layers=self.served.compute.checkpoint,
-                        adapter=adapter,
-                        routers=routers,
-                    )
+                    return self._compute(span, blocks, hidden, mask, positions, adapter, routers)
 
             tokens = hidden.shape[0] * hidden.shape[1]
             with self.served.admission.admit(tokens, hidden.nbytes):
@@ -198,20 +190,17 @@ class PeerServicer:
             raise BadRequestError("router_grad was sent, but this model has no routers; send none")
         return check_prob_grad(values, self.moe[0])
 
+    def _compute(self, span: BlockSpan, blocks, hidden, mask, positions, adapter: str, routers) -> torch.Tensor:
+        """`blocks` of the span, yielding to decode steps between layers (peer/compute.py)."""
+        between = self.served.compute.checkpoint
+        return span(hidden, mask, positions, blocks=blocks, between_layers=between, adapter=adapter, routers=routers)
+
     def _forward_graph(
         self, span: BlockSpan, blocks, hidden, mask, positions, adapter: str = "", routers: RouterStats | None = None
     ) -> Kept:
         inputs = hidden.to(span.device).requires_grad_(True)
         with torch.enable_grad():
-            outputs = span(
-                inputs,
-                mask,
-                positions,
-                blocks=blocks,
-                between_layers=self.served.compute.checkpoint,
-                adapter=adapter,
-                routers=routers,
-            )
+            outputs = self._compute(span, blocks, inputs, mask, positions, adapter, routers)
         return Kept(blocks, inputs, outputs, mask, positions, nbytes=0, adapter=adapter, routers=routers)
 
     def _forward_keeping(

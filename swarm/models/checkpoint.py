@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
@@ -123,6 +124,15 @@ def causal_lm_class(config: PretrainedConfig) -> type:
     if causal_lm is None:
         raise ModelNotFoundError(f"model type {config.model_type!r} has no causal-LM class in transformers")
     return getattr(transformers, causal_lm)
+
+
+def meta_causal_lm(config: PretrainedConfig) -> torch.nn.Module:
+    """The family's causal LM built from `config` on the meta device, to read its layout (0.07 s for 80 layers):
+    eager attention, which it never runs, so that families refusing sdpa build too."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        return causal_lm_class(config)(config)
 
 
 def family_class(config: PretrainedConfig, suffix: str) -> type:

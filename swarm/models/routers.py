@@ -16,7 +16,6 @@ sum_e prob_grad[e] * P_stage[e] to what it differentiates: the gradient transfor
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import math
 from collections.abc import Iterator, Sequence
@@ -28,7 +27,7 @@ from transformers import PretrainedConfig
 
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, ModelNotFoundError
-from swarm.models.checkpoint import causal_lm_class, family_class
+from swarm.models.checkpoint import causal_lm_class, family_class, meta_causal_lm
 
 
 def moe_shape(config: PretrainedConfig) -> tuple[int, int] | None:
@@ -63,10 +62,7 @@ def moe_layout(config: PretrainedConfig) -> MoeLayout | None:
     shape, recorder = moe_shape(config), router_recorder(config)
     if shape is None:
         return None
-    config = copy.deepcopy(config)
-    config._attn_implementation = "eager"  # it runs no attention: spare the families that refuse sdpa
-    with torch.device("meta"):
-        layers = causal_lm_class(config)(config).base_model.layers
+    layers = meta_causal_lm(config).base_model.layers
     routed = tuple(any(isinstance(m, recorder.target_class) for m in layer.modules()) for layer in layers)
     return MoeLayout(*shape, routed)
 

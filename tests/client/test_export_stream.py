@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from client.training.export import fetch_peer_weights
-from client.transport import ChannelPool
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import PeerFaultError
 from protocol.packing import Packer
-from protocol.service import make_generic_handler
+from tests.helpers.servicers import served
 
 EXPECTED = {"model.layers.0.mlp.weight": (8, 4), "model.layers.0.norm.weight": (4,)}
 WEIGHT = torch.arange(32.0).reshape(8, 4)
@@ -41,16 +39,8 @@ class Streaming:
 
 def _fetch(servicer) -> dict[str, torch.Tensor]:
     async def run():
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((make_generic_handler(servicer),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        pool = ChannelPool(1 << 26)
-        try:
-            return await fetch_peer_weights(pool, f"127.0.0.1:{port}", "m", 0, 1, EXPECTED)
-        finally:
-            await pool.close()
-            await server.stop(0)
+        async with served(servicer) as (endpoint, pool):
+            return await fetch_peer_weights(pool, endpoint, "m", 0, 1, EXPECTED)
 
     return asyncio.run(asyncio.wait_for(run(), 30))
 

@@ -6,11 +6,9 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
-from client.transport import ChannelPool
 from peer.activations import ActivationStore, Kept
 from peer.blocks import load_span
 from peer.cache import CacheBudget
@@ -19,9 +17,9 @@ from peer.handler import PeerServicer
 from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.packing import Packer
-from protocol.service import make_generic_handler
 from swarm.models.checkpoint import load_config
 from tests.helpers.models import HIDDEN_SIZE
+from tests.helpers.servicers import served
 
 
 def _kept(nbytes: int) -> Kept:
@@ -80,23 +78,17 @@ def _serve_and_call(span, activation_bytes: int, calls):
     servicer.set_span(span)
 
     async def go():
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((make_generic_handler(servicer),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        pool = ChannelPool(1 << 26)
+        async with served(servicer) as (endpoint, pool):
 
-        async def call(method: str, request):
-            response = await pool.unary(f"127.0.0.1:{port}", method, request, 30)
-            field = "hidden_states" if method == "forward" else "grad_inputs"
-            return decode_tensor(getattr(response.message, field), field, response.payload)
+            async def call(method: str, request):
+                response = await pool.unary(endpoint, method, request, 30)
+                field = "hidden_states" if method == "forward" else "grad_inputs"
+                return decode_tensor(getattr(response.message, field), field, response.payload)
 
-        try:
-            return await calls(call, servicer)
-        finally:
-            await pool.close()
-            await server.stop(None)
-            servicer.close()
+            try:
+                return await calls(call, servicer)
+            finally:
+                servicer.close()
 
     return servicer, asyncio.run(go())
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
-from client.transport import ChannelPool
 from peer.blocks import load_span
 from peer.cache import CacheBudget
 from peer.config import ServingLimits
@@ -18,10 +16,10 @@ from protocol import swarmlm_pb2 as pb
 from protocol.codec import decode_tensor
 from protocol.errors import BadRequestError
 from protocol.packing import Packer
-from protocol.service import make_generic_handler
 from swarm.models.checkpoint import load_config
 from swarm.models.routers import RouterStats, check_stats
 from tests.helpers.models import HIDDEN_SIZE, MOE_CONFIGS, save_random_model
+from tests.helpers.servicers import served
 
 BLOCKS = (0, 3)  # Qwen2-MoE's block 1 is a plain MLP: two routed layers here
 EXPERTS, TOP_K = 4, 2
@@ -42,17 +40,11 @@ def _serve(span, calls):
     servicer.set_span(span)
 
     async def go():
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((make_generic_handler(servicer),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        pool = ChannelPool(1 << 26)
-        try:
-            return await calls(lambda method, request: pool.unary(f"127.0.0.1:{port}", method, request, 30))
-        finally:
-            await pool.close()
-            await server.stop(None)
-            servicer.close()
+        async with served(servicer) as (endpoint, pool):
+            try:
+                return await calls(lambda method, request: pool.unary(endpoint, method, request, 30))
+            finally:
+                servicer.close()
 
     return asyncio.run(go())
 

@@ -147,6 +147,7 @@ _RECIPE_FIELDS = (
     "local_steps",
     "outer_lr",
     "outer_momentum",
+    "sync_overlap",
 )
 
 
@@ -192,6 +193,8 @@ class TrainConfig:
     """The outer step's learning rate (local_steps > 1)."""
     outer_momentum: float | None = None
     """The outer step's Nesterov momentum (local_steps > 1)."""
+    sync_overlap: int | None = None
+    """Inner steps a sync's round runs behind (0: waited for; local_steps > 1)."""
     router_aux_loss_coef: float | None = None
     """Weight of a mixture-of-experts model's load-balancing loss (swarm/models/routers.py). None: as transformers
     trains the model, its config's router_aux_loss_coef where it sets output_router_logits, else none; 0: none."""

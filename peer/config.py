@@ -70,6 +70,7 @@ _RECIPE_FIELDS = {
     "local_steps": "local_steps",
     "outer_lr": "outer_lr",
     "outer_momentum": "outer_momentum",
+    "sync_overlap": "sync_overlap",
 }
 
 
@@ -111,6 +112,8 @@ class TrainingConfig:
     """The outer step's learning rate (local_steps > 1)."""
     outer_momentum: float | None = None
     """The outer step's Nesterov momentum (local_steps > 1)."""
+    sync_overlap: int | None = None
+    """Inner steps a sync's round runs behind (0: waited for; local_steps > 1)."""
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     save_dir: str | None = None
     """Save the span's weights and optimizer state here, and resume from them on restart."""

@@ -194,6 +194,11 @@ class TrainingProgress(_Record):
     # averaged, "x" when it failed here, "" before it ends
     round: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)
     round_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
+    # the same for an overlapped sync (`--sync-overlap`), which goes on while the member is at later updates, beside
+    # its round of those: the update it was taken after (-1: none yet), its try number and outcome here
+    sync_update: int = pydantic.Field(default=-1, ge=-1, le=MAX_COUNT)
+    sync_round: int = pydantic.Field(default=0, ge=0, le=MAX_COUNT)
+    sync_digest: str = pydantic.Field(default="", pattern=r"^(?:[0-9a-f]{64}|x)?$")
     # it stopped cleanly: from now on it vouches for no state and joins no update (swarm/training/members.py)
     left: bool = False
     # a trainer's decision on update `epoch`, stored before its first Apply: the rounds it applies (the first 16 hex
@@ -221,6 +226,8 @@ class TrainingProgress(_Record):
             del wire["decided"], wire["clip_scale"]
         else:
             wire["decided"] = list(self.decided)
+        if self.sync_update < 0:  # the same: only runs with overlapped syncs publish them
+            del wire["sync_update"], wire["sync_round"], wire["sync_digest"]
         return wire
 
 

@@ -21,7 +21,7 @@ import hivemind
 import torch
 
 from client.config import TrainConfig
-from protocol.errors import DHTUnavailableError, InvalidRecordError
+from protocol.errors import DHTUnavailableError, InvalidRecordError, TrainingFaultError
 from protocol.records import TrainingProgress, round_tag
 from swarm.dht.node import dht_result
 from swarm.training import agreement
@@ -67,6 +67,7 @@ class CoTrainers:
         self.trainer_id = dht.peer_id.to_base58()
         self.progress = TrainingProgress(epoch=0, samples=0)
         self._tries = (-1, 0)  # (an update, the try number past its last agreement's tries)
+        self._sync: dict[str, int | str] = {}  # this trainer's outcome of its overlapped sync, in every record
         self._stop = threading.Event()
         self.group = GroupMember(
             dht,
@@ -88,6 +89,8 @@ class CoTrainers:
         self._publisher.start()
 
     def publish(self, progress: TrainingProgress) -> None:
+        if self._sync:
+            progress = progress.model_copy(update=self._sync)
         self.progress = progress
         self.group.publish(progress)
 
@@ -287,6 +290,35 @@ class CoTrainers:
         self._tries = (epoch, settled.attempt + 1)  # the next agreement of this update starts past these tries
         return {t: trainers[t] for t in settled.members}, settled.value
 
+    async def overlapped_sync(self, epoch: int, deltas: list[torch.Tensor], trainers: Sequence[str]) -> list | None:
+        """The mean of the pseudo-gradients of `trainers` (those of update `epoch`) in a sync that runs while they go
+        on with later updates (`--sync-overlap`): its tries are agreed on in the records' sync fields, beside each
+        update's own agreement. None when they cannot agree: every trainer skips it."""
+        if len(trainers) == 1:
+            return deltas
+
+        async def publish(attempt: int, digest: str) -> None:
+            self._sync = {"sync_update": epoch, "sync_round": attempt, "sync_digest": digest}
+            self.publish(self.progress)
+
+        what = f"the trainers' overlapped sync of update {epoch}"
+        try:
+            settled = await agreement.settle(
+                lambda attempt, members: self._round(epoch, deltas, dict.fromkeys(members, 1), attempt, of="sync"),
+                publish,
+                lambda: asyncio.to_thread(self.group.members),
+                me=self.trainer_id,
+                epoch=epoch,
+                members=list(trainers),
+                give_up_s=TRAINER_PROGRESS_TTL_S + 4 * self.config.averaging.averaging_timeout_s,
+                what=what,
+                round_of=agreement.overlapped_sync,
+            )
+        except TrainingFaultError as exc:
+            logger.warning("%s; every trainer skips it, and the next sync carries its change", exc)
+            return None
+        return settled.value
+
     def first_try(self, epoch: int) -> int:
         """The number of the next agreement's first try at update `epoch`: past every try of this update's earlier
         agreements (the same at every trainer that took part in them), 0 at first."""
@@ -294,13 +326,15 @@ class CoTrainers:
         return attempt if update == epoch else 0
 
     async def _round(
-        self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int
+        self, epoch: int, sums: list[torch.Tensor], trainers: dict[str, int], attempt: int, of: str = "update"
     ) -> tuple[list | None, str]:
-        """(the mean gradients of the trainers' parts over every trainer's samples, their digest), or (None, "x")."""
+        """(the mean gradients of the trainers' parts over every trainer's samples, their digest), or (None, "x").
+        `of`: "update", or "sync" for an overlapped sync, which may run beside a round of a later update."""
         total = sum(trainers.values())
         scale = len(trainers) / total  # uniform weights, pre-scaled (swarm/training/rounds.py)
         # the same id for every trainer of the try: what it averages, and the try number
-        round_id = hashlib.sha256(f"{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
+        tag = "" if of == "update" else f"{of}|"
+        round_id = hashlib.sha256(f"{tag}{epoch}|{attempt}|{sorted(trainers.items())}".encode()).digest()
         began = time.perf_counter()
         result = await asyncio.to_thread(
             self.group.average,

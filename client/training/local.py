@@ -5,7 +5,7 @@ follows the run's recipe as the swarm applies it: mean gradients of the step's m
 samples), clipped by their global norm, then the optimizer with the schedule's learning rate for that update and
 weight decay spared on norms, biases and embeddings; all in float32. With local steps (`--local-steps H`), every H
 updates end with the outer step of one worker (swarm/training/outer.py), as a run whose stages have one member each
-and one trainer computes it. In a LoRA run (`--train-mode lora`) the
+and one trainer computes it; with `--sync-overlap N` that step lands N updates later, on top of them. In a LoRA run (`--train-mode lora`) the
 decoder layers get the adapters a peer adds (peer/lora.py: the same initialization, by block and layer name) and
 only those train there, with the embeddings, final norm and head, as in the swarm.
 """
@@ -25,7 +25,7 @@ from protocol.vocab import TrainMode
 from swarm.models.checkpoint import attention_for, load_config
 from swarm.models.routers import aux_coefficient
 from swarm.training.optim import make_optimizer, set_lr, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, sync_due
+from swarm.training.outer import OuterStep, PendingSync, sync_due
 from swarm.training.recipe import RunRecipe, clip_scale, global_norm, lr_at
 
 
@@ -59,6 +59,7 @@ class LocalTrainer:
             if self.recipe.local_steps > 1
             else None
         )
+        self.pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
         self.steps_done = steps_done
 
     def step(self, batch: torch.Tensor) -> StepResult:
@@ -86,8 +87,8 @@ class LocalTrainer:
             set_lr(self.optimizer, lr_at(self.recipe, self.steps_done))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.outer is not None and sync_due(self.steps_done, self.recipe.local_steps):
-                self.outer.apply(self.outer.pseudo_gradients())
+            if self.outer is not None:
+                self._outer_step()
         self.steps_done += 1
         return StepResult(
             self.steps_done,
@@ -98,6 +99,18 @@ class LocalTrainer:
             {},
             trainer_samples=batch.shape[0],
         )
+
+    def _outer_step(self) -> None:
+        """After update `steps_done`: the outer step of an overlapped sync due now, then this update's sync."""
+        overlap = self.recipe.sync_overlap
+        if self.pending is not None and self.steps_done >= self.pending.lands:
+            self.outer.apply(self.pending.averaged, carry=True)  # one worker: the average is its own
+            self.pending = None
+        if sync_due(self.steps_done, self.recipe.local_steps):
+            if overlap:
+                self.pending = PendingSync(self.steps_done + overlap, averaged=self.outer.take())
+            else:
+                self.outer.apply(self.outer.pseudo_gradients())
 
     def clip_scale(self, grads: list[torch.Tensor]) -> float:
         """The factor the step's mean gradients are clipped by (1: none): from each tensor's squared norm, summed as
@@ -114,6 +127,12 @@ class LocalTrainer:
         }
         if self.outer is not None:
             state["outer"] = [t.detach().cpu().clone() for t in self.outer.state()]
+        if self.pending is not None:
+            state["pending_sync"] = {
+                "lands": self.pending.lands,
+                "averaged": self.pending.averaged,
+                "taken": self.outer.taken,
+            }
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -128,6 +147,10 @@ class LocalTrainer:
                 dst.copy_(src)
         self.steps_done = int(state["epoch"])
         set_step_count(self.optimizer, self.steps_done)
+        pending = state.get("pending_sync")
+        if pending is not None:
+            self.pending = PendingSync(int(pending["lands"]), averaged=pending["averaged"])
+            self.outer.taken = [t.clone() for t in pending["taken"]]
 
     def save_pretrained(self, path: str | Path) -> None:
         """The model as a checkpoint; in a LoRA run, the adapters and the embeddings, norm and head as a peft adapter

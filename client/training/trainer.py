@@ -40,7 +40,7 @@ from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
 from swarm.training.group import TRAINER_PROGRESS_TTL_S
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, sync_due, vouched_digest
+from swarm.training.outer import OuterStep, PendingSync, in_background, sync_due, vouched_digest
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class SwarmTrainer:
         self.micro_batches = MicroBatches(model, self.params, self.stages, config, self.trainer_id, self._local)
         self.epoch = epoch
         self.steps_done = 0
+        self._pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
         try:
             self.trainers = CoTrainers(
                 self.dht,
@@ -308,8 +309,8 @@ class SwarmTrainer:
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
         phases.end("apply")
-        if self.outer is not None and sync_due(epoch, self.recipe.local_steps):
-            await self._sync(epoch, trainers)
+        if self.outer is not None:
+            await self._outer(epoch, trainers)
         self.epoch = epoch + 1
         self.trainers.publish(
             TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest))
@@ -391,6 +392,26 @@ class SwarmTrainer:
             logger.warning("could not read the stages' updates: %r", exc)
             return None
 
+    async def _outer(self, epoch: int, trainers: dict[str, int]) -> None:
+        """After update `epoch` of a run with local steps: the outer step of an overlapped sync due now (its round
+        waited for only if it has not ended), then this update's sync, overlapped or waited for."""
+        pending = self._pending
+        if pending is not None and epoch >= pending.lands:
+            self._pending = None
+            averaged = await pending.outcome()
+            await self._local(
+                (lambda: self.outer.apply(averaged, carry=True)) if averaged is not None else self.outer.drop_taken
+            )
+        if not sync_due(epoch, self.recipe.local_steps):
+            return
+        if not self.recipe.sync_overlap:
+            await self._sync(epoch, trainers)
+            return
+        deltas = await self._local(self.outer.take)
+        sync = self.trainers.overlapped_sync(epoch, deltas, list(trainers))
+        round_ = in_background(sync, f"the trainers' overlapped sync of update {epoch}")
+        self._pending = PendingSync(epoch + self.recipe.sync_overlap, round_)
+
     async def _sync(self, epoch: int, trainers: dict[str, int]) -> None:
         """The trainers' sync after update `epoch` of a run with local steps: their pseudo-gradients averaged (each
         trainer weighs the same), then the outer step. A sync the trainers cannot agree on is skipped, as a stage
@@ -431,6 +452,9 @@ class SwarmTrainer:
         with torch.no_grad():
             for dst, src in zip(self.state(), tensors):
                 dst.copy_(src)
+        if self.outer is not None:  # the copy holds what the trainers' syncs did: one under way here is moot
+            self._pending = None
+            self.outer.drop_taken()
         self.epoch = epoch
         set_step_count(self.optimizer, epoch)
 
@@ -446,10 +470,15 @@ class SwarmTrainer:
             self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict:
-        """What a resumed trainer needs besides its weights: its update count and optimizer statistics."""
+        """What a resumed trainer needs besides its weights: its update count and optimizer statistics, and an
+        overlapped sync whose outer step has not landed (its round waited for)."""
         state = {"epoch": self.epoch, "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)]}
         if self.outer is not None:
             state["outer"] = [t.detach().cpu().clone() for t in self.outer.state()]
+        pending = self._pending
+        if pending is not None:
+            averaged = self.model.submit(pending.outcome()).result()
+            state["pending_sync"] = {"lands": pending.lands, "averaged": averaged, "taken": self.outer.taken}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -465,6 +494,10 @@ class SwarmTrainer:
                 dst.copy_(src)
         self.epoch = int(state["epoch"])
         set_step_count(self.optimizer, self.epoch)
+        pending = state.get("pending_sync")
+        if pending is not None:
+            self._pending = PendingSync(int(pending["lands"]), averaged=pending["averaged"])
+            self.outer.taken = [t.clone() for t in pending["taken"]]
 
     def close(self) -> None:
         """Stop the local thread, the trainers' group and the DHT node (idempotent)."""

@@ -39,10 +39,11 @@ from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
+from swarm.training import agreement
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, agreed_sync, sync_due, vouched_digest
+from swarm.training.outer import OuterStep, PendingSync, agreed_sync, in_background, sync_due, vouched_digest
 from swarm.training.recipe import RunRecipe, lr_at
 from swarm.training.state import applied_by_trainers, deciding
 
@@ -99,6 +100,7 @@ class SpanTraining:
         self._norms: deque[float] = deque(maxlen=NORM_WINDOW)
         self._digest: tuple[int, str] | None = None
         self._sync_outcome: tuple[int, int, str] | None = None  # (update, try, digest) of the sync under way
+        self._pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
         self.applied_samples = 0
         self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
         self.applied_members: tuple[str, ...] = ()  # the members of that round (this one too)
@@ -361,46 +363,72 @@ class SpanTraining:
     ) -> None:
         """An update of a run with local steps: the inner step on this member's own gradients; after every H-th,
         the sync: the members of the update's round average their pseudo-gradients, and each applies the outer
-        step, once every member got the same average (`_sync`)."""
+        step, once every member got the same average (`_sync`). With sync_overlap N the round runs in the
+        background and its outer step lands after the N-th update past it (`_land_overlapped`)."""
         self._mid_update = True
         try:
             await compute(lambda: self._inner_step(own, scale))
+            await self._land_overlapped(compute)
             if sync_due(self.epoch, self.recipe.local_steps):
-                deltas = await compute(self.outer.pseudo_gradients)
-                averaged = await self._sync(deltas, status)
-                if averaged is not None:
-                    await compute(lambda: self._outer_step(averaged))
+                if self.recipe.sync_overlap:
+                    deltas = await compute(self.outer.take)
+                    sync = self._sync(deltas, status, overlapped=True)
+                    what = f"the overlapped sync of update {self.epoch} of run {self.run_id!r}"
+                    self._pending = PendingSync(self.epoch + self.recipe.sync_overlap, in_background(sync, what))
+                else:
+                    deltas = await compute(self.outer.pseudo_gradients)
+                    averaged = await self._sync(deltas, status)
+                    if averaged is not None:
+                        await compute(lambda: self._outer_step(averaged))
             await compute(lambda: self._finish_apply(status))
         finally:
             self._mid_update = False
 
-    async def _sync(self, deltas: list[torch.Tensor], status: pb.RoundStatus) -> list[torch.Tensor] | None:
+    async def _land_overlapped(self, compute: Compute) -> None:
+        """The outer step of the overlapped sync due after this update, on top of the inner steps since; its round
+        is waited for only if it has not ended yet."""
+        pending = self._pending
+        if pending is None or self.epoch < pending.lands:
+            return
+        self._pending = None
+        averaged = await pending.outcome()
+        if averaged is None:
+            await compute(self.outer.drop_taken)
+        else:
+            await compute(lambda: self._outer_step(averaged, carry=True))
+
+    def _sync(
+        self, deltas: list[torch.Tensor], status: pb.RoundStatus, *, overlapped: bool = False
+    ) -> Awaitable[list[torch.Tensor] | None]:
         """The mean of the pseudo-gradients of the update's round's members, once all of them got the same
-        (`agreed_sync`), this member announcing its outcome of each try in its record; None: every member skips it."""
+        (`agreed_sync`), this member announcing its outcome of each try in its record; None: every member skips it.
+        Its update and members are read now: an overlapped one runs on while this member moves on."""
         plan = self._plan
         members = plan.members if plan is not None and plan.round_id == status.round_id else ()
+        epoch = self.epoch
         if len(members) <= 1:
-            return deltas
+            return _ready(deltas)
 
         async def publish(attempt: int, digest: str) -> None:
-            self._sync_outcome = (self.epoch, attempt, digest)
+            self._sync_outcome = (epoch, attempt, digest)
             progress = await asyncio.to_thread(self.progress)
             await asyncio.to_thread(self.group.publish, progress)
 
-        return await agreed_sync(
+        return agreed_sync(
             self.group,
             deltas,
             base_round_id=bytes.fromhex(status.round_id),
-            epoch=self.epoch,
+            epoch=epoch,
             members=members,
             settings=self.config.averaging,
             publish=publish,
-            what=f"the sync of update {self.epoch} of run {self.run_id!r}",
+            what=f"the sync of update {epoch} of run {self.run_id!r}",
+            round_of=agreement.overlapped_sync if overlapped else agreement.update_round,
         )
 
-    def _outer_step(self, averaged: list[torch.Tensor]) -> None:
+    def _outer_step(self, averaged: list[torch.Tensor], *, carry: bool = False) -> None:
         with self._lock:
-            self.outer.apply(averaged)
+            self.outer.apply(averaged, carry=carry)
 
     def _finish_apply(self, status: pb.RoundStatus) -> None:
         """Cast the compute weights from the masters and move to the next update."""
@@ -475,6 +503,9 @@ class SpanTraining:
             for param, master in zip(self.params, self.masters):
                 if param is not master:
                     param.copy_(master)
+            if self.outer is not None:  # the copy holds what the group's syncs did: one under way here is moot
+                self._pending = None
+                self.outer.drop_taken()
         self._finish_update(epoch)
         self._digest = None
 
@@ -573,6 +604,16 @@ class SpanTraining:
 
     def progress(self) -> TrainingProgress:
         """The record this member publishes in its group (compute thread: it digests the state)."""
+        if self.recipe.sync_overlap:  # kept until the next sync: members still agreeing on this one read it
+            sync = self._sync_outcome or (-1, 0, "")
+            return TrainingProgress(
+                epoch=self.epoch,
+                samples=self.samples,
+                param_digest=self.digest(),
+                sync_update=sync[0],
+                sync_round=sync[1],
+                sync_digest=sync[2],
+            )
         outcome = self._sync_outcome if self._sync_outcome is not None and self._sync_outcome[0] == self.epoch else None
         return TrainingProgress(
             epoch=self.epoch,
@@ -624,3 +665,7 @@ class SpanTraining:
 
 def stage_group_key(prefix: str, run_id: str, span: BlockSpan) -> str:
     return group_key(prefix, run_id, f"{span.start}-{span.end}")
+
+
+async def _ready(value):
+    return value

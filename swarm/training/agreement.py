@@ -35,6 +35,19 @@ T = TypeVar("T")
 Read = Callable[[], Awaitable[Mapping[str, TrainingProgress]]]
 """Reads the group's records: peer id -> verified progress (GroupMember.members, off the event loop)."""
 
+RoundOf = Callable[[TrainingProgress], tuple[int, int, str]]
+"""Where a record says a member stands in a round: (the update the round is of, its try number, its outcome)."""
+
+
+def update_round(progress: TrainingProgress) -> tuple[int, int, str]:
+    """A round within the member's update (its record's `round` fields)."""
+    return progress.epoch, progress.round, progress.round_digest
+
+
+def overlapped_sync(progress: TrainingProgress) -> tuple[int, int, str]:
+    """An overlapped sync, which goes on while the member is at later updates (its record's `sync` fields)."""
+    return progress.sync_update, progress.sync_round, progress.sync_digest
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -69,6 +82,7 @@ async def settle(
     give_up_s: float,
     what: str,
     regroup: Callable[[], Awaitable[Sequence[str]]] | None = None,
+    round_of: RoundOf = update_round,
 ) -> Settled[T]:
     """Tries of a round among `members` from try `attempt` on, until every member still there got the same.
 
@@ -82,6 +96,7 @@ async def settle(
         regroup: after a failed try, the members of the next, from the records, where
             each member chose its own at first: members that chose different ones never meet in a round (they
             derive other ids) and would fail every try, so they converge on what the records say now.
+        round_of: which fields of a record speak of this round (`publish` writes them).
 
     Raises:
         TrainingFaultError: no agreement within `give_up_s`.
@@ -93,7 +108,9 @@ async def settle(
             await asyncio.sleep(min(POLL_S * 2**failed, MAX_RETRY_PAUSE_S))
         value, digest = await try_round(attempt, members)
         await publish(attempt, digest)
-        outcome = await agree(read, me=me, epoch=epoch, attempt=attempt, members=members, digest=digest)
+        outcome = await agree(
+            read, me=me, epoch=epoch, attempt=attempt, members=members, digest=digest, round_of=round_of
+        )
         if outcome.agreed:
             return Settled(value, members, attempt)
         if time.monotonic() > deadline:
@@ -106,8 +123,18 @@ async def settle(
         )
 
 
-async def agree(read: Read, *, me: str, epoch: int, attempt: int, members: Sequence[str], digest: str) -> Outcome:
-    """Wait for every member's outcome of try `attempt` of update `epoch` (this member's is `digest`)."""
+async def agree(
+    read: Read,
+    *,
+    me: str,
+    epoch: int,
+    attempt: int,
+    members: Sequence[str],
+    digest: str,
+    round_of: RoundOf = update_round,
+) -> Outcome:
+    """Wait for every member's outcome of try `attempt` of the round of update `epoch` (this member's is
+    `digest`); `round_of` reads a record's."""
     missing_since: dict[str, float] = {}
     while True:
         records = await read()
@@ -123,27 +150,27 @@ async def agree(read: Read, *, me: str, epoch: int, attempt: int, members: Seque
             logger.warning("members %s left during update %d; going on without them", _short(gone), epoch)
             left = tuple(pid for pid in members if pid not in gone)
             return Outcome(False, left, attempt + 1, f"members {_short(gone)} left")
-        outcomes = {pid: records[pid] for pid in members if pid != me and pid in records}
-        ahead = max((p.round for p in outcomes.values() if p.epoch == epoch), default=attempt)
+        outcomes = {pid: round_of(records[pid]) for pid in members if pid != me and pid in records}
+        ahead = max((r for u, r, _ in outcomes.values() if u == epoch), default=attempt)
         if ahead > attempt:  # another member saw this try fail already
             return Outcome(False, tuple(members), ahead, "another member's try failed")
-        done = [p.round_digest for p in outcomes.values() if p.epoch == epoch and p.round == attempt]
+        done = [d for u, r, d in outcomes.values() if u == epoch and r == attempt]
         if len(done) == len(members) - 1 and all(done):
             agreed = digest != "x" and all(d == digest for d in done)
             return Outcome(agreed, tuple(members), attempt + (not agreed), _disagreement(digest, outcomes, attempt))
-        if any(p.epoch > epoch for p in outcomes.values()):  # it applied: it saw everyone agree
+        if any(u > epoch for u, _, _ in outcomes.values()):  # it applied: it saw everyone agree
             return Outcome(digest != "x", tuple(members), attempt + 1, "this member's try failed")
         await asyncio.sleep(POLL_S)
 
 
-def _disagreement(digest: str, outcomes: Mapping[str, TrainingProgress], attempt: int) -> str:
+def _disagreement(digest: str, outcomes: Mapping[str, tuple[int, int, str]], attempt: int) -> str:
     """Why try `attempt` did not agree, as the members' records of it say ("" when it did)."""
     if digest == "x":
         return "this member's round was incomplete"
-    failed = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest == "x"]
+    failed = [pid for pid, (_, r, d) in outcomes.items() if r == attempt and d == "x"]
     if failed:
         return f"incomplete at members {_short(failed)}"
-    other = [pid for pid, p in outcomes.items() if p.round == attempt and p.round_digest != digest]
+    other = [pid for pid, (_, r, d) in outcomes.items() if r == attempt and d != digest]
     return f"members {_short(other)} ended with another average" if other else ""
 
 

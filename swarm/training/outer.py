@@ -7,6 +7,11 @@ defaults are DiLoCo's (lr 0.7, momentum 0.9). One round per H updates sends H ti
 
 The arithmetic is torch's SGD with nesterov=True and no dampening, done in float64 from float32 state, so that a
 peer, a trainer and the one-process reference (`swarmlm train --local --local-steps H`) compute the same bits.
+
+With `--sync-overlap N` (Streaming DiLoCo, Douillard et al. 2025) nobody waits for a sync's round: the members take
+the pseudo-gradients after update e, go on with N more inner steps while the round runs in the background, and
+after update e + N land the outer step on top of those steps (the weights become the new sync point plus what the
+N steps moved them). Those steps are counted in the next sync's pseudo-gradients, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +44,7 @@ class OuterStep:
         self.params, self.lr, self.momentum = list(params), lr, momentum
         self.anchors = [p.detach().clone() for p in self.params]
         self.momenta = [torch.zeros_like(p) for p in self.params]
+        self.taken: list[torch.Tensor] | None = None  # the weights an overlapped sync's pseudo-gradients were taken at
 
     def state(self) -> list[torch.Tensor]:
         """The weights at the last sync, then the momentum: identical on every member after a complete round."""
@@ -47,19 +54,68 @@ class OuterStep:
         """The weights at the last sync minus the weights now, in float64 (what the group averages)."""
         return [a.double() - p.detach().double() for a, p in zip(self.anchors, self.params)]
 
+    def take(self) -> list[torch.Tensor]:
+        """The pseudo-gradients of an overlapped sync, remembering the weights they were taken at (`apply` with
+        carry lands the outer step on the steps taken since)."""
+        self.taken = [p.detach().clone() for p in self.params]
+        return self.pseudo_gradients()
+
     @torch.no_grad()
-    def apply(self, averaged: Sequence[torch.Tensor]) -> None:
+    def apply(self, averaged: Sequence[torch.Tensor], *, carry: bool = False) -> None:
         """Move every parameter from its last sync by the averaged pseudo-gradients, with Nesterov momentum; the
-        result is the next sync's starting point."""
+        result is the next sync's starting point. `carry`: an overlapped sync (`take`), whose weights keep what the
+        inner steps since it was taken moved them: the new sync point plus (weights now - weights taken)."""
         if len(averaged) != len(self.params):
             raise ValueError(f"{len(averaged)} pseudo-gradients for {len(self.params)} parameters")
-        for p, anchor, momentum, delta in zip(self.params, self.anchors, self.momenta, averaged):
+        if carry and self.taken is None:
+            raise ValueError("an overlapped outer step needs the weights its pseudo-gradients were taken at (take)")
+        taken = self.taken if carry else [None] * len(self.params)
+        for p, anchor, momentum, delta, before in zip(self.params, self.anchors, self.momenta, averaged, taken):
             delta = delta.to(device=p.device, dtype=torch.float64)
             buf = momentum.double() * self.momentum + delta
             step = delta + self.momentum * buf
             momentum.copy_(buf)
             anchor.copy_(anchor.double() - self.lr * step)
-            p.copy_(anchor)
+            p.copy_(anchor if before is None else anchor.double() + (p.double() - before.double()))
+        if carry:
+            self.taken = None
+
+    def drop_taken(self) -> None:
+        """Forget an overlapped sync's weights: it was skipped, or the state was replaced."""
+        self.taken = None
+
+
+@dataclass
+class PendingSync:
+    """An overlapped sync (`sync_overlap` N > 0): taken after update e, its round runs in the background, and its
+    outer step lands after update `lands` (e + N)."""
+
+    lands: int
+    round: asyncio.Future | None = None
+    """The round under way (`in_background`); None once its outcome is known (`averaged`)."""
+    averaged: list[torch.Tensor] | None = None
+    """The averaged pseudo-gradients, or None: the sync is skipped, and the next one carries its change."""
+
+    async def outcome(self) -> list[torch.Tensor] | None:
+        if self.round is not None:
+            self.averaged, self.round = await self.round, None
+        return self.averaged
+
+
+def in_background(sync: Awaitable[list[torch.Tensor] | None], what: str) -> asyncio.Future:
+    """An overlapped sync's round as a task that ends in None (skipped) rather than an error: nobody awaits it once
+    the state was copied meanwhile, and a round that fails here is one the members skip."""
+
+    async def run() -> list[torch.Tensor] | None:
+        try:
+            return await sync
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("%s failed: %r; the next sync carries its change", what, exc)
+            return None
+
+    return asyncio.ensure_future(run())
 
 
 def vouched_digest(state: Sequence[torch.Tensor], outer: OuterStep | None) -> str:
@@ -82,12 +138,14 @@ async def agreed_sync(
     settings,
     publish: Callable[[int, str], Awaitable[None]],
     what: str,
+    round_of: agreement.RoundOf = agreement.update_round,
 ) -> list[torch.Tensor] | None:
     """The mean of the pseudo-gradients of `members` (a round of `group`, a GroupMember, under `settings`, its
     AveragingSettings), once all of them got the same (swarm/training/agreement.py): a round complete here and
     incomplete at another member is tried again by all, so that no member takes an outer step the others skip.
-    `publish` announces this member's outcome of a try in its record, at update `epoch`. None when they cannot
-    agree for a long while: then every member skips it, and the next sync carries its change."""
+    `publish` announces this member's outcome of a try in its record, at update `epoch` (in the fields `round_of`
+    reads: an overlapped sync's are its own). None when they cannot agree for a long while: then every member skips
+    it, and the next sync carries its change."""
 
     def try_round(attempt: int, members: tuple[str, ...]):
         round_id = hashlib.sha256(base_round_id + f"|outer|{attempt}".encode()).digest()
@@ -105,6 +163,7 @@ async def agreed_sync(
             members=members,
             give_up_s=4 * settings.progress_period_s + 4 * settings.averaging_timeout_s,
             what=what,
+            round_of=round_of,
         )
     except TrainingFaultError as exc:
         logger.warning("%s; every member skips it, and the next sync carries its change", exc)

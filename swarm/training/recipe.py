@@ -60,6 +60,7 @@ _SETTINGS: dict[str, tuple[str, float, bool, Any]] = {
     "local_steps": ("int", 1, True, MAX_COUNT),
     "outer_lr": ("float", 0.0, False, math.inf),
     "outer_momentum": ("float", 0.0, True, 0.999),
+    "sync_overlap": ("int", 0, True, MAX_COUNT),
 }
 _ENUMS = {"lr_schedule": LRSchedule, "train_mode": TrainMode}
 
@@ -103,7 +104,20 @@ def check_overrides(settings: Mapping[str, Any]) -> dict[str, Any]:
     """
     checked = {name: check_setting(name, value) for name, value in settings.items()}
     _check_schedule(checked)
+    _check_overlap(checked)
     return checked
+
+
+def _check_overlap(settings: Mapping[str, Any]) -> None:
+    overlap = settings.get("sync_overlap", 0)
+    if not overlap or "local_steps" not in settings:
+        return
+    if overlap >= settings["local_steps"]:
+        raise ValueError(
+            f"sync_overlap must be below local_steps (a sync's outer step lands before the next sync begins), got "
+            f"sync_overlap {overlap} and local_steps {settings['local_steps']}; pass --local-steps H with H above "
+            f"--sync-overlap"
+        )
 
 
 def _check_schedule(settings: Mapping[str, Any]) -> None:
@@ -154,6 +168,10 @@ class RunRecipe:
     """The outer optimizer's learning rate (local_steps > 1; DiLoCo's default)."""
     outer_momentum: float = 0.9
     """The outer optimizer's Nesterov momentum (local_steps > 1; DiLoCo's default)."""
+    sync_overlap: int = 0
+    """Inner steps a sync runs behind (Streaming DiLoCo's overlap; local_steps > 1). 0: every member waits for the
+    sync's round before its next update; N: the round runs in the background while the members take N more inner
+    steps, and its outer step lands after the N-th, on top of them (swarm/training/outer.py)."""
 
     @property
     def lora_alpha(self) -> float:
@@ -164,10 +182,15 @@ class RunRecipe:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
         _check_schedule(self.to_wire())
+        _check_overlap(self.to_wire())
 
     def to_wire(self) -> dict[str, Any]:
-        """Every setting as plain msgpack-able values (vocabularies as text)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Every setting as plain msgpack-able values (vocabularies as text); sync_overlap only where it is set, so
+        that a recipe without it reads (and digests) as it did before the setting existed."""
+        wire = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if not wire["sync_overlap"]:
+            del wire["sync_overlap"]
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any) -> RunRecipe:
@@ -179,6 +202,8 @@ class RunRecipe:
             InvalidRecordError: naming what is wrong.
         """
         names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(raw, dict) and "sync_overlap" not in raw:  # what an unset overlap looks like (to_wire)
+            raw = {**raw, "sync_overlap": 0}
         if not isinstance(raw, dict) or set(raw) != set(names):
             got = sorted(map(str, raw)) if isinstance(raw, dict) else type(raw).__name__
             raise InvalidRecordError(f"a recipe has exactly the settings {', '.join(names)}; got {got}")
@@ -212,7 +237,9 @@ class RunRecipe:
             + (f", {self.averaging_compression} averaging" if self.averaging_compression != "none" else "")
             + (
                 f", rounds every {self.local_steps} updates (outer lr {self.outer_lr:g}, momentum "
-                f"{self.outer_momentum:g})"
+                f"{self.outer_momentum:g}"
+                + (f", each overlapping {self.sync_overlap} inner steps" if self.sync_overlap else "")
+                + ")"
                 if self.local_steps > 1
                 else ""
             )

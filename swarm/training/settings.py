@@ -136,6 +136,13 @@ def add_recipe_arguments(t) -> None:
         metavar="M",
         help=f"the outer step's Nesterov momentum with --local-steps above 1 {default(f'{d.outer_momentum:g}')}",
     )
+    t.add_argument(
+        "--sync-overlap",
+        type=int,
+        metavar="N",
+        help=f"with --local-steps above 1, inner steps taken while a sync's round runs in the background (Streaming "
+        f"DiLoCo); its outer step lands after the N-th, and nobody waits for it. 0 waits {default(d.sync_overlap)}",
+    )
 
 
 def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,5 +159,6 @@ def recipe_arguments(args: argparse.Namespace) -> dict[str, Any]:
         "local_steps",
         "outer_lr",
         "outer_momentum",
+        "sync_overlap",
     )
     return {name: getattr(args, name) for name in names}

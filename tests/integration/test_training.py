@@ -412,16 +412,25 @@ def train_in_threads(trainers, batch: torch.Tensor, swarm) -> list:
     return results
 
 
-def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path):
+@pytest.mark.parametrize("sync_overlap", [0, 1])
+def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path, sync_overlap):
     """With --local-steps 2, one peer per stage and one trainer compute what the one-process reference computes:
-    inner AdamW steps, and every second update the outer Nesterov step, for blocks and trainer parts alike."""
-    steps, local_steps = 4, 2
+    inner AdamW steps, and every second update the outer Nesterov step, for blocks and trainer parts alike. With
+    --sync-overlap 1 that step lands one update later, on top of it (Streaming DiLoCo), in both."""
+    steps, local_steps = 4 + sync_overlap, 2
     config = TrainConfig(run_id="diloco", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
+    overlap = ["--sync-overlap", str(sync_overlap)] if sync_overlap else []
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
         for start, end in [(0, 2), (2, 4)]:
             swarm.start_peer(
-                model_path, "--blocks", f"{start}:{end}", *peer_flags("diloco", 8), "--local-steps", str(local_steps)
+                model_path,
+                "--blocks",
+                f"{start}:{end}",
+                *peer_flags("diloco", 8),
+                "--local-steps",
+                str(local_steps),
+                *overlap,
             )
         swarm.wait_online(prefix_for_model(str(model_path)), [(0, 2), (2, 4)], timeout_s=120)
         model = AutoDistributedModelForCausalLM.from_pretrained(
@@ -431,7 +440,10 @@ def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path):
         try:
             trainer = SwarmTrainer(model, config)  # adopts the run's recipe: local steps and DiLoCo's outer step
             assert trainer.recipe.local_steps == local_steps and trainer.recipe.outer_lr == 0.7
-            local = LocalTrainer(model_path, dataclasses.replace(config, local_steps=local_steps))
+            assert trainer.recipe.sync_overlap == sync_overlap
+            local = LocalTrainer(
+                model_path, dataclasses.replace(config, local_steps=local_steps, sync_overlap=sync_overlap)
+            )
             initial = {name: p.detach().clone() for name, p in local.model.named_parameters()}
             generator = torch.Generator().manual_seed(0)
             for step in range(steps):
@@ -440,6 +452,9 @@ def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path):
                 reference = local.step(batch)
                 assert result.loss == pytest.approx(reference.loss, rel=1e-4), step
                 assert result.stage_samples == {(0, 2): 8, (2, 4): 8}, result
+                # with an overlap, each took the sync of updates 1 and 3 and lands it after the next
+                overlapping = bool(sync_overlap) and step % 2 == 1
+                assert (local.pending is not None) is (trainer._pending is not None) is overlapping, step
                 local_state = local.model.state_dict()
                 for span in [(0, 2), (2, 4)]:
                     (weights,) = group_weights(model, span)
@@ -449,6 +464,7 @@ def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path):
             # the outer step moved the weights from where AdamW alone would: the reference did take it
             moved = local.outer.momenta[0].abs().max()
             assert moved > 0 and not torch.equal(local.outer.anchors[0], initial[next(iter(initial))])
+
         finally:
             if trainer is not None:
                 trainer.close()

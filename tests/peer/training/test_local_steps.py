@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -21,9 +23,9 @@ def checkpoint(tmp_path_factory):
     return make_tiny("llama", tmp_path_factory.mktemp("llama"), num_layers=2, seed=3)
 
 
-def member(path, local_steps: int) -> SpanTraining:
+def member(path, local_steps: int, sync_overlap: int = 0) -> SpanTraining:
     span = load_span(path, load_config(path), 0, 2, dtype=torch.float32, device=torch.device("cpu"))
-    recipe = RunRecipe(lr=1e-2, local_steps=local_steps)
+    recipe = RunRecipe(lr=1e-2, local_steps=local_steps, sync_overlap=sync_overlap)
     return SpanTraining(span, TrainingConfig(run_id="diloco"), recipe, "model")
 
 
@@ -85,3 +87,38 @@ def test_a_gradient_far_above_the_runs_median_is_refused_with_what_to_do(checkpo
     training._check_norm([g * 50 for g in usual], 2)  # large, not an outlier
     with pytest.raises(BadRequestError, match=r"over 100x the run's median .*lower --lr .*--outer-momentum"):
         training._check_norm([g * 500 for g in usual], 2)
+
+
+async def _compute(fn):
+    return fn()
+
+
+def test_an_overlapped_sync_lands_its_outer_step_one_update_later_on_top_of_it(checkpoint):
+    """A lone member with --local-steps 2 --sync-overlap 1 against one that waits for its syncs, on the same
+    gradients: after the sync of update 1 the overlapped one's sync point has not moved yet, and it computes update
+    2 with its inner steps alone; after update 2 its outer step has landed under that inner step, and the two hold
+    the same weights and sync points (AdamW without decay steps by the gradients alone, wherever the weights are)."""
+    overlapped, waited = member(checkpoint, 2, sync_overlap=1), member(checkpoint, 2)
+    anchors = [m.detach().clone() for m in overlapped.masters]
+
+    async def train() -> None:  # one event loop, as a peer's: the sync's round runs on it between updates
+        nonlocal anchors
+        for epoch in range(5):
+            for training in (overlapped, waited):
+                status = pb.RoundStatus(epoch=epoch, state=pb.RoundStatus.AVERAGED)
+                await training._apply_local_steps(own_gradients(training, epoch), 1.0, status, _compute)
+            assert overlapped.epoch == waited.epoch == epoch + 1
+            if epoch in (1, 3):  # the sync was taken; its step lands after the next update
+                assert overlapped._pending is not None and overlapped._pending.lands == epoch + 1
+                assert all(torch.equal(a, s) for a, s in zip(overlapped.outer.anchors, anchors))
+                assert not torch.equal(waited.masters[0], overlapped.masters[0])
+            else:
+                assert overlapped._pending is None and overlapped.outer.taken is None
+                for mine, theirs in zip(overlapped.state(), waited.state()):
+                    torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+                anchors = [a.clone() for a in overlapped.outer.anchors]
+
+    asyncio.run(train())
+    # the span computes with the landed weights
+    name, param = next(iter(sorted(overlapped.span.layers.named_parameters())))
+    assert torch.equal(param, overlapped.masters[0]), name

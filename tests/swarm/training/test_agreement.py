@@ -127,3 +127,46 @@ def test_members_that_chose_other_members_regroup_from_the_records_and_meet():
     assert (settled.value, settled.members, settled.attempt) == (everyone, everyone, 1)
     with pytest.raises(TrainingFaultError):  # without regrouping, every try fails until it gives up
         settle(records, try_round, members=["me", "b"], give_up_s=0.5)
+
+
+def test_an_overlapped_sync_is_read_from_its_own_fields_while_members_move_on():
+    """An overlapped sync of update 3 goes on while the members take updates 4 and 5: a member at update 5 whose sync
+    fields still speak of update 3 has not agreed yet (it is waited for), one whose fields name the next sync did
+    agree, and the update's own round fields beside them do not count."""
+
+    def synced(epoch: int, attempt: int, digest: str, sync_update: int = 3) -> TrainingProgress:
+        return TrainingProgress(
+            epoch=epoch,
+            samples=0,
+            round=7,
+            round_digest=D2,
+            sync_update=sync_update,
+            sync_round=attempt,
+            sync_digest=digest,
+        )
+
+    def agree_sync(records: Records, digest: str, timeout_s: float = 10):
+        return asyncio.run(
+            asyncio.wait_for(
+                agreement.agree(
+                    records.read,
+                    me="me",
+                    epoch=3,
+                    attempt=0,
+                    members=("me", "b"),
+                    digest=digest,
+                    round_of=agreement.overlapped_sync,
+                ),
+                timeout_s,
+            )
+        )
+
+    assert agree_sync(Records(b=synced(5, 0, D1)), D1).agreed
+    disagreed = agree_sync(Records(b=synced(5, 0, D2)), D1)
+    assert (disagreed.agreed, disagreed.attempt, "another average" in disagreed.why) == (False, 1, True)
+    assert agree_sync(Records(b=synced(9, 0, "", sync_update=7)), D1).agreed  # it went on to the next sync
+    with pytest.raises(TimeoutError):  # at update 5, its outcome of the sync not yet in: waited for
+        agree_sync(Records(b=synced(5, 0, "")), D1, timeout_s=1)
+    wire = synced(5, 0, D1).to_wire()
+    assert (wire["sync_update"], wire["sync_round"], wire["sync_digest"]) == (3, 0, D1)
+    assert "sync_update" not in outcome(0, D1).to_wire()  # records without one read as they did

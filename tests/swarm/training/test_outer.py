@@ -49,3 +49,34 @@ def test_averaged_pseudo_gradients_bring_members_to_the_same_weights():
     assert members[0].params[0][0].item() == pytest.approx(1 - 0.7 * (0.1 + 0.9 * 0.1))
     with pytest.raises(ValueError, match="2 pseudo-gradients for 1 parameters"):
         members[0].apply(mean * 2)
+
+
+def test_an_overlapped_outer_step_lands_on_the_inner_steps_taken_since():
+    """Streaming DiLoCo's overlap: two members take their pseudo-gradients, move on with another inner step each while
+    the round runs, then land the averaged outer step. Their sync points equal the sync's without overlap, and each
+    keeps the move it made meanwhile, which the next sync's pseudo-gradients hold."""
+    start = torch.ones(3)
+    members = [OuterStep([start.clone()], lr=0.7, momentum=0.9) for _ in range(2)]
+    waited = OuterStep([start.clone()], lr=0.7, momentum=0.9)
+    with torch.no_grad():
+        members[0].params[0].add_(0.1)
+        members[1].params[0].sub_(0.3)
+        waited.params[0].sub_(0.1)  # the mean of the two moves
+    taken = [member.take() for member in members]
+    mean = [(a + b) / 2 for a, b in zip(*taken)]
+    moves = (torch.tensor([0.01, 0.0, 0.0]), torch.tensor([0.0, -0.02, 0.0]))
+    with torch.no_grad():
+        for member, move in zip(members, moves):  # the inner steps taken while the round runs
+            member.params[0].add_(move)
+    for member in members:
+        member.apply(mean, carry=True)
+    waited.apply(waited.pseudo_gradients())
+    for member, move in zip(members, moves):
+        assert torch.equal(member.anchors[0], members[0].anchors[0])
+        torch.testing.assert_close(member.anchors[0], waited.anchors[0], atol=1e-7, rtol=0)
+        torch.testing.assert_close(member.momenta[0], waited.momenta[0], atol=1e-7, rtol=0)
+        torch.testing.assert_close(member.params[0], waited.anchors[0] + move, atol=1e-7, rtol=0)
+        torch.testing.assert_close(member.pseudo_gradients()[0], -move.double(), atol=1e-7, rtol=0)
+        assert member.taken is None
+    with pytest.raises(ValueError, match="needs the weights its pseudo-gradients were taken at"):
+        members[0].apply(mean, carry=True)

@@ -133,10 +133,32 @@ def test_equal_recipes_have_equal_digests_and_any_difference_changes_it():
         local_steps=8,
         outer_lr=0.5,
         outer_momentum=0.0,
+        sync_overlap=1,
     )
     assert set(others) == {f.name for f in dataclasses.fields(RunRecipe)} - {"master_dtype"}  # only float32 exists
     for name, value in others.items():
-        assert RunRecipe.from_wire(SAMPLE.to_wire() | {name: value}).digest() != SAMPLE.digest(), name
+        assert RunRecipe.from_wire(SAMPLE.to_wire() | {name: value, "local_steps": 8}).digest() != SAMPLE.digest(), name
+    eight = SAMPLE.to_wire() | {"local_steps": 8}
+    assert RunRecipe.from_wire(eight | {"sync_overlap": 1}).digest() != RunRecipe.from_wire(eight).digest()
+
+
+def test_an_overlap_is_on_the_wire_only_where_set_and_below_the_local_steps():
+    """A run without overlapped syncs has the wire form (and digest) it had before the setting existed, so peers
+    of either version read each other's recipe; one with them names it, and an overlap as long as a sync's interval
+    is refused: its outer step would land after the next sync began."""
+    assert "sync_overlap" not in RunRecipe(local_steps=8).to_wire()
+    assert RunRecipe.from_wire(RunRecipe(local_steps=8).to_wire() | {"sync_overlap": 0}) == RunRecipe(local_steps=8)
+    overlapped = RunRecipe(local_steps=8, sync_overlap=3)
+    assert overlapped.to_wire()["sync_overlap"] == 3 and RunRecipe.from_wire(overlapped.to_wire()) == overlapped
+    assert "each overlapping 3 inner steps" in overlapped.describe()
+    with pytest.raises(ValueError, match=r"sync_overlap must be below local_steps.*--local-steps H"):
+        RunRecipe(local_steps=4, sync_overlap=4)
+    with pytest.raises(ValueError, match="sync_overlap must be below local_steps"):
+        RunRecipe(sync_overlap=1)  # no local steps: nothing to overlap
+    with pytest.raises(ValueError, match="sync_overlap must be below local_steps"):
+        check_overrides({"local_steps": 2, "sync_overlap": 2})
+    with pytest.raises(InvalidRecordError, match="sync_overlap"):
+        RunRecipe.from_wire(RunRecipe(local_steps=2).to_wire() | {"sync_overlap": 5})
 
 
 def test_differences_name_each_setting_with_both_values():

@@ -28,7 +28,16 @@ from hivemind.p2p import PeerID
 
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, PeerUnavailableError, SwarmError
-from swarm.net.tunnel import OPEN_TIMEOUT_S, RELAY_PROTOCOL, TUNNEL_PROTOCOL, read_message, splice, write_message
+from swarm.net.tunnel import (
+    OPEN_TIMEOUT_S,
+    RELAY_PROTOCOL,
+    RELAY_TRIES,
+    STREAM_ENDED,
+    TUNNEL_PROTOCOL,
+    read_message,
+    splice,
+    write_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +164,27 @@ class RelayService:
 
 
 async def register(p2p: hivemind.P2P, relay: PeerID, *, timeout_s: float = OPEN_TIMEOUT_S) -> float:
-    """Register with `relay`; the registration's lifetime in seconds.
+    """Register with `relay`; the registration's lifetime in seconds. A stream that ends before the relay's answer
+    is opened once more, as a relayed tunnel's is (swarm/net/tunnel.py RELAY_TRIES): registering twice only renews.
 
     Raises:
         PeerUnavailableError: the relay could not be reached, or refused.
     """
+    for tries in range(1, RELAY_TRIES + 1):
+        try:
+            return await _register_once(p2p, relay, timeout_s)
+        except _StreamEnded as exc:
+            if tries == RELAY_TRIES:
+                raise PeerUnavailableError(f"relay {relay} did not answer the registration: {exc.__cause__}") from exc
+            logger.debug("relay %s: the registration's stream ended before its answer; opening another", relay)
+    raise AssertionError("unreachable")
+
+
+class _StreamEnded(Exception):
+    """A registration's stream ended before the relay's answer."""
+
+
+async def _register_once(p2p: hivemind.P2P, relay: PeerID, timeout_s: float) -> float:
     try:
         _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(relay, REGISTER_PROTOCOL), timeout_s)
     except Exception as exc:  # no route, no such protocol (not a relay), a timeout
@@ -172,6 +197,8 @@ async def register(p2p: hivemind.P2P, relay: PeerID, *, timeout_s: float = OPEN_
         await write_message(writer, pb.RelayRegistration())
         answer = await read_message(reader, pb.RelayRegistered, timeout_s=timeout_s)
     except (BadRequestError, ConnectionError, OSError) as exc:
+        if isinstance(exc, (ConnectionError, OSError)) or isinstance(exc.__cause__, STREAM_ENDED):
+            raise _StreamEnded() from exc
         raise PeerUnavailableError(f"relay {relay} did not answer the registration: {exc}") from exc
     finally:
         writer.close()

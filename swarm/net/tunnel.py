@@ -46,7 +46,7 @@ MAX_TUNNELS_PER_SOURCE = (
 )
 IDLE_S = 600.0  # longer than a peer's idle session timeout (300 s), so that no idle session loses its stream
 _LENGTH = struct.Struct(">I")
-_ENDED = (asyncio.IncompleteReadError, ConnectionError)  # what read_message's "the stream ended" comes from
+STREAM_ENDED = (asyncio.IncompleteReadError, ConnectionError)  # what read_message's "the stream ended" comes from
 
 
 # --- addresses ---
@@ -251,7 +251,7 @@ async def open_tunnel(p2p: hivemind.P2P, address: str) -> tuple[asyncio.StreamRe
             writer.close()
             # a stream that ended before any answer, the relay's refusal included, broke on its way (a run of the
             # suite under load saw one, cause not found): one more is tried; a relay that stays silent is not
-            ended = isinstance(exc, (ConnectionError, OSError)) or isinstance(exc.__cause__, _ENDED)
+            ended = isinstance(exc, (ConnectionError, OSError)) or isinstance(exc.__cause__, STREAM_ENDED)
             if ended and tries < RELAY_TRIES:
                 tries += 1
                 logger.debug("%s: the relay's stream ended before its answer; opening another", address)

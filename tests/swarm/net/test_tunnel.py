@@ -22,7 +22,7 @@ from protocol.packing import Packer
 from protocol.service import make_generic_handler
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.net.reachability import ProbeService, check_endpoint, probe
-from swarm.net.relay import RelayService, register
+from swarm.net.relay import REGISTER_PROTOCOL, RelayService, register
 from swarm.net.tunnel import (
     MAX_TUNNELS_PER_SOURCE,
     RELAY_PROTOCOL,
@@ -423,5 +423,36 @@ def test_a_relay_stream_that_ends_before_the_relays_answer_is_opened_again_once(
         finally:
             await relay_p2p.shutdown()
             await client_p2p.shutdown()
+
+    run(main())
+
+
+def test_a_registration_whose_stream_ends_before_the_answer_is_sent_again_once(dhts):
+    """The same for registering with a relay (a peer behind NAT at its start exits when no relay took it)."""
+    relay, home = dhts(), dhts(client_mode=True)
+
+    async def main():
+        relay_p2p, home_p2p = await relay.replicate_p2p(), await home.replicate_p2p()
+        streams = []
+
+        async def breaks_first(info, reader, writer):
+            streams.append(info.peer_id)
+            await read_message(reader, pb.RelayRegistration)
+            if len(streams) not in breaks:
+                await write_message(writer, pb.RelayRegistered(ttl_s=30.0))
+            writer.close()
+
+        await relay_p2p.add_binary_stream_handler(REGISTER_PROTOCOL, breaks_first)
+        try:
+            breaks = {1}
+            assert await register(home_p2p, relay.peer_id) == 30.0
+            assert len(streams) == 2
+            breaks = {3, 4}
+            with pytest.raises(PeerUnavailableError, match="did not answer the registration: the stream ended"):
+                await register(home_p2p, relay.peer_id)
+            assert len(streams) == 4
+        finally:
+            await relay_p2p.shutdown()
+            await home_p2p.shutdown()
 
     run(main())

@@ -17,6 +17,8 @@ in one micro-batch (an update takes one batch from each):
                                 every 8 updates
     2 trainers, 2 peers per     two peers serve each stage (each behind its own proxy), a round every update
       stage                     (", local steps": with the local steps' flags above, on peers and trainers)
+    N trainers, local steps,    the same with --sync-overlap 1: each sync's round runs during the next update,
+      overlapped                nobody waits for it (Streaming DiLoCo)
 
 Reported: tokens/s of all trainers together (each trainer's tokens over its seconds after 2 warm-up steps, syncs
 included, added up), the part of those seconds a trainer waited on others (for the update to open, rounds, the
@@ -63,6 +65,7 @@ TINY_SPEC = {
     "rms_norm_eps": 1e-5,
 }
 LOCAL = ("--local-steps", "8", "--averaging-compression", "int8")
+OVERLAPPED = (*LOCAL, "--sync-overlap", "1")
 RUNS = {  # name -> (trainers, peers per stage, flags of peers and trainers)
     "1 trainer": (1, 1, ()),
     "2 trainers": (2, 1, ()),
@@ -71,6 +74,8 @@ RUNS = {  # name -> (trainers, peers per stage, flags of peers and trainers)
     "4 trainers, local steps": (4, 1, LOCAL),
     "2 trainers, 2 peers per stage": (2, 2, ()),
     "2 trainers, 2 peers per stage, local steps": (2, 2, LOCAL),
+    "2 trainers, local steps, overlapped": (2, 1, OVERLAPPED),
+    "4 trainers, local steps, overlapped": (4, 1, OVERLAPPED),
 }
 BATCH = 4
 """Sequences of 64 tokens in each trainer's batch, sent as one micro-batch: little compute per round trip."""

@@ -9,12 +9,17 @@ from pathlib import Path
 
 FIGURES = Path(__file__).resolve().parent / "figures"
 PLOT = FIGURES / "scaling.png"
-SERIES = {"a round every update": "", "local steps (8) and int8 syncs": ", local steps"}
+SERIES = {
+    "a round every update": "",
+    "local steps (8) and int8 syncs": ", local steps",
+    "the same, syncs overlapped": ", local steps, overlapped",
+}
 """Line label -> the suffix of bench/scaling.py's run names ("2 trainers" + suffix); 1 trainer is in both."""
 
 
 def series(figures: dict) -> dict[str, tuple[list[int], list[float]]]:
-    """Line label -> (trainer counts, tokens/s) from one run's figures; a count without its run is left out."""
+    """Line label -> (trainer counts, tokens/s) from one run's figures; a count without its run is left out, and a
+    line without any (a run kept before it existed)."""
     lines = {}
     for label, suffix in SERIES.items():
         counts, rates = [1], [figures["1 trainer"]["tokens_per_s"]]
@@ -23,7 +28,8 @@ def series(figures: dict) -> dict[str, tuple[list[int], list[float]]]:
             if found is not None:
                 counts.append(count)
                 rates.append(found["tokens_per_s"])
-        lines[label] = (counts, rates)
+        if len(counts) > 1:
+            lines[label] = (counts, rates)
     return lines
 
 

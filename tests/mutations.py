@@ -992,6 +992,35 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_families.py",),
     ),
     Mutation(
+        "overlapped-step-drops-inner-steps",
+        "swarm/training/outer.py",
+        "            p.copy_(anchor if before is None else anchor.double() + (p.double() - before.double()))\n",
+        "            p.copy_(anchor)  # MUTATION\n",
+        "an overlapped sync's outer step throws away the inner steps taken while its round ran",
+        (
+            "tests/swarm/training/test_outer.py",
+            "tests/peer/training/test_local_steps.py",
+        ),
+    ),
+    Mutation(
+        "trainers-overlapped-sync-alone",
+        "client/training/cotrainers.py",
+        "        if len(trainers) == 1:\n            return deltas\n\n        async def publish(attempt: int, digest: str) -> None:\n"
+        '            self._sync = {"sync_update"',
+        "        if True:  # MUTATION\n            return deltas\n\n        async def publish(attempt: int, digest: str) -> None:\n"
+        '            self._sync = {"sync_update"',
+        "each trainer lands its own pseudo-gradients in an overlapped sync: the trainers drift apart",
+        ("tests/integration/test_training.py::test_overlapped_syncs_keep_two_members_and_two_trainers_together",),
+    ),
+    Mutation(
+        "overlapped-sync-read-from-update-fields",
+        "peer/training/span.py",
+        "            round_of=agreement.overlapped_sync if overlapped else agreement.update_round,\n",
+        "            round_of=agreement.update_round,  # MUTATION\n",
+        "stage members agree on an overlapped sync by their update's fields, which moved on: they never agree on it",
+        ("tests/integration/test_training.py::test_overlapped_syncs_keep_two_members_and_two_trainers_together",),
+    ),
+    Mutation(
         "balancing-loss-for-every-moe",
         "swarm/models/routers.py",
         '    if not hasattr(importlib.import_module(causal_lm_class(config).__module__), "load_balancing_loss_func"):\n',

@@ -238,7 +238,11 @@ class RunRecipe:
             + (
                 f", rounds every {self.local_steps} updates (outer lr {self.outer_lr:g}, momentum "
                 f"{self.outer_momentum:g}"
-                + (f", each overlapping {self.sync_overlap} inner steps" if self.sync_overlap else "")
+                + (
+                    f", each overlapping {self.sync_overlap} inner step{'s' * (self.sync_overlap > 1)}"
+                    if self.sync_overlap
+                    else ""
+                )
                 + ")"
                 if self.local_steps > 1
                 else ""

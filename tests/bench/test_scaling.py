@@ -75,7 +75,10 @@ def test_the_plot_draws_both_lines_of_every_kept_run(tmp_path):
     assert series(figures) == {
         "a round every update": ([1, 2, 4], [100.0, 200.0, 300.0]),
         "local steps (8) and int8 syncs": ([1, 2, 4], [100.0, 400.0, 500.0]),
+        "the same, syncs overlapped": ([1, 2, 4], [100.0, 800.0, 900.0]),
     }
+    older = {name: found for name, found in figures.items() if "overlapped" not in name}
+    assert list(series(older)) == ["a round every update", "local steps (8) and int8 syncs"]
     assert draw(tmp_path, tmp_path / "scaling.png") is None  # nothing kept yet
     for vocab in ("char", "smollm2"):
         kept = {"title": f"25 ms, {vocab}", "when": "2026-12-06T17:00:00", "steps": 18, "figures": figures}

@@ -526,6 +526,61 @@ def test_local_steps_go_on_when_a_member_dies_between_syncs_and_a_trainer_joins(
                 model.shutdown()
 
 
+def test_overlapped_syncs_keep_two_members_and_two_trainers_together(model_path, tmp_path):
+    """--local-steps 2 --sync-overlap 1 with two peers in one stage and two trainers: each sync's round runs while
+    everyone takes the next update, and lands after it. The members' and the trainers' sync points (what they
+    vouch for) agree after every update, as each trainer's Apply checks, though their weights differ by their own
+    inner steps; the rounds did average the two members, and the two trainers."""
+    spans = [(0, 2), (0, 2), (2, 4)]
+    config = TrainConfig(run_id="overlap", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
+    with Swarm(tmp_path / "swarm") as swarm:
+        swarm.start_bootstrap()
+        peers = [
+            swarm.start_peer(
+                model_path,
+                "--blocks",
+                f"{start}:{end}",
+                *peer_flags("overlap", 16),
+                "--local-steps",
+                "2",
+                "--sync-overlap",
+                "1",
+            )
+            for start, end in spans
+        ]
+        swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
+        models = [
+            AutoDistributedModelForCausalLM.from_pretrained(
+                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+            )
+            for _ in range(2)
+        ]
+        trainers = []
+        try:
+            trainers = [SwarmTrainer(model, config) for model in models]
+            generator = torch.Generator().manual_seed(0)
+            for step in range(4):  # syncs taken after updates 1 and 3, the first landed after update 2
+                batch = torch.randint(3, VOCAB_SIZE, (16, SEQ_LEN), generator=generator)
+                for result in train_in_threads(trainers, batch, swarm):
+                    assert result.stage_samples == {(0, 2): 16, (2, 4): 16}, result
+                    assert result.trainer_samples == 16 and result.faults == [], result
+                if step == 2:
+                    first, second = (trainer.outer for trainer in trainers)
+                    assert first.momenta[0].abs().max() > 0
+                    for mine, theirs in zip(first.state(), second.state()):
+                        assert torch.equal(mine, theirs)
+                    assert not torch.equal(first.params[0], first.anchors[0])  # plus its own inner step
+            assert all(trainer._pending is not None for trainer in trainers)  # the second sync, under way
+            for peer in peers[:2]:
+                log = peer.stderr_path.read_text()
+                assert "the sync of update 1 of run 'overlap': synced among 2 members" in log, swarm.format_logs()
+        finally:
+            for trainer in trainers:
+                trainer.close()
+            for model in models:
+                model.shutdown()
+
+
 def assert_synced(models, members: list[dict[str, torch.Tensor]]) -> None:
     """Right after a sync: the two members of a stage, and every trainer, hold the same weights."""
     assert len(members) == 2

@@ -1017,8 +1017,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "peer/training/span.py",
         "            round_of=agreement.overlapped_sync if overlapped else agreement.update_round,\n",
         "            round_of=agreement.update_round,  # MUTATION\n",
-        "stage members agree on an overlapped sync by their update's fields, which moved on: they never agree on it",
-        ("tests/integration/test_training.py::test_overlapped_syncs_keep_two_members_and_two_trainers_together",),
+        "stage members agree on an overlapped sync by their update's fields, which moved on: each takes its own outcome",
+        (
+            "tests/peer/training/test_sync_agreement.py::"
+            "test_an_overlapped_sync_complete_at_one_member_only_is_tried_again_by_both",
+        ),
     ),
     Mutation(
         "balancing-loss-for-every-moe",

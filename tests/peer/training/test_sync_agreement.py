@@ -30,15 +30,28 @@ RECIPE = RunRecipe(lr=1e-2, local_steps=2)
 ROUND = "ab" * 32
 
 
-def member(checkpoint) -> SpanTraining:
+def member(checkpoint, recipe: RunRecipe = RECIPE) -> SpanTraining:
     span = load_span(checkpoint, load_config(checkpoint), 0, 2, dtype=torch.float32, device=torch.device("cpu"))
-    return SpanTraining(span, TrainingConfig(run_id="sync", averaging=AVERAGING), RECIPE, "model")
+    return SpanTraining(span, TrainingConfig(run_id="sync", averaging=AVERAGING), recipe, "model")
 
 
 @pytest.fixture
 def pair(tmp_path):
     """Two members of one stage's group, each on its own DHT node, publishing their progress as a peer does (their
     records then carry each try's outcome between tries too); stopped at the end, also on failure."""
+    with members_of(tmp_path, RECIPE) as found:
+        yield found
+
+
+@pytest.fixture
+def overlapped_pair(tmp_path):
+    """The same with overlapped syncs (--sync-overlap 1)."""
+    with members_of(tmp_path, dataclasses.replace(RECIPE, sync_overlap=1)) as found:
+        yield found
+
+
+@contextlib.contextmanager
+def members_of(tmp_path, recipe: RunRecipe):
     checkpoint = make_tiny("llama", tmp_path, num_layers=2, seed=3)
     dhts, members, stop = [], [], threading.Event()
 
@@ -50,7 +63,7 @@ def pair(tmp_path):
     try:
         for _ in range(2):
             dhts.append(start_dht(visible_maddrs(dhts[0]) if dhts else ()))
-            training = member(checkpoint)
+            training = member(checkpoint, recipe)
             training.start_group(dhts[-1])
             training.group.publish(training.progress())
             training.group.serve_state(True)
@@ -121,13 +134,11 @@ def expected_after_sync(checkpoint) -> list[torch.Tensor]:
     return references[0].masters
 
 
-def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
-    """The second member's first try completes, and its last answer is lost (as on a link that drops it): it must
-    not be the only one to skip the outer step. Both try again, and end with the same weights as one process."""
-    checkpoint, (first, second) = pair
-    members = tuple(sorted(t.group.peer_id for t in (first, second)))
+def lose_first_answer(training: SpanTraining) -> list[bool]:
+    """Make `training`'s first round end incomplete after it completed (as on a link that drops its last answer);
+    whether each try completed."""
     tries = []
-    real = second.group.average
+    real = training.group.average
 
     def loses_its_first_answer(tensors, *, round_id, members, timeout_s):
         result = real(tensors, round_id=round_id, members=members, timeout_s=timeout_s)
@@ -136,7 +147,16 @@ def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
             return dataclasses.replace(result, complete=False, tensors=None, reason="an answer was lost")
         return result
 
-    second.group.average = loses_its_first_answer
+    training.group.average = loses_its_first_answer
+    return tries
+
+
+def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
+    """The second member's first try completes, and its last answer is lost (as on a link that drops it): it must
+    not be the only one to skip the outer step. Both try again, and end with the same weights as one process."""
+    checkpoint, (first, second) = pair
+    members = tuple(sorted(t.group.peer_id for t in (first, second)))
+    tries = lose_first_answer(second)
 
     async def two_updates():
         answers = await commit_and_apply([first, second], (0, 1))  # update 0: an inner step only
@@ -154,6 +174,30 @@ def test_a_sync_complete_at_one_member_only_is_tried_again_by_both(pair):
     for ours, theirs, reference in zip(first.masters, second.masters, expected_after_sync(checkpoint)):
         assert torch.equal(ours, theirs)
         torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_an_overlapped_sync_complete_at_one_member_only_is_tried_again_by_both(overlapped_pair):
+    """The same with --sync-overlap 1: the members go on to update 2 while they try the sync again (agreeing in
+    their records' sync fields, as their updates move on), and land the same outer step after it."""
+    checkpoint, (first, second) = overlapped_pair
+    members = tuple(sorted(t.group.peer_id for t in (first, second)))
+    tries = lose_first_answer(second)
+
+    async def three_updates():
+        await commit_and_apply([first, second], (0, 1))
+        await asyncio.gather(apply_update(first, 2, members), apply_update(second, 3, members))
+        assert first._pending is not None and second._pending is not None  # the sync's round, under way
+        await asyncio.gather(apply_update(first, 4, members), apply_update(second, 5, members))
+
+    asyncio.run(asyncio.wait_for(three_updates(), 120))
+    assert tries == [True, True]
+    assert first.epoch == second.epoch == 3
+    assert first.digest() == second.digest(), "the members took different outer steps"
+    expected = expected_after_sync(checkpoint)
+    for ours, theirs, reference in zip(first.outer.anchors, second.outer.anchors, expected):
+        assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(first.masters[0], first.outer.anchors[0])  # plus its own inner step of update 2
 
 
 def test_a_member_says_when_the_trainers_commits_name_different_trainers(pair):

@@ -443,6 +443,11 @@ class SwarmTrainer:
         return vouched_digest(state, self.outer)
 
     def _shared_state(self) -> tuple[int, list[torch.Tensor]]:
+        """(epoch, a copy of the state) for a joining trainer; none while an overlapped sync's outer step has yet to
+        land: the copy would miss it, and differ from the others for good."""
+        pending = self._pending
+        if pending is not None:
+            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")
         return self.epoch or 0, [t.detach().cpu().clone() for t in self.state()]
 
     def _digest(self) -> str:

@@ -486,10 +486,13 @@ class SpanTraining:
         return digest[1] if digest is not None and digest[0] == self.epoch else None
 
     def shared_state(self) -> tuple[int, list[torch.Tensor]]:
-        """(epoch, a copy of the state) for a joiner: consistent, never half an update."""
+        """(epoch, a copy of the state) for a joiner: consistent, never half an update, nor taken while an overlapped
+        sync's outer step has yet to land."""
         with self._lock:
             if self._mid_update:
                 raise RuntimeError(f"update {self.epoch} is being applied; ask again")
+            if self._pending is not None:  # a copy now would miss its outer step, and differ from the group for good
+                raise RuntimeError(f"a sync lands after update {self._pending.lands}; ask again then")
             return self.epoch, [t.detach().cpu().clone() for t in self.state()]
 
     def load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:

@@ -97,7 +97,8 @@ def test_an_overlapped_sync_lands_its_outer_step_one_update_later_on_top_of_it(c
     """A lone member with --local-steps 2 --sync-overlap 1 against one that waits for its syncs, on the same
     gradients: after the sync of update 1 the overlapped one's sync point has not moved yet, and it computes update
     2 with its inner steps alone; after update 2 its outer step has landed under that inner step, and the two hold
-    the same weights and sync points (AdamW without decay steps by the gradients alone, wherever the weights are)."""
+    the same weights and sync points (AdamW without decay steps by the gradients alone, wherever the weights are).
+    Meanwhile it serves no copy of its state."""
     overlapped, waited = member(checkpoint, 2, sync_overlap=1), member(checkpoint, 2)
     anchors = [m.detach().clone() for m in overlapped.masters]
 
@@ -112,8 +113,12 @@ def test_an_overlapped_sync_lands_its_outer_step_one_update_later_on_top_of_it(c
                 assert overlapped._pending is not None and overlapped._pending.lands == epoch + 1
                 assert all(torch.equal(a, s) for a, s in zip(overlapped.outer.anchors, anchors))
                 assert not torch.equal(waited.masters[0], overlapped.masters[0])
+                # a joiner's copy now would miss the outer step: it is asked to come back after it landed
+                with pytest.raises(RuntimeError, match=f"a sync lands after update {epoch + 1}; ask again then"):
+                    overlapped.shared_state()
             else:
                 assert overlapped._pending is None and overlapped.outer.taken is None
+                assert overlapped.shared_state()[0] == epoch + 1
                 for mine, theirs in zip(overlapped.state(), waited.state()):
                     torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
                 anchors = [a.clone() for a in overlapped.outer.anchors]

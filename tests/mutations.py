@@ -1014,7 +1014,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "overlapped-sync-read-from-update-fields",
-        "peer/training/span.py",
+        "peer/training/syncs.py",
         "            round_of=agreement.overlapped_sync if overlapped else agreement.update_round,\n",
         "            round_of=agreement.update_round,  # MUTATION\n",
         "stage members agree on an overlapped sync by their update's fields, which moved on: each takes its own outcome",
@@ -1345,9 +1345,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "sync-skips-the-outer-step",
-        "peer/training/span.py",
-        "                    await compute(lambda: self._outer_step(averaged))\n",
-        "                    pass  # MUTATION\n",
+        "peer/training/syncs.py",
+        "        if averaged is not None:\n            await compute(lambda: self._outer_step(averaged))\n",
+        "        if averaged is not None:\n            pass  # MUTATION\n",
         "a stage with local steps never applies the outer step: its weights drift from the run's DiLoCo reference",
         ("tests/integration/test_training.py",),
         keyword="local_steps_equal",

@@ -7,6 +7,7 @@
 - follow: Follower, keeping a member in step with its group and trainers between calls (catching up, finishing or
   dropping an update whose trainers are gone)
 - decision: which trainer's record decides a member's averaged round (plain data)
+- syncs: Syncs, a member's outer optimizer and syncs with local steps (DiLoCo), waited for or overlapped
 
 May import protocol, swarm and the rest of peer.
 """

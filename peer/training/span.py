@@ -10,6 +10,8 @@
   applied an update, the majority is that of the members of its last round not behind the update its trainers
   announce. Between calls, peer/training/follow.py keeps it in step, and finishes or drops an update whose
   trainers are gone.
+- With local steps, an update's Apply steps on the member's own gradients, and every H-th also syncs
+  (peer/training/syncs.py).
 
 Heavy work (backward, apply, copying state) runs on the compute thread; the rest on the event loop.
 """
@@ -35,15 +37,15 @@ from peer.training.accumulators import Accumulators, HeldMismatch
 from peer.training.commits import Commits, RoundPlan
 from peer.training.decision import Decision
 from peer.training.follow import Follower
+from peer.training.syncs import Syncs
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import BadRequestError, DHTUnavailableError, StaleEpochError
 from protocol.records import TrainingProgress
 from protocol.vocab import TrainMode
-from swarm.training import agreement
 from swarm.training.group import GroupMember, digest, group_key, has_nonfinite, trainers_key
 from swarm.training.members import GroupReader
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, PendingSync, agreed_sync, in_background, sync_due, vouched_digest
+from swarm.training.outer import vouched_digest
 from swarm.training.recipe import RunRecipe, lr_at
 from swarm.training.state import applied_by_trainers, deciding
 
@@ -83,11 +85,8 @@ class SpanTraining:
         masters_named = [(name, m) for (name, _), m in zip(named, self.masters)]
         self.optimizer = make_optimizer(recipe, span.layers, masters_named)
         # with local steps (DiLoCo), rounds average the weights' change every H updates, not each update's gradients
-        self.outer = (
-            OuterStep(self.masters, lr=recipe.outer_lr, momentum=recipe.outer_momentum)
-            if recipe.local_steps > 1
-            else None
-        )
+        self.syncs = Syncs(self) if recipe.local_steps > 1 else None
+        self.outer = self.syncs.outer if self.syncs is not None else None
         self._mid_update = False  # while an update is applied: no consistent state to share
         self.accumulators = Accumulators(self.masters)
         self.epoch = 0
@@ -99,8 +98,6 @@ class SpanTraining:
         self._last_apply: tuple[int, str, pb.ApplyResponse] | None = None  # (epoch, round id, answer)
         self._norms: deque[float] = deque(maxlen=NORM_WINDOW)
         self._digest: tuple[int, str] | None = None
-        self._sync_outcome: tuple[int, int, str] | None = None  # (update, try, digest) of the sync under way
-        self._pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
         self.applied_samples = 0
         self.applied_round = pb.RoundStatus()  # the status of the last applied update's round
         self.applied_members: tuple[str, ...] = ()  # the members of that round (this one too)
@@ -361,74 +358,15 @@ class SpanTraining:
     async def _apply_local_steps(
         self, own: list[torch.Tensor] | None, scale: float, status: pb.RoundStatus, compute: Compute
     ) -> None:
-        """An update of a run with local steps: the inner step on this member's own gradients; after every H-th,
-        the sync: the members of the update's round average their pseudo-gradients, and each applies the outer
-        step, once every member got the same average (`_sync`). With sync_overlap N the round runs in the
-        background and its outer step lands after the N-th update past it (`_land_overlapped`)."""
+        """An update of a run with local steps: the inner step on this member's own gradients, then its syncs'
+        part (peer/training/syncs.py)."""
         self._mid_update = True
         try:
             await compute(lambda: self._inner_step(own, scale))
-            await self._land_overlapped(compute)
-            if sync_due(self.epoch, self.recipe.local_steps):
-                if self.recipe.sync_overlap:
-                    deltas = await compute(self.outer.take)
-                    sync = self._sync(deltas, status, overlapped=True)
-                    what = f"the overlapped sync of update {self.epoch} of run {self.run_id!r}"
-                    self._pending = PendingSync(self.epoch + self.recipe.sync_overlap, in_background(sync, what))
-                else:
-                    deltas = await compute(self.outer.pseudo_gradients)
-                    averaged = await self._sync(deltas, status)
-                    if averaged is not None:
-                        await compute(lambda: self._outer_step(averaged))
+            await self.syncs.after_inner_step(status, compute)
             await compute(lambda: self._finish_apply(status))
         finally:
             self._mid_update = False
-
-    async def _land_overlapped(self, compute: Compute) -> None:
-        """The outer step of the overlapped sync due after this update, on top of the inner steps since; its round
-        is waited for only if it has not ended yet."""
-        pending = self._pending
-        if pending is None or self.epoch < pending.lands:
-            return
-        self._pending = None
-        averaged = await pending.outcome()
-        if averaged is None:
-            await compute(self.outer.drop_taken)
-        else:
-            await compute(lambda: self._outer_step(averaged, carry=True))
-
-    def _sync(
-        self, deltas: list[torch.Tensor], status: pb.RoundStatus, *, overlapped: bool = False
-    ) -> Awaitable[list[torch.Tensor] | None]:
-        """The mean of the pseudo-gradients of the update's round's members, once all of them got the same
-        (`agreed_sync`), this member announcing its outcome of each try in its record; None: every member skips it.
-        Its update and members are read now: an overlapped one runs on while this member moves on."""
-        plan = self._plan
-        members = plan.members if plan is not None and plan.round_id == status.round_id else ()
-        epoch = self.epoch
-        if len(members) <= 1:
-            return _ready(deltas)
-
-        async def publish(attempt: int, digest: str) -> None:
-            self._sync_outcome = (epoch, attempt, digest)
-            progress = await asyncio.to_thread(self.progress)
-            await asyncio.to_thread(self.group.publish, progress)
-
-        return agreed_sync(
-            self.group,
-            deltas,
-            base_round_id=bytes.fromhex(status.round_id),
-            epoch=epoch,
-            members=members,
-            settings=self.config.averaging,
-            publish=publish,
-            what=f"the sync of update {epoch} of run {self.run_id!r}",
-            round_of=agreement.overlapped_sync if overlapped else agreement.update_round,
-        )
-
-    def _outer_step(self, averaged: list[torch.Tensor], *, carry: bool = False) -> None:
-        with self._lock:
-            self.outer.apply(averaged, carry=carry)
 
     def _finish_apply(self, status: pb.RoundStatus) -> None:
         """Cast the compute weights from the masters and move to the next update."""
@@ -491,8 +429,8 @@ class SpanTraining:
         with self._lock:
             if self._mid_update:
                 raise RuntimeError(f"update {self.epoch} is being applied; ask again")
-            if self._pending is not None:  # a copy now would miss its outer step, and differ from the group for good
-                raise RuntimeError(f"a sync lands after update {self._pending.lands}; ask again then")
+            if self.syncs is not None:
+                self.syncs.check_copyable()
             return self.epoch, [t.detach().cpu().clone() for t in self.state()]
 
     def load_state(self, epoch: int, tensors: list[torch.Tensor]) -> None:
@@ -506,9 +444,8 @@ class SpanTraining:
             for param, master in zip(self.params, self.masters):
                 if param is not master:
                     param.copy_(master)
-            if self.outer is not None:  # the copy holds what the group's syncs did: one under way here is moot
-                self._pending = None
-                self.outer.drop_taken()
+            if self.syncs is not None:
+                self.syncs.drop_pending()
         self._finish_update(epoch)
         self._digest = None
 
@@ -607,23 +544,11 @@ class SpanTraining:
 
     def progress(self) -> TrainingProgress:
         """The record this member publishes in its group (compute thread: it digests the state)."""
-        if self.recipe.sync_overlap:  # kept until the next sync: members still agreeing on this one read it
-            sync = self._sync_outcome or (-1, 0, "")
-            return TrainingProgress(
-                epoch=self.epoch,
-                samples=self.samples,
-                param_digest=self.digest(),
-                sync_update=sync[0],
-                sync_round=sync[1],
-                sync_digest=sync[2],
-            )
-        outcome = self._sync_outcome if self._sync_outcome is not None and self._sync_outcome[0] == self.epoch else None
         return TrainingProgress(
             epoch=self.epoch,
             samples=self.samples,
             param_digest=self.digest(),
-            round=outcome[1] if outcome else 0,
-            round_digest=outcome[2] if outcome else "",
+            **(self.syncs.record(self.epoch) if self.syncs is not None else {}),
         )
 
     async def run(self, compute: Compute, on_update: Callable[[], None]) -> None:
@@ -668,7 +593,3 @@ class SpanTraining:
 
 def stage_group_key(prefix: str, run_id: str, span: BlockSpan) -> str:
     return group_key(prefix, run_id, f"{span.start}-{span.end}")
-
-
-async def _ready(value):
-    return value

@@ -110,14 +110,14 @@ def test_an_overlapped_sync_lands_its_outer_step_one_update_later_on_top_of_it(c
                 await training._apply_local_steps(own_gradients(training, epoch), 1.0, status, _compute)
             assert overlapped.epoch == waited.epoch == epoch + 1
             if epoch in (1, 3):  # the sync was taken; its step lands after the next update
-                assert overlapped._pending is not None and overlapped._pending.lands == epoch + 1
+                assert overlapped.syncs.pending is not None and overlapped.syncs.pending.lands == epoch + 1
                 assert all(torch.equal(a, s) for a, s in zip(overlapped.outer.anchors, anchors))
                 assert not torch.equal(waited.masters[0], overlapped.masters[0])
                 # a joiner's copy now would miss the outer step: it is asked to come back after it landed
                 with pytest.raises(RuntimeError, match=f"a sync lands after update {epoch + 1}; ask again then"):
                     overlapped.shared_state()
             else:
-                assert overlapped._pending is None and overlapped.outer.taken is None
+                assert overlapped.syncs.pending is None and overlapped.outer.taken is None
                 assert overlapped.shared_state()[0] == epoch + 1
                 for mine, theirs in zip(overlapped.state(), waited.state()):
                     torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)

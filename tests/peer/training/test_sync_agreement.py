@@ -186,7 +186,7 @@ def test_an_overlapped_sync_complete_at_one_member_only_is_tried_again_by_both(o
     async def three_updates():
         await commit_and_apply([first, second], (0, 1))
         await asyncio.gather(apply_update(first, 2, members), apply_update(second, 3, members))
-        assert first._pending is not None and second._pending is not None  # the sync's round, under way
+        assert first.syncs.pending is not None and second.syncs.pending is not None  # the sync's round, under way
         await asyncio.gather(apply_update(first, 4, members), apply_update(second, 5, members))
 
     asyncio.run(asyncio.wait_for(three_updates(), 120))

@@ -29,6 +29,7 @@ from client.training.cotrainers import CoTrainers
 from client.training.ledger import Ledger
 from client.training.microbatches import MicroBatches
 from client.training.stages import INFO_TIMEOUT_S, Span, Stages
+from client.training.syncs import TrainerSyncs
 from client.training.update import Averaged, Update
 from protocol.errors import (
     StaleEpochError,
@@ -40,7 +41,7 @@ from protocol.records import TrainingProgress
 from swarm.dht.node import start_dht, stop_dht
 from swarm.training.group import TRAINER_PROGRESS_TTL_S
 from swarm.training.optim import make_optimizer, set_step_count, state_tensors
-from swarm.training.outer import OuterStep, PendingSync, in_background, sync_due, vouched_digest
+from swarm.training.outer import vouched_digest
 from swarm.training.recipe import RunRecipe, adopt_recipe, clip_scale, global_norm, lr_at
 
 logger = logging.getLogger(__name__)
@@ -127,17 +128,13 @@ class SwarmTrainer:
         except BaseException:
             stop_dht(self.dht)
             raise
-        self.outer = (
-            OuterStep(self.params, lr=self.recipe.outer_lr, momentum=self.recipe.outer_momentum)
-            if self.recipe.local_steps > 1
-            else None
-        )
+        self.syncs = TrainerSyncs(self) if self.recipe.local_steps > 1 else None  # local steps (DiLoCo)
+        self.outer = self.syncs.outer if self.syncs is not None else None
         self.stages = Stages(self.sequence, config.run_id)
         self.local = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-local")
         self.micro_batches = MicroBatches(model, self.params, self.stages, config, self.trainer_id, self._local)
         self.epoch = epoch
         self.steps_done = 0
-        self._pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
         try:
             self.trainers = CoTrainers(
                 self.dht,
@@ -309,8 +306,8 @@ class SwarmTrainer:
         applied = await update.apply(done, scale)
         await self._local(lambda: self._apply_local(mean, scale, epoch))
         phases.end("apply")
-        if self.outer is not None:
-            await self._outer(epoch, trainers)
+        if self.syncs is not None:
+            await self.syncs.after_update(epoch, trainers)
         self.epoch = epoch + 1
         self.trainers.publish(
             TrainingProgress(epoch=self.epoch, samples=0, param_digest=await self._local(self._digest))
@@ -392,43 +389,6 @@ class SwarmTrainer:
             logger.warning("could not read the stages' updates: %r", exc)
             return None
 
-    async def _outer(self, epoch: int, trainers: dict[str, int]) -> None:
-        """After update `epoch` of a run with local steps: the outer step of an overlapped sync due now (its round
-        waited for only if it has not ended), then this update's sync, overlapped or waited for."""
-        pending = self._pending
-        if pending is not None and epoch >= pending.lands:
-            self._pending = None
-            averaged = await pending.outcome()
-            await self._local(
-                (lambda: self.outer.apply(averaged, carry=True)) if averaged is not None else self.outer.drop_taken
-            )
-        if not sync_due(epoch, self.recipe.local_steps):
-            return
-        if not self.recipe.sync_overlap:
-            await self._sync(epoch, trainers)
-            return
-        deltas = await self._local(self.outer.take)
-        sync = self.trainers.overlapped_sync(epoch, deltas, list(trainers))
-        round_ = in_background(sync, f"the trainers' overlapped sync of update {epoch}")
-        self._pending = PendingSync(epoch + self.recipe.sync_overlap, round_)
-
-    async def _sync(self, epoch: int, trainers: dict[str, int]) -> None:
-        """The trainers' sync after update `epoch` of a run with local steps: their pseudo-gradients averaged (each
-        trainer weighs the same), then the outer step. A sync the trainers cannot agree on is skipped, as a stage
-        skips a failed one: the next carries the change."""
-        deltas = await self._local(self.outer.pseudo_gradients)
-        try:
-            # its tries follow those of the trainers' agreement on who is in, as every trainer's do
-            _, averaged = await self.trainers.settle(
-                epoch, deltas, len(trainers), dict.fromkeys(trainers, 1), attempt=self.trainers.first_try(epoch)
-            )
-        except TrainingFaultError as exc:
-            logger.warning(
-                "update %d: the trainers' sync failed (%s); the next sync carries this one's change", epoch, exc
-            )
-            return
-        await self._local(lambda: self.outer.apply(averaged))
-
     # --- the trainer's own parts ---
 
     def state(self) -> list[torch.Tensor]:
@@ -445,9 +405,8 @@ class SwarmTrainer:
     def _shared_state(self) -> tuple[int, list[torch.Tensor]]:
         """(epoch, a copy of the state) for a joining trainer; none while an overlapped sync's outer step has yet to
         land: the copy would miss it, and differ from the others for good."""
-        pending = self._pending
-        if pending is not None:
-            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")
+        if self.syncs is not None:
+            self.syncs.check_copyable()
         return self.epoch or 0, [t.detach().cpu().clone() for t in self.state()]
 
     def _digest(self) -> str:
@@ -457,9 +416,8 @@ class SwarmTrainer:
         with torch.no_grad():
             for dst, src in zip(self.state(), tensors):
                 dst.copy_(src)
-        if self.outer is not None:  # the copy holds what the trainers' syncs did: one under way here is moot
-            self._pending = None
-            self.outer.drop_taken()
+        if self.syncs is not None:
+            self.syncs.drop_pending()
         self.epoch = epoch
         set_step_count(self.optimizer, epoch)
 
@@ -478,12 +436,8 @@ class SwarmTrainer:
         """What a resumed trainer needs besides its weights: its update count and optimizer statistics, and an
         overlapped sync whose outer step has not landed (its round waited for)."""
         state = {"epoch": self.epoch, "optimizer": [t.detach().cpu().clone() for t in state_tensors(self.optimizer)]}
-        if self.outer is not None:
-            state["outer"] = [t.detach().cpu().clone() for t in self.outer.state()]
-        pending = self._pending
-        if pending is not None:
-            averaged = self.model.submit(pending.outcome()).result()
-            state["pending_sync"] = {"lands": pending.lands, "averaged": averaged, "taken": self.outer.taken}
+        if self.syncs is not None:
+            state.update(self.syncs.saved())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -499,10 +453,8 @@ class SwarmTrainer:
                 dst.copy_(src)
         self.epoch = int(state["epoch"])
         set_step_count(self.optimizer, self.epoch)
-        pending = state.get("pending_sync")
-        if pending is not None:
-            self._pending = PendingSync(int(pending["lands"]), averaged=pending["averaged"])
-            self.outer.taken = [t.clone() for t in pending["taken"]]
+        if self.syncs is not None:
+            self.syncs.load(state)
 
     def close(self) -> None:
         """Stop the local thread, the trainers' group and the DHT node (idempotent)."""

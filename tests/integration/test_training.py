@@ -454,7 +454,7 @@ def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path, sync
                 assert result.stage_samples == {(0, 2): 8, (2, 4): 8}, result
                 # with an overlap, each took the sync of updates 1 and 3 and lands it after the next
                 overlapping = bool(sync_overlap) and step % 2 == 1
-                assert (local.pending is not None) is (trainer._pending is not None) is overlapping, step
+                assert (local.pending is not None) is (trainer.syncs.pending is not None) is overlapping, step
                 local_state = local.model.state_dict()
                 for span in [(0, 2), (2, 4)]:
                     (weights,) = group_weights(model, span)
@@ -570,7 +570,7 @@ def test_overlapped_syncs_keep_two_members_and_two_trainers_together(model_path,
                     for mine, theirs in zip(first.state(), second.state()):
                         assert torch.equal(mine, theirs)
                     assert not torch.equal(first.params[0], first.anchors[0])  # plus its own inner step
-            assert all(trainer._pending is not None for trainer in trainers)  # the second sync, under way
+            assert all(trainer.syncs.pending is not None for trainer in trainers)  # the second sync, under way
             for peer in peers[:2]:
                 log = peer.stderr_path.read_text()
                 assert "the sync of update 1 of run 'overlap': synced among 2 members" in log, swarm.format_logs()

@@ -164,3 +164,25 @@ def test_a_model_whose_attention_sdpa_refuses_trains_with_its_eager_attention(tm
     with torch.no_grad():
         expected = sum(float(lm_loss(eager(ids).logits, ids, 128)) * ids.shape[0] for ids in batch.split(MICRO))
     assert trainer.step(batch).loss == pytest.approx(expected / BATCH, rel=1e-6)
+
+
+def test_a_reference_saved_with_an_overlapped_sync_still_to_land_resumes_as_the_uninterrupted_one(tiny_llama_path):
+    """`--local-steps 2 --sync-overlap 1`: saved after update 1, whose sync lands after update 2, the reference
+    keeps the sync's pseudo-gradients and the weights they were taken at; resumed from it (weights copied as a
+    checkpoint would hold them), it lands the step and goes on bit for bit as the run that never stopped."""
+    config = dict(lr=1e-2, local_steps=2, sync_overlap=1)
+    whole = trained(tiny_llama_path, 4, **config)
+    first = trained(tiny_llama_path, 2, **config)
+    assert first.pending is not None and first.pending.lands == 2
+    saved, weights = first.state_dict(), {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    resumed = LocalTrainer(
+        tiny_llama_path, TrainConfig(batch_size=BATCH, micro_batch_size=MICRO, **config), steps_done=2
+    )
+    with torch.no_grad():
+        for name, p in resumed.model.named_parameters():
+            p.copy_(weights[name])
+    resumed.load_state_dict(saved)
+    for batch in batches(4)[2:]:
+        resumed.step(batch)
+    for (name, p), (_, q) in zip(sorted(resumed.model.named_parameters()), sorted(whole.model.named_parameters())):
+        assert torch.equal(p, q), name

@@ -15,7 +15,9 @@ takes part in. Reported: the loss of trainers 0 and 1 (the same batches in both 
 steps, and the faulty run's against the fault-free one's (the issue's target: within 2%). Every process runs on this
 machine's loopback.
 
-    python -m bench.local_faults [--steps 32] [--kill-at 9] [--join-at 16] [--out FILE]
+With `--sync-overlap N` every peer and trainer overlaps its syncs with the next N updates (Streaming DiLoCo).
+
+    python -m bench.local_faults [--steps 32] [--kill-at 9] [--join-at 16] [--sync-overlap 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ MAX_KINDS = 4
 """Kinds of faults listed per run."""
 
 
-def _run(bench, model: Path, settings, name: str, *, kill_at: int | None, join_at: int | None) -> dict[str, list]:
+def _run(
+    bench, model: Path, settings, name: str, *, kill_at: int | None, join_at: int | None, overlap: int
+) -> dict[str, list]:
     """One run on fresh peers; run name -> its --log-json steps. Faults happen when `kill_at`/`join_at` are set."""
     from bench import train_runs as tr
 
-    swarm, extra = bench.swarm, ("--local-steps", str(LOCAL_STEPS), "--outer-momentum", str(OUTER_MOMENTUM))
+    swarm, extra = bench.swarm, recipe_flags(overlap)
     prefix, run_id = f"bench-lf-{name}", f"lf-{name}"
     trainers = {f"{run_id}-seed{seed}": seed for seed in range(TRAINERS)}
     logs = {run: swarm.log_dir / f"{run}.jsonl" for run in [*trainers, f"{run_id}-seed{TRAINERS}"]}
@@ -100,7 +104,13 @@ def _run(bench, model: Path, settings, name: str, *, kill_at: int | None, join_a
     return {run: tr.read_steps(logs[run]) for run in trainers}
 
 
-def measure(steps: int, kill_at: int, join_at: int) -> dict:
+def recipe_flags(overlap: int) -> tuple[str, ...]:
+    """The local steps' flags of every peer and trainer (with `overlap`: --sync-overlap)."""
+    flags = ("--local-steps", str(LOCAL_STEPS), "--outer-momentum", str(OUTER_MOMENTUM))
+    return (*flags, "--sync-overlap", str(overlap)) if overlap else flags
+
+
+def measure(steps: int, kill_at: int, join_at: int, overlap: int = 0) -> dict:
     """Both runs, here; the figures of each."""
     from bench import train_runs as tr
     from bench.plan import preset
@@ -116,7 +126,9 @@ def measure(steps: int, kill_at: int, join_at: int) -> dict:
             cache / "bench-models", cache, name="train-tiny", config=TINY_SPEC, char_tokenizer=True
         )
         for name, faults in {"fault-free": (None, None), "with faults": (kill_at, join_at)}.items():
-            runs = _run(bench, model, bench.small, name.replace(" ", "-"), kill_at=faults[0], join_at=faults[1])
+            runs = _run(
+                bench, model, bench.small, name.replace(" ", "-"), kill_at=faults[0], join_at=faults[1], overlap=overlap
+            )
             joined = {run: run.endswith(f"seed{TRAINERS}") for run in runs}
             joiner = [steps for run, steps in runs.items() if joined[run]]
             curve = tr.mean_curve([[r["loss"] for r in steps] for run, steps in runs.items() if not joined[run]])
@@ -145,16 +157,18 @@ def fault_kinds(faults) -> list[tuple[str, int]]:
     return kinds.most_common()
 
 
-def _section(steps: int, kill_at: int, join_at: int, figures: dict, when: str) -> str:
+def _section(steps: int, kill_at: int, join_at: int, figures: dict, when: str, overlap: int = 0) -> str:
     clean, faulty = figures["fault-free"], figures["with faults"]
     change = faulty["final_loss"] / clean["final_loss"] - 1
     met = "met" if abs(change) <= TARGET else "missed"
     return "\n".join(
         [
-            f"## {steps} steps, a member killed after step {kill_at}, a trainer joining after step {join_at} ({when})",
+            f"## {steps} steps, a member killed after step {kill_at}, a trainer joining after step {join_at}"
+            + (f", syncs overlapping {overlap} update{'s' * (overlap > 1)}" if overlap else "")
+            + f" ({when})",
             "",
-            f"`--local-steps {LOCAL_STEPS} --outer-momentum {OUTER_MOMENTUM}`, two peers per stage, trainers of a batch of 8x64; final loss: the mean "
-            "over the last 5 steps of trainers 0 and 1.",
+            f"`{' '.join(recipe_flags(overlap))}`, two peers per stage, trainers of a batch of 8x64; final loss: the "
+            "mean over the last 5 steps of trainers 0 and 1.",
             "",
             "| run | final loss | faults the trainers logged | joiner's steps |",
             "|---|---|---|---|",
@@ -186,14 +200,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--join-at", type=int, default=16, help="a third trainer joins after this step (default: %(default)s)"
     )
+    p.add_argument(
+        "--sync-overlap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every peer and trainer overlaps its syncs with N updates (below 4; default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=FIGURE, help="markdown file to put the table in")
     args = p.parse_args(argv)
+    if not 0 <= args.sync_overlap < LOCAL_STEPS:
+        p.error(f"--sync-overlap must be 0 to {LOCAL_STEPS - 1}: below the run's --local-steps {LOCAL_STEPS}")
     if not 0 < args.kill_at < args.steps or not 0 < args.join_at < args.steps - 5:
         p.error("--kill-at must be within --steps, and --join-at at least 5 steps before its end")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    figures = measure(args.steps, args.kill_at, args.join_at)
+    figures = measure(args.steps, args.kill_at, args.join_at, args.sync_overlap)
     when = datetime.datetime.now().isoformat(timespec="seconds")
-    section = _section(args.steps, args.kill_at, args.join_at, figures, when)
+    section = _section(args.steps, args.kill_at, args.join_at, figures, when, args.sync_overlap)
     write_section(args.out, section, head=HEAD)
     print(section)
     return 0

@@ -146,6 +146,14 @@ class CoTrainers:
         """The state a strict majority of the other credible trainers vouches for (blocking)."""
         return self.group.load_state(like, self.credible)
 
+    def last_landing(self, overlap: int) -> int:
+        """The update after which the latest overlapped sync (`--sync-overlap` `overlap`) of the other credible
+        trainers lands, -1 for none: until then they serve no copy of their state (blocking)."""
+        if not overlap:
+            return -1
+        others = [p for pid, p in self.credible().items() if pid != self.trainer_id and p.sync_update >= 0]
+        return max((p.sync_update + overlap for p in others), default=-1)
+
     def wait_until_past(self, missed: int) -> None:
         """After update `missed` went on without this trainer: wait (bounded by the load-state timeout) until a
         majority of the other credible trainers vouches for a state past it, or none is left."""

@@ -212,10 +212,13 @@ class SwarmTrainer:
 
         Meanwhile its record names the update it means to join, vouching for no state: the other trainers wait for
         it there as for one still computing, or a trainer that updates alone faster than a copy takes would never
-        be caught up with."""
-        joining = max(-1 if missed is None else missed, (self._stages_epoch() or 0) - 1) + 1
+        be caught up with. It joins past an overlapped sync of theirs still to land: they serve no state before,
+        and waiting for it at that update would hold them all."""
+        missed = -1 if missed is None else missed
+        landing = self.trainers.last_landing(self.recipe.sync_overlap)
+        joining = max(missed, (self._stages_epoch() or 0) - 1, landing) + 1
         self.trainers.publish(TrainingProgress(epoch=joining, samples=0, param_digest=""))
-        self.trainers.wait_until_past(-1 if missed is None else missed)
+        self.trainers.wait_until_past(max(missed, landing))
         try:
             verified = self.trainers.load_state(self.state())
         except StateDownloadError as exc:

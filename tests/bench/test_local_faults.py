@@ -21,6 +21,11 @@ def test_the_table_says_how_far_the_faulty_run_ends_from_the_fault_free_one():
     assert "| with faults | 4.0600 | 3 | 16 |" in table
     assert "+1.50% (target within 2%: met)" in table
     assert "-5.00% (target within 2%: missed)" in _section(32, 9, 16, figures(4.0, 3.8), "now")
+    overlapped = _section(32, 9, 16, figures(4.0, 4.06), "now", overlap=1)
+    assert overlapped.startswith(
+        "## 32 steps, a member killed after step 9, a trainer joining after step 16, syncs overlapping 1 update (now)"
+    )
+    assert "`--local-steps 4 --outer-momentum 0.5 --sync-overlap 1`" in overlapped
 
 
 def test_faults_are_counted_by_kind_without_their_peers_and_numbers():
@@ -45,10 +50,23 @@ def test_faults_are_counted_by_kind_without_their_peers_and_numbers():
 
 
 @pytest.mark.parametrize(
-    "flags", [["--kill-at", "0"], ["--kill-at", "32"], ["--join-at", "28"], ["--steps", "8", "--join-at", "4"]]
+    "flags",
+    [
+        ["--kill-at", "0"],
+        ["--kill-at", "32"],
+        ["--join-at", "28"],
+        ["--steps", "8", "--join-at", "4"],
+    ],
 )
 def test_faults_outside_the_run_are_refused(flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(flags)
     assert exit_info.value.code == 2
     assert "--kill-at must be within --steps" in capsys.readouterr().err
+
+
+def test_an_overlap_as_long_as_a_syncs_interval_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--sync-overlap", "4"])
+    assert exit_info.value.code == 2
+    assert "--sync-overlap must be 0 to 3: below the run's --local-steps 4" in capsys.readouterr().err

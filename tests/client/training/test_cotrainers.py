@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 import torch
@@ -102,3 +103,18 @@ def test_a_decision_is_in_the_trainers_record_once_stored_and_too_many_stages_ar
     assert not first.decide(EPOCH + 1, [f"{i:016x}" + "0" * 48 for i in range(300)], 0.5)
     assert "could not store this trainer's decision" in caplog.text
     assert first.progress.decided == ("abababababababab", "cdcdcdcdcdcdcdcd")  # the last one stored stands
+
+
+def test_a_late_trainer_reads_when_the_others_overlapped_sync_lands(trainers):
+    """With --sync-overlap 1, a trainer whose co-trainers took the sync of update EPOCH-1 (their records say so,
+    beside every later record of theirs) joins past update EPOCH, after which the sync lands: before, they serve no
+    state, and waiting for it at EPOCH would hold them all. Without an overlap, nothing lands later."""
+    first, _, third = trainers
+    first._sync = {"sync_update": EPOCH - 1, "sync_round": 0, "sync_digest": "a" * 64}
+    first.publish(TrainingProgress(epoch=EPOCH, samples=SAMPLES))
+    assert first.progress.sync_update == EPOCH - 1  # kept in the update's own records
+    deadline = time.monotonic() + 10
+    while third.last_landing(1) != EPOCH and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert third.last_landing(1) == EPOCH and third.last_landing(2) == EPOCH + 1
+    assert third.last_landing(0) == -1 and first.last_landing(1) == -1  # its own sync is not the others'

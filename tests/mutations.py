@@ -1024,6 +1024,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
+        "state-served-before-an-overlapped-sync-lands",
+        "peer/training/syncs.py",
+        '            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")\n',
+        "            pass  # MUTATION\n",
+        "a joiner copies a member's state while its overlapped sync has yet to land, and misses that outer step",
+        ("tests/peer/training/test_local_steps.py",),
+    ),
+    Mutation(
         "balancing-loss-for-every-moe",
         "swarm/models/routers.py",
         '    if not hasattr(importlib.import_module(causal_lm_class(config).__module__), "load_balancing_loss_func"):\n',

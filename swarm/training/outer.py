@@ -97,6 +97,7 @@ class PendingSync:
     """The averaged pseudo-gradients, or None: the sync is skipped, and the next one carries its change."""
 
     async def outcome(self) -> list[torch.Tensor] | None:
+        """The averaged pseudo-gradients (None: skipped), once the round has ended."""
         if self.round is not None:
             self.averaged, self.round = await self.round, None
         return self.averaged

@@ -1025,7 +1025,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "state-served-before-an-overlapped-sync-lands",
-        "peer/training/syncs.py",
+        "swarm/training/outer.py",
         '            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")\n',
         "            pass  # MUTATION\n",
         "a joiner copies a member's state while its overlapped sync has yet to land, and misses that outer step",
@@ -1354,7 +1354,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "sync-skips-the-outer-step",
         "peer/training/syncs.py",
-        "        if averaged is not None:\n            await compute(lambda: self._outer_step(averaged))\n",
+        "        if averaged is not None:\n            await compute(lambda: self.outer_step(averaged))\n",
         "        if averaged is not None:\n            pass  # MUTATION\n",
         "a stage with local steps never applies the outer step: its weights drift from the run's DiLoCo reference",
         ("tests/integration/test_training.py",),

@@ -9,11 +9,12 @@ serves no copy of its state, and a save waits for the round and keeps its outcom
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
 from protocol.errors import TrainingFaultError
-from swarm.training.outer import OuterStep, PendingSync, in_background, sync_due
+from swarm.training.outer import MemberSyncs, PendingSync, sync_due
 
 if TYPE_CHECKING:
     from client.training.trainer import SwarmTrainer
@@ -21,36 +22,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TrainerSyncs:
+class TrainerSyncs(MemberSyncs):
     """The outer optimizer of `trainer`'s own parameters, and its syncs with the run's other trainers."""
 
     def __init__(self, trainer: SwarmTrainer):
-        self.trainer, recipe = trainer, trainer.recipe
-        self.outer = OuterStep(trainer.params, lr=recipe.outer_lr, momentum=recipe.outer_momentum)
-        self.local_steps, self.overlap = recipe.local_steps, recipe.sync_overlap
-        self.pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
+        super().__init__(trainer.params, trainer.recipe)
+        self.trainer = trainer
 
     async def after_update(self, epoch: int, trainers: dict[str, int]) -> None:
-        """After update `epoch` (its trainers: `trainers`): the outer step of an overlapped sync due now (its round
-        waited for only if it has not ended), then this update's sync, overlapped or waited for."""
+        """After update `epoch` (its trainers: `trainers`): the outer step of an overlapped sync due now, then this
+        update's sync, overlapped or waited for."""
         local = self.trainer._local
-        pending = self.pending
-        if pending is not None and epoch >= pending.lands:
-            self.pending = None
-            averaged = await pending.outcome()
-            await local(
-                (lambda: self.outer.apply(averaged, carry=True)) if averaged is not None else self.outer.drop_taken
-            )
+        await self.land(epoch, local)
         if not sync_due(epoch, self.local_steps):
             return
         if not self.overlap:
             await self._waited(epoch, trainers)
             return
-        deltas = await local(self.outer.take)
-        sync = self.trainer.trainers.overlapped_sync(epoch, deltas, list(trainers))
-        self.pending = PendingSync(
-            epoch + self.overlap, in_background(sync, f"the trainers' overlapped sync of update {epoch}")
-        )
+        sync = functools.partial(self.trainer.trainers.overlapped_sync, epoch, trainers=list(trainers))
+        await self.overlap_from(epoch, local, sync, f"the trainers' overlapped sync of update {epoch}")
 
     async def _waited(self, epoch: int, trainers: dict[str, int]) -> None:
         """A sync the trainer waits for: pseudo-gradients averaged, then the outer step. One the trainers cannot
@@ -68,18 +58,6 @@ class TrainerSyncs:
             )
             return
         await local(lambda: self.outer.apply(averaged))
-
-    def check_copyable(self) -> None:
-        """Raises RuntimeError while an outer step has yet to land: a copy of the state would miss it, and differ
-        from the other trainers' for good."""
-        pending = self.pending
-        if pending is not None:
-            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")
-
-    def drop_pending(self) -> None:
-        """The state was replaced by a copy, which holds what the trainers' syncs did: one under way here is moot."""
-        self.pending = None
-        self.outer.drop_taken()
 
     def saved(self) -> dict:
         """What a save holds of the syncs: the outer state, and an overlapped sync still to land (its round waited

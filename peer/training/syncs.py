@@ -17,46 +17,35 @@ import torch
 
 from protocol import swarmlm_pb2 as pb
 from swarm.training import agreement
-from swarm.training.outer import OuterStep, PendingSync, agreed_sync, in_background, sync_due
+from swarm.training.outer import MemberSyncs, agreed_sync, sync_due
 
 if TYPE_CHECKING:
     from peer.training.span import Compute, SpanTraining
 
 
-class Syncs:
+class Syncs(MemberSyncs):
     """The outer optimizer of `training` (a SpanTraining of a run with local steps) and its syncs."""
 
     def __init__(self, training: SpanTraining):
-        self.training, recipe = training, training.recipe
-        self.outer = OuterStep(training.masters, lr=recipe.outer_lr, momentum=recipe.outer_momentum)
-        self.overlap = recipe.sync_overlap
+        super().__init__(training.masters, training.recipe)
+        self.training = training
         self.outcome: tuple[int, int, str] | None = None  # (update, try, digest) of the latest sync's try here
-        self.pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
 
     async def after_inner_step(self, status: pb.RoundStatus, compute: Compute) -> None:
         """In the Apply of update `training.epoch` (of round `status`), after its inner step: the outer step of an
-        overlapped sync due now (its round waited for only if it has not ended), then this update's sync."""
-        training = self.training
-        pending = self.pending
-        if pending is not None and training.epoch >= pending.lands:
-            self.pending = None
-            averaged = await pending.outcome()
-            if averaged is None:
-                await compute(self.outer.drop_taken)
-            else:
-                await compute(lambda: self._outer_step(averaged, carry=True))
-        if not sync_due(training.epoch, training.recipe.local_steps):
+        overlapped sync due now, then this update's sync."""
+        epoch = self.training.epoch
+        await self.land(epoch, compute)
+        if not sync_due(epoch, self.local_steps):
             return
         if self.overlap:
-            deltas = await compute(self.outer.take)
-            what = f"the overlapped sync of update {training.epoch} of run {training.run_id!r}"
-            round_ = in_background(self._round(deltas, status, overlapped=True), what)
-            self.pending = PendingSync(training.epoch + self.overlap, round_)
+            what = f"the overlapped sync of update {epoch} of run {self.training.run_id!r}"
+            await self.overlap_from(epoch, compute, lambda deltas: self._round(deltas, status, overlapped=True), what)
             return
         deltas = await compute(self.outer.pseudo_gradients)
         averaged = await self._round(deltas, status)
         if averaged is not None:
-            await compute(lambda: self._outer_step(averaged))
+            await compute(lambda: self.outer_step(averaged))
 
     def _round(
         self, deltas: list[torch.Tensor], status: pb.RoundStatus, *, overlapped: bool = False
@@ -88,9 +77,9 @@ class Syncs:
             round_of=agreement.overlapped_sync if overlapped else agreement.update_round,
         )
 
-    def _outer_step(self, averaged: list[torch.Tensor], *, carry: bool = False) -> None:
-        with self.training._lock:
-            self.outer.apply(averaged, carry=carry)
+    def outer_step(self, averaged: list[torch.Tensor], *, carry: bool = False) -> None:
+        with self.training._lock:  # against a joiner copying the state
+            super().outer_step(averaged, carry=carry)
 
     def record(self, epoch: int) -> dict[str, int | str]:
         """The fields of the member's record at update `epoch` that speak of its syncs: an overlapped one's in fields
@@ -102,17 +91,6 @@ class Syncs:
         if self.outcome is None or self.outcome[0] != epoch:
             return {}
         return {"round": self.outcome[1], "round_digest": self.outcome[2]}
-
-    def check_copyable(self) -> None:
-        """Raises RuntimeError while an outer step has yet to land: a copy of the state would miss it."""
-        pending = self.pending
-        if pending is not None:
-            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")
-
-    def drop_pending(self) -> None:
-        """The state was replaced by a copy, which holds what the group's syncs did: one under way here is moot."""
-        self.pending = None
-        self.outer.drop_taken()
 
 
 async def _ready(value):

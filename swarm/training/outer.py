@@ -103,6 +103,60 @@ class PendingSync:
         return self.averaged
 
 
+class MemberSyncs:
+    """A member's outer step and its overlapped sync still to land, as a stage member (peer/training/syncs.py) and a
+    trainer (client/training/syncs.py) both keep them.
+
+    `run` in the methods below runs a function on the thread that owns the weights, and returns its result.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], recipe):
+        self.outer = OuterStep(params, lr=recipe.outer_lr, momentum=recipe.outer_momentum)
+        self.local_steps, self.overlap = recipe.local_steps, recipe.sync_overlap
+        self.pending: PendingSync | None = None  # an overlapped sync whose outer step has not landed yet
+
+    def outer_step(self, averaged: Sequence[torch.Tensor], *, carry: bool = False) -> None:
+        """The outer step (on the weights' thread)."""
+        self.outer.apply(averaged, carry=carry)
+
+    async def land(self, epoch: int, run: Callable[[Callable], Awaitable]) -> None:
+        """After update `epoch`: the outer step of the overlapped sync due now, on top of the inner steps since (its
+        round waited for only if it has not ended); nothing when none is due."""
+        pending = self.pending
+        if pending is None or epoch < pending.lands:
+            return
+        self.pending = None
+        averaged = await pending.outcome()
+        if averaged is None:
+            await run(self.outer.drop_taken)
+        else:
+            await run(lambda: self.outer_step(averaged, carry=True))
+
+    async def overlap_from(
+        self,
+        epoch: int,
+        run: Callable[[Callable], Awaitable],
+        sync: Callable[[list[torch.Tensor]], Awaitable],
+        what: str,
+    ) -> None:
+        """Take the pseudo-gradients after update `epoch` and start `sync` of them in the background; its outer step
+        lands `overlap` updates later (`land`)."""
+        deltas = await run(self.outer.take)
+        self.pending = PendingSync(epoch + self.overlap, in_background(sync(deltas), what))
+
+    def check_copyable(self) -> None:
+        """Raises RuntimeError while an outer step has yet to land: a copy of the state would miss it, and differ
+        from the others' for good."""
+        pending = self.pending
+        if pending is not None:
+            raise RuntimeError(f"a sync lands after update {pending.lands}; ask again then")
+
+    def drop_pending(self) -> None:
+        """The state was replaced by a copy, which holds what the syncs did: one under way here is moot."""
+        self.pending = None
+        self.outer.drop_taken()
+
+
 def in_background(sync: Awaitable[list[torch.Tensor] | None], what: str) -> asyncio.Future:
     """An overlapped sync's round as a task that ends in None (skipped) rather than an error: nobody awaits it once
     the state was copied meanwhile, and a round that fails here is one the members skip."""

@@ -46,6 +46,23 @@ def peer_flags(run_id: str, target: int) -> list[str]:
     return ["--train", "--run-id", run_id, "--lr", str(LR), "--target-batch-size", str(target), *AVERAGING_FLAGS]
 
 
+def training_peers(swarm, model_path, run_id: str, target: int, spans, *extra: str) -> list:
+    """A training peer of run `run_id` for each of `spans` (with `extra` flags), once every one is online."""
+    peers = [
+        swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags(run_id, target), *extra)
+        for start, end in spans
+    ]
+    swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
+    return peers
+
+
+def client(swarm, model_path):
+    """A float32 client of the swarm's model."""
+    return AutoDistributedModelForCausalLM.from_pretrained(
+        str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
+    )
+
+
 def train_flags(run_id: str, steps: int, *extra: str) -> list[str]:
     return [
         "--run-id",
@@ -207,15 +224,8 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
     config = TrainConfig(run_id="pairs", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
-        for start, end in spans:
-            swarm.start_peer(model_path, "--blocks", f"{start}:{end}", *peer_flags("pairs", 16))
-        swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
-        models = [
-            AutoDistributedModelForCausalLM.from_pretrained(
-                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
-            )
-            for _ in range(2)
-        ]
+        training_peers(swarm, model_path, "pairs", 16, spans)
+        models = [client(swarm, model_path) for _ in range(2)]
         trainers = []
         try:
             trainers = [SwarmTrainer(model, config) for model in models]
@@ -422,20 +432,8 @@ def test_local_steps_equal_the_local_diloco_reference(model_path, tmp_path, sync
     overlap = ["--sync-overlap", str(sync_overlap)] if sync_overlap else []
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
-        for start, end in [(0, 2), (2, 4)]:
-            swarm.start_peer(
-                model_path,
-                "--blocks",
-                f"{start}:{end}",
-                *peer_flags("diloco", 8),
-                "--local-steps",
-                str(local_steps),
-                *overlap,
-            )
-        swarm.wait_online(prefix_for_model(str(model_path)), [(0, 2), (2, 4)], timeout_s=120)
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
-        )
+        training_peers(swarm, model_path, "diloco", 8, [(0, 2), (2, 4)], "--local-steps", str(local_steps), *overlap)
+        model = client(swarm, model_path)
         trainer = None
         try:
             trainer = SwarmTrainer(model, config)  # adopts the run's recipe: local steps and DiLoCo's outer step
@@ -481,19 +479,8 @@ def test_local_steps_go_on_when_a_member_dies_between_syncs_and_a_trainer_joins(
     config = TrainConfig(run_id="diloco-kill", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
-        peers = [
-            swarm.start_peer(
-                model_path, "--blocks", f"{start}:{end}", *peer_flags("diloco-kill", 16), "--local-steps", "2"
-            )
-            for start, end in spans
-        ]
-        swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
-        models = [
-            AutoDistributedModelForCausalLM.from_pretrained(
-                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
-            )
-            for _ in range(2)
-        ]
+        peers = training_peers(swarm, model_path, "diloco-kill", 16, spans, "--local-steps", "2")
+        models = [client(swarm, model_path) for _ in range(2)]
         trainers = []
         try:
             trainers = [SwarmTrainer(model, config) for model in models]
@@ -508,11 +495,7 @@ def test_local_steps_go_on_when_a_member_dies_between_syncs_and_a_trainer_joins(
                 assert result.trainer_samples == 16, result
             assert_synced(models, group_weights(models[0], (0, 2), skip_silent=True))
 
-            models.append(
-                AutoDistributedModelForCausalLM.from_pretrained(
-                    str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
-                )
-            )
+            models.append(client(swarm, model_path))
             trainers.append(SwarmTrainer(models[-1], config))
             for batch in batches[2:]:  # an inner step and a sync, with the joiner
                 for result in train_in_threads(trainers, batch, swarm):
@@ -535,26 +518,8 @@ def test_overlapped_syncs_keep_two_members_and_two_trainers_together(model_path,
     config = TrainConfig(run_id="overlap", batch_size=8, micro_batch_size=2, lr=LR, averaging=AVERAGING)
     with Swarm(tmp_path / "swarm") as swarm:
         swarm.start_bootstrap()
-        peers = [
-            swarm.start_peer(
-                model_path,
-                "--blocks",
-                f"{start}:{end}",
-                *peer_flags("overlap", 16),
-                "--local-steps",
-                "2",
-                "--sync-overlap",
-                "1",
-            )
-            for start, end in spans
-        ]
-        swarm.wait_online(prefix_for_model(str(model_path)), spans, timeout_s=120)
-        models = [
-            AutoDistributedModelForCausalLM.from_pretrained(
-                str(model_path), initial_peers=swarm.initial_peers, dtype=torch.float32
-            )
-            for _ in range(2)
-        ]
+        peers = training_peers(swarm, model_path, "overlap", 16, spans, "--local-steps", "2", "--sync-overlap", "1")
+        models = [client(swarm, model_path) for _ in range(2)]
         trainers = []
         try:
             trainers = [SwarmTrainer(model, config) for model in models]

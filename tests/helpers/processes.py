@@ -94,14 +94,33 @@ def session_members(sid: int) -> list[psutil.Process]:
     return found
 
 
-def describe(procs: Sequence[psutil.Process]) -> str:
+def describe(procs: Sequence[psutil.Process], threads: bool = False) -> str:
+    """A line per process; with `threads`, also where each of its threads waits in the kernel (for a process that
+    writes no stacks on SIGUSR1: a native library's threads, or an interpreter past its own shutdown)."""
     lines = []
     for proc in procs:
         try:
             lines.append(f"  pid {proc.pid}: {' '.join(proc.cmdline())[:200]}")
         except psutil.Error:
             lines.append(f"  pid {proc.pid}: (gone)")
+            continue
+        if threads:
+            lines.append(f"    catches SIGUSR1: {catches(proc.pid, signal.SIGUSR1)}; threads: {thread_waits(proc.pid)}")
     return "\n".join(lines)
+
+
+def thread_waits(pid: int, most: int = 40) -> str:
+    """ "name state wait-channel" of each of the process's threads (the first `most`), from /proc."""
+    found = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda path: int(path.name))[:most]:
+        try:
+            name = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip() or "-"
+        except (OSError, IndexError):
+            continue
+        found.append(f"{name} {state} {wchan}")
+    return "; ".join(found) or "(none readable)"
 
 
 def show_stacks(procs: Sequence[ManagedProcess], wait_s: float = 1.0) -> None:
@@ -304,7 +323,7 @@ class Swarm:
                 self.needed_sigkill.append(proc.name)
                 print(
                     f"swarm: {proc.name} was still running {STOP_TIMEOUT_S} s after SIGTERM; "
-                    f"sending SIGKILL to:\n{describe(left)}",
+                    f"sending SIGKILL to:\n{describe(left, threads=True)}",
                     file=sys.stderr,
                 )
                 proc.signal_group(signal.SIGKILL)
@@ -460,12 +479,11 @@ class Swarm:
         left = proc.wait_gone(timeout_s)
         if left:
             still_running = proc.alive()
+            seen = describe(left, threads=True)  # before the SIGKILL that ends them
             proc.signal_group(signal.SIGKILL)
             proc.wait_gone(KILL_TIMEOUT_S)
             what = "did not exit" if still_running else "exited but left processes behind"
-            raise TimeoutError(
-                f"{proc.name} {what} within {timeout_s} s of signal {sig}:\n{describe(left)}\n{proc.logs()}"
-            )
+            raise TimeoutError(f"{proc.name} {what} within {timeout_s} s of signal {sig}:\n{seen}\n{proc.logs()}")
         return proc.returncode
 
     # watching the swarm

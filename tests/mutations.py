@@ -1320,6 +1320,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_experts.py",),
     ),
     Mutation(
+        "expert-guess-evicts-itself",
+        "peer/experts.py",
+        "                if expert in self.resident:\n                    self.resident.move_to_end(expert)\n",
+        "                if expert in self.resident:  # MUTATION\n",
+        "a guessed expert already resident is left where LRU put it, so the guess's own loads evict it",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
+        "expert-guess-half-cache",
+        "peer/experts.py",
+        "            for expert in experts[: self.capacity]:\n",
+        "            for expert in experts[: max(1, self.capacity // 2)]:  # MUTATION\n",
+        "a guess brings in half the cache at most (the policy before a trained model was measured)",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

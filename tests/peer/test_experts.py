@@ -59,3 +59,17 @@ def test_the_span_must_have_experts_and_the_cache_one_slot(tmp_path):
     moe = save_random_model(MOE_CONFIGS["mixtral"](2), tmp_path / "mixtral", seed=1)
     with pytest.raises(ValueError, match="at least 1 expert"):
         install_expert_cache(_span(moe, (0, 2)), 0)
+
+
+def test_a_guess_fills_up_to_the_whole_cache_and_keeps_what_it_names(moe):
+    """Prefetch brings in the guess's experts, most likely first, up to the cache's size; a guessed expert already
+    resident becomes the most recently used, so the guess's own loads do not evict it."""
+    family, path = moe
+    span = _span(path, SPANS[family])
+    caches = install_expert_cache(span, 2, prefetch=True)
+    _, cached = next(iter(caches.layers.values()))
+    cached.prefetch([3, 0, 2])  # of 4 experts
+    assert list(cached.resident) == [3, 0] and caches.stats.prefetched == 2
+    cached.prefetch([3, 1])  # 3 kept: 0, the least recently used now, makes room for 1
+    assert list(cached.resident) == [3, 1] and caches.stats.prefetched == 3
+    assert caches.stats.loads == 3

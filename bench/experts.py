@@ -21,6 +21,7 @@ import datetime
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean
 
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -41,7 +42,7 @@ PREFILL = 64
 EXPERTS, TOP_K, LAYERS = 8, 2, 4
 
 
-def _model(folder: Path, train_steps: int) -> tuple[Path, float | None]:
+def build_model(folder: Path, train_steps: int) -> tuple[Path, float | None]:
     """The model saved in `folder`, trained `train_steps` first; (folder, its last training loss or None)."""
     config = MixtralConfig(
         vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -90,17 +91,21 @@ def _text(chars: int) -> torch.Tensor:
     return _codes(play[start : start + chars])[None]
 
 
-def _decode(span, hidden: torch.Tensor, caches=None) -> tuple[torch.Tensor, float]:
-    """Prefill, then one token a step; (the outputs, seconds a decode step)."""
+def _decode(span, hidden: torch.Tensor, caches=None) -> tuple[torch.Tensor, list[float]]:
+    """Prefill, then one token a step; (the outputs, the seconds of each decode step)."""
     cache = span.new_cache()
     outputs = [span(hidden[:, :PREFILL], cache=cache)]
     if caches is not None:  # the decode's hit rate only
         stats = caches.stats
         stats.hits = stats.misses = stats.prefetched = stats.prefetch_used = 0
-    began = time.perf_counter()
+    times = []
     for t in range(PREFILL, hidden.shape[1]):
+        began = time.perf_counter()
         outputs.append(span(hidden[:, t : t + 1], cache=cache, prefix_length=t))
-    return torch.cat(outputs, dim=1), (time.perf_counter() - began) / (hidden.shape[1] - PREFILL)
+        if span.device.type == "cuda":
+            torch.cuda.synchronize(span.device)
+        times.append(time.perf_counter() - began)
+    return torch.cat(outputs, dim=1), times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be >= 1 and --train-steps >= 0")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        path, loss = _model(Path(tmp) / "mixtral", args.train_steps)
-        with torch.no_grad():
-            rows, resident_s = _measure(path, args.steps)
+        path, loss = build_model(Path(tmp) / "mixtral", args.train_steps)
+        results, resident = measure(path, args.steps)
+    resident_s = mean(resident)
+    rows = [_row(r, resident_s) for r in results]
     weights = f"trained {args.train_steps} steps" if loss is not None else "random weights"
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     section = "\n".join(
@@ -140,27 +146,53 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(path: Path, steps: int) -> tuple[list[str], float]:
-    """The table's rows per setting, and the resident span's seconds a decode step."""
+CAPACITIES = (1, 2, 4)
+
+
+CPU = torch.device("cpu")
+
+
+def measure(
+    path: Path, steps: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32
+) -> tuple[list[dict], list[float]]:
+    """Per cache setting (experts kept a layer, prefetch or not): its counts, the seconds of each decode step, and
+    the largest difference of its outputs from the resident span's; and the resident span's seconds a step."""
     config = load_config(path)
     embed = MixtralForCausalLM.from_pretrained(path).get_input_embeddings()
-    hidden = embed(_text(PREFILL + steps)).float()
-    resident = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
-    expected, resident_s = _decode(resident, hidden)
-    rows = []
-    for capacity in (1, 2, 4):
-        for prefetch in (False, True):
-            span = load_span(path, config, 0, LAYERS, dtype=torch.float32, device=torch.device("cpu"))
-            caches = install_expert_cache(span, capacity, prefetch=prefetch)
-            got, seconds = _decode(span, hidden, caches)
-            s = caches.stats
-            used = f"{s.prefetch_used / s.prefetched:.0%}" if s.prefetched else "-"
-            rows.append(
-                f"| {capacity} of {EXPERTS} | {'prefetch' if prefetch else 'LRU alone'} | {s.hit_rate:.1%} "
-                f"| {s.prefetched} ({used} picked) | {s.loads / steps:.2f} | {seconds / resident_s:.2f}x "
-                f"| {float((got - expected).abs().max()):.1e} |"
-            )
-    return rows, resident_s
+    with torch.no_grad():
+        hidden = embed(_text(PREFILL + steps)).to(device, dtype)
+        resident = load_span(path, config, 0, LAYERS, dtype=dtype, device=device)
+        expected, resident_s = _decode(resident, hidden)
+        results = []
+        for capacity in CAPACITIES:
+            for prefetch in (False, True):
+                span = load_span(path, config, 0, LAYERS, dtype=dtype, device=device)
+                caches = install_expert_cache(span, capacity, prefetch=prefetch)
+                got, step_s = _decode(span, hidden, caches)
+                s = caches.stats
+                difference = float((got.float() - expected.float()).abs().max())
+                results.append(
+                    {
+                        "capacity": capacity,
+                        "prefetch": prefetch,
+                        "hit_rate": s.hit_rate,
+                        "prefetched": s.prefetched,
+                        "used": s.prefetch_used,
+                        "loads": s.loads / steps,
+                        "step_s": step_s,
+                        "difference": difference,
+                    }
+                )
+    return results, resident_s
+
+
+def _row(r: dict, resident_s: float) -> str:
+    used = f"{r['used'] / r['prefetched']:.0%}" if r["prefetched"] else "-"
+    return (
+        f"| {r['capacity']} of {EXPERTS} | {'prefetch' if r['prefetch'] else 'LRU alone'} | {r['hit_rate']:.1%} "
+        f"| {r['prefetched']} ({used} picked) | {r['loads']:.2f} | {mean(r['step_s']) / resident_s:.2f}x "
+        f"| {r['difference']:.1e} |"
+    )
 
 
 if __name__ == "__main__":

@@ -99,6 +99,8 @@ def child(args: argparse.Namespace) -> dict:
         "load_s": load_s,
         "prefill": statistics.median(prefill[1:]),
         "decode": statistics.median(decode[1:]),
+        "prefill_s": prefill[1:],
+        "decode_s": decode[1:],
         "loads": streamer.loads if streamer else 0,
         "waited_s": streamer.waited_s if streamer else 0.0,
     }

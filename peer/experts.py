@@ -10,7 +10,7 @@ Speculative prefetch, as in Eliseev and Mazur's MoE offloading: before a layer r
 applied to the hidden state entering this one (normalized as that router's input is), and the experts it would
 pick are brought in, as many as the cache holds. The residual stream changes little from one layer to the next,
 so the guess is often right; a wrong guess costs a load and may evict an expert still needed. Measured by
-bench/experts.py on a small model trained on Shakespeare, the guess is right for about 70% of the experts it brings
+bench/experts.py on a small model trained on Shakespeare, the guess is right for 41-73% of the experts it brings
 (a third on random weights) and raises the hit rate from 5% to 29% at 1 expert a layer and from 59% to 72% at 2;
 but every guess is a load, so it copies more onto the device than LRU alone (5.0 experts a decode step against
 3.3 at 2 a layer). A load is made when asked for (prefetched or not), not yet overlapped with compute, so prefetch

@@ -110,7 +110,7 @@ def describe(procs: Sequence[psutil.Process], threads: bool = False) -> str:
 
 
 def thread_waits(pid: int, most: int = 40) -> str:
-    """ "name state wait-channel" of each of the process's threads (the first `most`), from /proc."""
+    """Each of the process's threads (the first `most`) as its name, state and kernel wait channel, from /proc."""
     found = []
     for task in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda path: int(path.name))[:most]:
         try:

@@ -9,8 +9,8 @@ Trained, its routers pick by what the text is, as a real MoE model's do; random,
 Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the experts brought
 in ahead on the next layer's guess and the share of them then picked, the experts copied onto the device per
 decode step (misses and guesses: what a GPU would move over PCIe), the decode time per step against the resident
-span's, and the largest difference of the outputs from the resident span's. Loads are not overlapped with compute
-yet, and on a CPU the device is host memory: the times say what the bookkeeping costs, not what a GPU would save.
+span's, and the largest difference of the outputs from the resident span's. On a CPU the device is host memory and
+every load is made when asked for: the times say what the bookkeeping costs, not what a GPU would save.
 
     python -m bench.experts [--steps 192] [--train-steps 300] [--out FILE]
 """

@@ -85,8 +85,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--expert-prefetch",
         action="store_true",
         help="with --expert-cache: bring in the experts the next layer's router would pick before it runs, "
-        "guessed from the hidden state entering the layer before: a higher hit rate, but more copies while loads "
-        "are not overlapped with compute (default: off; measured by `swarmlm bench --scenarios moe`)",
+        "guessed from the hidden state entering the layer before: a higher hit rate but more copies, on a GPU "
+        "beside the compute (default: off; measured by `swarmlm bench --scenarios moe`)",
     )
     p.add_argument(
         "--adapters",

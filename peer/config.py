@@ -228,8 +228,8 @@ class PeerConfig:
     peer/experts.py); 0 keeps every expert resident."""
     expert_prefetch: bool = False
     """With expert_cache: bring in the experts the next layer's router would pick, before that layer runs (off by
-    default: it raises the hit rate on a trained model but copies more, and loads are not yet overlapped with
-    compute; bench/experts.py)."""
+    default: it raises the hit rate on a trained model but copies more, and its copies beside the compute have not
+    run on a GPU yet; bench/experts.py)."""
     memory_budget: int | None = None
     """Bytes of block weights and KV cache resident at once (peer/offload.py); None: no budget."""
     offload: Offload = Offload.NONE

@@ -13,8 +13,9 @@ so the guess is often right; a wrong guess costs a load and may evict an expert 
 bench/experts.py on a small model trained on Shakespeare, the guess is right for 41-73% of the experts it brings
 (a third on random weights) and raises the hit rate from 5% to 29% at 1 expert a layer and from 59% to 72% at 2;
 but every guess is a load, so it copies more onto the device than LRU alone (5.0 experts a decode step against
-3.3 at 2 a layer). A load is made when asked for (prefetched or not), not yet overlapped with compute, so prefetch
-is off by default (`--expert-prefetch`) until loads run beside the compute. On a CPU the device is host memory, so
+3.3 at 2 a layer). On a GPU a guess is copied on a stream of its own while the layer before computes, and the
+compute waits for it only where the expert is used; a miss is copied when picked. That overlap has not run on a GPU
+yet (none was lent), so prefetch is off by default (`--expert-prefetch`). On a CPU the device is host memory, so
 nothing is saved there: only the mechanism and its hit rate are exercised; the saving is on a GPU.
 """
 
@@ -74,17 +75,39 @@ class CachedExperts(nn.Module):
         self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self.guessed: set[int] = set()  # prefetched and not yet used
         self._lock = threading.Lock()  # forwards run on the compute thread, and on the event loop for tiny steps
+        # on a GPU a guess is copied on a stream of its own, beside the layer computing meanwhile; the compute
+        # stream waits for that copy only when the expert is used
+        self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._arriving: dict[int, torch.cuda.Event] = {}
 
-    def _load(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if expert in self.resident:
             self.resident.move_to_end(expert)
             return self.resident[expert]
         while len(self.resident) >= self.capacity:
             evicted, _ = self.resident.popitem(last=False)
             self.guessed.discard(evicted)
-        weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
+            self._arriving.pop(evicted, None)
+        if ahead and self._copies is not None:
+            with torch.cuda.stream(self._copies):
+                weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
+                self._arriving[expert] = torch.cuda.Event()
+                self._arriving[expert].record(self._copies)
+        else:
+            weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
         self.resident[expert] = weights
         return weights
+
+    def _arrived(self, expert: int, weights: tuple[torch.Tensor, ...]) -> None:
+        """Before a guessed expert's first use on a GPU: the compute stream waits for its copy, and its memory is
+        not reused before the compute stream is done with it."""
+        event = self._arriving.pop(expert, None)
+        if event is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(event)
+        for tensor in weights:
+            tensor.record_stream(compute)
 
     def prefetch(self, experts: list[int]) -> None:
         """Bring in `experts` (a guess of what the router will pick, most likely first), as many as the cache holds.
@@ -96,7 +119,7 @@ class CachedExperts(nn.Module):
                 if expert in self.resident:
                     self.resident.move_to_end(expert)
                     continue
-                self._load(expert)
+                self._load(expert, ahead=True)
                 self.guessed.add(expert)
                 self.stats.prefetched += 1
 
@@ -115,7 +138,8 @@ class CachedExperts(nn.Module):
                     self.stats.misses += 1
                 self.guessed.discard(expert)
                 # as transformers' eager loop computes it, expert by expert in index order
-                gate_up, down = self._load(expert)
+                gate_up, down = weights = self._load(expert)
+                self._arrived(expert, weights)
                 top_k_pos, token_idx = torch.where(mask[expert])
                 gate, up = F.linear(hidden_states[token_idx], gate_up).chunk(2, dim=-1)
                 out = F.linear(self.act_fn(gate) * up, down) * top_k_weights[token_idx, top_k_pos, None]

@@ -45,13 +45,15 @@ def rows_from(config: str, results: list[dict]) -> list[Row]:
     decode = Summary.of([1 / s for s in resident["decode_s"]])
     rows = []
     for r in streamed:
+        difference = float((r["output"].float() - resident["output"].float()).abs().max())
         extra = {
             "budget_mib": r["budget"] / MIB,
             "split": r["split"],
             "weights_mib": r["weights"] / MIB,
             "blocks_loaded": r["loads"],
             "waited_s": r["waited_s"],
-            "output_difference": float((r["output"].float() - resident["output"].float()).abs().max()),
+            "output_difference": difference,
+            "notes": [f"{config}, {r['variant']}: outputs differ from the resident span's by at most {difference:.1e}"],
         }
         common = dict(scenario="offload", config=config, variant=f"{r['variant']}, {r['split']}", extra=extra)
         reference = dict(reference_name="every block resident")

@@ -45,6 +45,8 @@ def test_offload_and_moe_rows_reach_the_report(tmp_path):
     paths = write(tmp_path / "out", rows, header)
     text = paths["markdown"].read_text()
     assert "Expert cache: hit rate" in text and "Blocks streamed under a memory budget" in text
+    assert "tiny, disk: outputs differ from the resident span's by at most 0.0e+00" in text  # what a GPU run shows
+    assert "outputs against every expert resident: largest difference" in text
     assert (tmp_path / "out" / "offload.png").stat().st_size > 0 and (tmp_path / "out" / "moe.png").stat().st_size > 0
 
 

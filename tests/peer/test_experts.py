@@ -20,18 +20,25 @@ def moe(request, tmp_path_factory):
     return family, path
 
 
-def _span(path, blocks):
-    return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"))
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
 
 
-@pytest.mark.parametrize("capacity, prefetch", [(1, False), (1, True), (2, True)])
-def test_cached_experts_compute_what_resident_ones_do(moe, capacity, prefetch):
+def _span(path, blocks, device="cpu"):
+    return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device(device))
+
+
+@pytest.mark.parametrize(
+    "capacity, prefetch, device",
+    [(1, False, "cpu"), (1, True, "cpu"), (2, True, "cpu"), pytest.param(2, True, "cuda", marks=NO_GPU)],
+)
+def test_cached_experts_compute_what_resident_ones_do(moe, capacity, prefetch, device):
+    """On a GPU, guesses are copied on a stream of their own: the compute must wait for them where they are used."""
     family, path = moe
     blocks = SPANS[family]
-    resident, cached = _span(path, blocks), _span(path, blocks)
+    resident, cached = _span(path, blocks, device), _span(path, blocks, device)
     caches = install_expert_cache(cached, capacity, prefetch=prefetch)
     num_experts = next(iter(caches.layers.values()))[1].num_experts
-    hidden = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         expected = resident(hidden)
         got = cached(hidden)

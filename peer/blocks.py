@@ -22,7 +22,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_utils import LoadStateDictConfig
 
 from peer.adapters import ServedAdapters
-from peer.experts import ExpertCaches
+from peer.experts import ExpertCaches, attach
 from peer.offload import ALIGNMENT, Store, Streamer, block_bytes, take_out
 from peer.quantize import quantize_linears
 from protocol.errors import BadRequestError, ModelNotFoundError
@@ -98,9 +98,12 @@ class BlockSpan(nn.Module):
         return self.layers[index - self.start]
 
     def close(self) -> None:
-        """Stop streaming blocks in and remove their stored copies (a span that streams none has nothing to do)."""
+        """Stop streaming blocks in and remove their stored copies, and the experts' files (a span that keeps
+        everything in memory has nothing to do)."""
         if self.streamer is not None:
             self.streamer.close()
+        if self.expert_caches is not None:
+            self.expert_caches.close()
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -221,11 +224,13 @@ def load_span(
     device: torch.device,
     quantization: Quantization = Quantization.NONE,
     stream: tuple[int, Store] | None = None,
+    experts: ExpertCaches | None = None,
 ) -> BlockSpan:
     """Build blocks [start, end) from the checkpoint at `path`, one block at a time, reading only its tensors; with
     `quantization`, each block's linear layers are quantized as it is built (peer/quantize.py). With `stream`
     (resident blocks, store), the blocks after the first `resident` go to the store as they are built and are
-    streamed in when they compute (peer/offload.py)."""
+    streamed in when they compute (peer/offload.py). With `experts`, each block's experts go to that cache as the block
+    is built (peer/experts.py), and the span is given the cache."""
     if not 0 <= start < end <= config.num_hidden_layers:
         raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
     ends.check_ends(config)
@@ -251,6 +256,8 @@ def load_span(
                 layer = _converted_layers(path, config, i, i + 1, tensors, dtype)[0]
             else:
                 layer = _layer(path, config, i, tensors)
+            if experts is not None:  # before the block goes to the device: its experts never all go there
+                experts.add(i, layer)
             layer = layer.to(device=device, dtype=dtype)
             if quantization != Quantization.NONE:
                 quantize_linears(layer, quantization)
@@ -267,6 +274,8 @@ def load_span(
     ).eval()
     span.requires_grad_(False)
     span.quantization = quantization
+    if experts is not None:
+        attach(span, experts)
     return span
 
 

@@ -78,8 +78,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="mixture-of-experts models: keep N experts of each layer on the device, the rest in host memory, "
-        "brought in when the router picks them (default: 0, every expert resident)",
+        help="mixture-of-experts models: keep N experts of each layer on the device, the rest where "
+        "--expert-store says, brought in when the router picks them (default: 0, every expert resident)",
+    )
+    p.add_argument(
+        "--expert-store",
+        choices=("host", "disk"),
+        default="host",
+        help="with --expert-cache: where the experts off the device wait: host memory, or files under the cache "
+        "dir, read when picked, so that host memory holds N experts a layer (default: host)",
     )
     p.add_argument(
         "--expert-prefetch",
@@ -332,6 +339,7 @@ def config_from_args(args: argparse.Namespace) -> PeerConfig:
         adapters=_named(args.adapters),
         expert_cache=args.expert_cache,
         expert_prefetch=args.expert_prefetch,
+        expert_store=args.expert_store,
         memory_budget=args.memory_budget,
         offload=Offload(args.offload),
         cache_tokens=args.cache_tokens,

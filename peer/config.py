@@ -230,6 +230,9 @@ class PeerConfig:
     """With expert_cache: bring in the experts the next layer's router would pick, before that layer runs (off by
     default: it raises the hit rate on a trained model but copies more, and its copies beside the compute have not
     run on a GPU yet; bench/experts.py)."""
+    expert_store: str = "host"
+    """With expert_cache: where the experts off the device wait, "host" memory or "disk" (files under cache_dir,
+    read when picked: host memory then holds expert_cache experts a layer, and loading one block's)."""
     memory_budget: int | None = None
     """Bytes of block weights and KV cache resident at once (peer/offload.py); None: no budget."""
     offload: Offload = Offload.NONE
@@ -335,6 +338,12 @@ class PeerConfig:
             raise ValueError("a training peer updates every expert: drop --expert-cache or --train")
         if self.expert_cache and self.offload != Offload.NONE:
             raise ValueError(f"--expert-cache keeps blocks resident: drop --expert-cache or --offload {self.offload}")
+        if self.expert_store not in ("host", "disk"):
+            raise ValueError(f"expert_store must be host or disk, got {self.expert_store!r}")
+        if self.expert_store != "host" and not self.expert_cache:
+            raise ValueError(
+                f"--expert-store {self.expert_store} places the experts --expert-cache does not keep: give --expert-cache N"
+            )
         if self.device not in ("cpu", "cuda", "mps") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda, cuda:N or mps, got {self.device!r}")
         if not isinstance(self.serving, ServingLimits):

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from peer.offload import DiskStore
+
 
 @dataclass
 class ExpertStats:
@@ -59,19 +61,32 @@ class ExpertStats:
 class CachedExperts(nn.Module):
     """A layer's experts with at most `capacity` of them on `device` (the rest in host memory)."""
 
-    def __init__(self, experts: nn.Module, capacity: int, device: torch.device, stats: ExpertStats):
+    def __init__(
+        self,
+        experts: nn.Module,
+        capacity: int,
+        device: torch.device,
+        stats: ExpertStats,
+        store: DiskStore | None = None,
+        first_key: int = 0,
+    ):
+        """`store`: where the experts wait on disk, under keys `first_key` + expert (None: in host memory)."""
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
         self.capacity, self.device, self.stats = capacity, device, stats
+        self.store, self._first_key = store, first_key
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         pin = device.type == "cuda"
         with torch.no_grad():
-            self.host = [
-                tuple(
-                    (t.detach().to("cpu").clone().pin_memory() if pin else t.detach().to("cpu").clone())
-                    for t in (experts.gate_up_proj[e], experts.down_proj[e])
-                )
-                for e in range(self.num_experts)
-            ]
+            pairs = [(experts.gate_up_proj[e].detach(), experts.down_proj[e].detach()) for e in range(self.num_experts)]
+            if store is None:
+                self.host = [
+                    tuple((t.to("cpu").clone().pin_memory() if pin else t.to("cpu").clone()) for t in pair)
+                    for pair in pairs
+                ]
+            else:
+                for e, (gate_up, down) in enumerate(pairs):
+                    store.put(first_key + e, {"gate_up": gate_up.clone(), "down": down.clone()})
         self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self.guessed: set[int] = set()  # prefetched and not yet used
         self._lock = threading.Lock()  # forwards run on the compute thread, and on the event loop for tiny steps
@@ -88,15 +103,23 @@ class CachedExperts(nn.Module):
             evicted, _ = self.resident.popitem(last=False)
             self.guessed.discard(evicted)
             self._arriving.pop(evicted, None)
+        waiting = self._waiting(expert)
         if ahead and self._copies is not None:
             with torch.cuda.stream(self._copies):
-                weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
+                weights = tuple(t.to(self.device, non_blocking=True) for t in waiting)
                 self._arriving[expert] = torch.cuda.Event()
                 self._arriving[expert].record(self._copies)
         else:
-            weights = tuple(t.to(self.device, non_blocking=True) for t in self.host[expert])
+            weights = tuple(t.to(self.device, non_blocking=True) for t in waiting)
         self.resident[expert] = weights
         return weights
+
+    def _waiting(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert's weights where they wait: host memory, or read from its file (a copy in memory of its own)."""
+        if self.host is not None:
+            return self.host[expert]
+        state = self.store.get(self._first_key + expert)
+        return state["gate_up"], state["down"]
 
     def _arrived(self, expert: int, weights: tuple[torch.Tensor, ...]) -> None:
         """Before a guessed expert's first use on a GPU: the compute stream waits for its copy, and its memory is
@@ -150,17 +173,31 @@ class CachedExperts(nn.Module):
 class ExpertCaches:
     """The cached experts of a span's layers, and the prefetch of the next layer's guess."""
 
-    def __init__(self, layers: nn.ModuleList, first: int, capacity: int, device: torch.device, *, prefetch: bool):
-        self.stats, self.prefetching, self.first = ExpertStats(), prefetch, first
+    def __init__(self, capacity: int, device: torch.device, *, prefetch: bool, store: DiskStore | None = None):
+        """`store`: the experts not on the device wait on disk there (None: in host memory)."""
+        if capacity < 1:
+            raise ValueError(f"an expert cache holds at least 1 expert a layer, got {capacity}")
+        self.capacity, self.device, self.store = capacity, device, store
+        self.stats, self.prefetching = ExpertStats(), prefetch
         self.layers: dict[int, tuple[nn.Module, CachedExperts]] = {}
-        for j, layer in enumerate(layers):
-            mlp = getattr(layer, "mlp", None)
-            experts = getattr(mlp, "experts", None)
-            if experts is None or getattr(experts, "gate_up_proj", None) is None:
-                continue  # a dense layer (Qwen2-MoE's mlp_only_layers)
-            cached = CachedExperts(experts, capacity, device, self.stats)
-            mlp.experts = cached
-            self.layers[first + j] = (layer, cached)
+        self._keys = 0
+
+    def add(self, index: int, layer: nn.Module) -> None:
+        """Cache the experts of block `index` (a dense block is left as it is); peer/blocks.py calls it as each
+        block is built, so that with a store on disk, loading holds one block's experts at most."""
+        mlp = getattr(layer, "mlp", None)
+        experts = getattr(mlp, "experts", None)
+        if experts is None or getattr(experts, "gate_up_proj", None) is None:
+            return  # a dense layer (Qwen2-MoE's mlp_only_layers)
+        cached = CachedExperts(experts, self.capacity, self.device, self.stats, self.store, self._keys)
+        self._keys += cached.num_experts
+        mlp.experts = cached
+        self.layers[index] = (layer, cached)
+
+    def close(self) -> None:
+        """Remove the experts' files (a cache in host memory has nothing to do)."""
+        if self.store is not None:
+            self.store.close()
 
     def before(self, index: int, hidden: torch.Tensor) -> None:
         """Layer `index` is about to run on `hidden`: guess and bring in the experts of the next one."""
@@ -175,16 +212,27 @@ class ExpertCaches:
         cached.prefetch([int(e) for e in torch.argsort(counts, descending=True) if counts[e] > 0])
 
 
-def install_expert_cache(span, capacity: int, *, prefetch: bool = True) -> ExpertCaches:
-    """Replace the experts of `span`'s MoE layers by CachedExperts of `capacity` (span.expert_caches is set).
+def install_expert_cache(span, capacity: int, *, prefetch: bool = True, store: DiskStore | None = None) -> ExpertCaches:
+    """Replace the experts of `span`'s MoE layers by CachedExperts of `capacity` (span.expert_caches is set); with
+    `store`, the experts off the device wait on disk.
 
     Raises:
         ValueError: the span has no experts, or capacity < 1.
     """
-    if capacity < 1:
-        raise ValueError(f"an expert cache holds at least 1 expert a layer, got {capacity}")
-    caches = ExpertCaches(span.layers, span.start, capacity, span.device, prefetch=prefetch)
+    caches = ExpertCaches(capacity, span.device, prefetch=prefetch, store=store)
+    for j, layer in enumerate(span.layers):
+        caches.add(span.start + j, layer)
+    return attach(span, caches)
+
+
+def attach(span, caches: ExpertCaches) -> ExpertCaches:
+    """Make `caches`, filled as the span's blocks were built, the span's (span.expert_caches).
+
+    Raises:
+        ValueError: the span has no experts (the store's files are removed).
+    """
     if not caches.layers:
+        caches.close()
         raise ValueError(f"blocks {span.start}:{span.end} have no experts to cache: drop --expert-cache")
     span.expert_caches = caches
     return caches

@@ -19,7 +19,7 @@ from peer.blocks import load_span, resolve_dtype
 from peer.cache import CacheBudget
 from peer.capacity import capacity, choose_quantization, held_bytes, room
 from peer.config import WILDCARD_HOSTS, PeerConfig, QuantizeChoice
-from peer.experts import install_expert_cache
+from peer.experts import ExpertCaches
 from peer.forwarding import Forwarder
 from peer.handler import PeerServicer
 from peer.offload import (
@@ -205,6 +205,14 @@ class PeerServer:
             self.budget.resize(plan.cache_tokens)
             if plan.streamed:
                 stream = (plan.resident, self._offload_store())
+        experts = None
+        if cfg.expert_cache:
+            store = (
+                DiskStore(torch.device("cpu"), self._cache_dir() / "experts") if cfg.expert_store == "disk" else None
+            )
+            experts = ExpertCaches(
+                cfg.expert_cache, torch.device(cfg.device), prefetch=cfg.expert_prefetch, store=store
+            )
         self.span = await asyncio.to_thread(
             load_span,
             self.path,
@@ -214,10 +222,11 @@ class PeerServer:
             device=torch.device(cfg.device),
             quantization=self.quantization,
             stream=stream,
+            experts=experts,
         )
-        if cfg.expert_cache:
-            await asyncio.to_thread(install_expert_cache, self.span, cfg.expert_cache, prefetch=cfg.expert_prefetch)
-            logger.info("experts: %d a layer on %s, the rest in host memory", cfg.expert_cache, cfg.device)
+        if experts is not None:
+            where = f"on disk in {experts.store.folder}" if experts.store is not None else "in host memory"
+            logger.info("experts: %d a layer on %s, the rest %s", cfg.expert_cache, cfg.device, where)
         if self.adapters:
             self.span.adapters = await asyncio.to_thread(
                 ServedAdapters, self.span.layers, self.span.start, self.adapters
@@ -320,8 +329,10 @@ class PeerServer:
         device = torch.device(self.config.device)
         if self.config.offload == Offload.HOST:
             return HostStore(device)
-        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir()
-        return DiskStore(device, cache_dir / "offload")
+        return DiskStore(device, self._cache_dir() / "offload")
+
+    def _cache_dir(self) -> Path:
+        return Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir()
 
     def _blocks_that_fit(self) -> int:
         """As many blocks as fit at this peer's quantization, each beside its share of a least KV cache, in

@@ -1336,6 +1336,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_experts.py",),
     ),
     Mutation(
+        "expert-disk-wrong-layer",
+        "peer/experts.py",
+        "        state = self.store.get(self._first_key + expert)\n",
+        "        state = self.store.get(expert)  # MUTATION\n",
+        "an expert read from disk is the first MoE layer's expert of that number, whatever its layer",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

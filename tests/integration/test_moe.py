@@ -10,6 +10,9 @@ rewinds) is tests/peer/test_blocks.py's, on the same configs.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -75,12 +78,22 @@ def test_logits_and_greedy_tokens_equal_the_local_model(moe_swarm, family):
 
 
 def test_a_peer_with_one_expert_a_layer_on_the_device_computes_the_same_and_counts_its_cache(moe_swarm):
-    """`--expert-cache 1` (peer/experts.py): the Qwen3-MoE model from one peer holding one expert of each layer at a
-    time, exact against the local model; Info reports its hits, misses and prefetches."""
+    """`--expert-cache 1 --expert-store disk` (peer/experts.py): the Qwen3-MoE model from one peer holding one expert
+    of each layer at a time, the others in files, exact against the local model; Info reports its hits, misses and
+    prefetches, and the files go when the peer stops."""
     swarm, paths, _ = moe_swarm
     path = paths["qwen3_moe"]
     peer = swarm.start_peer(
-        path, "--blocks", "0:4", "--expert-cache", "1", "--expert-prefetch", "--dht-prefix", "qwen3-moe-cached"
+        path,
+        "--blocks",
+        "0:4",
+        "--expert-cache",
+        "1",
+        "--expert-prefetch",
+        "--expert-store",
+        "disk",
+        "--dht-prefix",
+        "qwen3-moe-cached",
     )
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     remote = AutoDistributedModelForCausalLM.from_pretrained(
@@ -96,10 +109,13 @@ def test_a_peer_with_one_expert_a_layer_on_the_device_computes_the_same_and_coun
         (hop,) = remote._run(remote.sequence.plan(0, 4, inference=False))
         info = remote._run(remote.sequence.pool.unary(hop.endpoint, "info", pb.InfoRequest(), 10.0))
         assert info.expert_misses > 0 and info.expert_hits > 0 and info.expert_prefetched > 0, info
+        (folder,) = re.findall(r"the rest on disk in (\S+)", peer.stderr())
+        assert len(list(Path(folder).glob("*.safetensors"))) == 4 * 4  # 4 experts of each of 4 layers
     finally:
         remote.shutdown()
         assert swarm.terminate(peer, timeout_s=60) == 0, peer.logs()
     assert "expert cache:" in peer.stderr() and "hit rate" in peer.stderr(), peer.logs()
+    assert not Path(folder).exists()
 
 
 def test_mixtral_generation_survives_the_death_of_a_peer_on_its_route(moe_swarm):

@@ -27,6 +27,20 @@ def _span(path, blocks, device="cpu"):
     return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device(device))
 
 
+def _assert_same_outputs(resident, cached, hidden: torch.Tensor) -> None:
+    """A prefill of `hidden` (moved to the spans' device), then decode steps through a cache, one token at a time
+    (the experts come and go): the cached span's outputs are the resident one's."""
+    hidden = hidden.to(resident.device)
+    with torch.no_grad():
+        torch.testing.assert_close(cached(hidden), resident(hidden), atol=1e-5, rtol=1e-5)
+        cache_a, cache_b = resident.new_cache(), cached.new_cache()
+        resident(hidden[:, :4], cache=cache_a), cached(hidden[:, :4], cache=cache_b)
+        for t in range(4, 9):
+            step_a = resident(hidden[:, t : t + 1], cache=cache_a, prefix_length=t)
+            step_b = cached(hidden[:, t : t + 1], cache=cache_b, prefix_length=t)
+            torch.testing.assert_close(step_b, step_a, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "capacity, prefetch, device",
     [(1, False, "cpu"), (1, True, "cpu"), (2, True, "cpu"), pytest.param(2, True, "cuda", marks=NO_GPU)],
@@ -38,18 +52,7 @@ def test_cached_experts_compute_what_resident_ones_do(moe, capacity, prefetch, d
     resident, cached = _span(path, blocks, device), _span(path, blocks, device)
     caches = install_expert_cache(cached, capacity, prefetch=prefetch)
     num_experts = next(iter(caches.layers.values()))[1].num_experts
-    hidden = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.no_grad():
-        expected = resident(hidden)
-        got = cached(hidden)
-        # decode steps through a cache, one token at a time: the experts come and go
-        cache_a, cache_b = resident.new_cache(), cached.new_cache()
-        resident(hidden[:, :4], cache=cache_a), cached(hidden[:, :4], cache=cache_b)
-        for t in range(4, 9):
-            step_a = resident(hidden[:, t : t + 1], cache=cache_a, prefix_length=t)
-            step_b = cached(hidden[:, t : t + 1], cache=cache_b, prefix_length=t)
-            torch.testing.assert_close(step_b, step_a, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    _assert_same_outputs(resident, cached, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0)))
     stats = caches.stats
     assert stats.misses > 0 and stats.hits + stats.misses > 0
     assert all(len(c.resident) <= capacity for _, c in caches.layers.values())
@@ -80,3 +83,38 @@ def test_a_guess_fills_up_to_the_whole_cache_and_keeps_what_it_names(moe):
     cached.prefetch([3, 1])  # 3 kept: 0, the least recently used now, makes room for 1
     assert list(cached.resident) == [3, 1] and caches.stats.prefetched == 3
     assert caches.stats.loads == 3
+
+
+def test_experts_on_disk_compute_the_same_and_hold_no_host_copies(moe, tmp_path):
+    """`--expert-store disk`: each block's experts go to files as the block is built (load_span's `experts`), host
+    memory keeps none of them, the outputs are the resident span's, and closing the span removes the files."""
+    from peer.experts import ExpertCaches
+    from peer.offload import DiskStore
+
+    family, path = moe
+    blocks = SPANS[family]
+    resident = _span(path, blocks)
+    caches = ExpertCaches(2, torch.device("cpu"), prefetch=True, store=DiskStore(torch.device("cpu"), tmp_path))
+    cached = load_span(
+        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
+    )
+    assert cached.expert_caches is caches and caches.layers
+    assert all(c.host is None and not c.resident for _, c in caches.layers.values())
+    files = list(caches.store.folder.glob("*.safetensors"))
+    assert len(files) == sum(c.num_experts for _, c in caches.layers.values())
+    _assert_same_outputs(resident, cached, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)))
+    assert caches.stats.misses > 0 and caches.stats.prefetched > 0
+    cached.close()
+    assert not caches.store.folder.exists()
+
+
+def test_a_dense_span_given_a_disk_cache_is_refused_and_leaves_no_files(tmp_path):
+    from peer.experts import ExpertCaches
+    from peer.offload import DiskStore
+    from tests.helpers.models import llama_config
+
+    dense = save_random_model(llama_config(2), tmp_path / "llama", seed=1)
+    caches = ExpertCaches(1, torch.device("cpu"), prefetch=False, store=DiskStore(torch.device("cpu"), tmp_path / "x"))
+    with pytest.raises(ValueError, match="no experts to cache"):
+        load_span(dense, load_config(dense), 0, 2, dtype=torch.float32, device=torch.device("cpu"), experts=caches)
+    assert not caches.store.folder.exists()

@@ -41,6 +41,8 @@ bench/experts.py.
 """
 PREFILL = 64
 EXPERTS, TOP_K, LAYERS = 8, 2, 4
+CAPACITIES = (1, 2, 4)  # experts kept a layer
+CPU = torch.device("cpu")
 
 
 def build_model(folder: Path, train_steps: int) -> tuple[Path, float | None]:
@@ -146,12 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     write_section(args.out, section)
     print(section)
     return 0
-
-
-CAPACITIES = (1, 2, 4)
-
-
-CPU = torch.device("cpu")
 
 
 def measure(

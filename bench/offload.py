@@ -115,6 +115,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def variants(device: str) -> list[str]:
+    """What runs on `device`, the resident span first: host offload only on a GPU (on a CPU, host memory is what
+    the budget limits)."""
+    return ["none", "disk"] + (["host"] if device == "cuda" else [])
+
+
 def run_variant(model: models.BenchModel, offload: str, args: argparse.Namespace, work: Path) -> dict:
     output = work / f"{offload}.pt"
     command = [sys.executable, "-m", "bench.offload", "--child", "--model", str(model.path), "--offload", offload]
@@ -191,9 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         device=args.device,
     )
-    variants = ["none", "disk"] + (["host"] if args.device == "cuda" else [])
     with tempfile.TemporaryDirectory(prefix="swarmlm-offload-bench-", dir=cache_dir) as work:
-        rows = [run_variant(model, variant, args, Path(work)) for variant in variants]
+        rows = [run_variant(model, variant, args, Path(work)) for variant in variants(args.device)]
     text = section(model, rows, args)
     print(text)
     if not args.out.is_file():

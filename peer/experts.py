@@ -85,8 +85,8 @@ class CachedExperts(nn.Module):
                     for pair in pairs
                 ]
             else:
-                for e, (gate_up, down) in enumerate(pairs):
-                    store.put(first_key + e, {"gate_up": gate_up.clone(), "down": down.clone()})
+                for e, (gate_up, down) in enumerate(pairs):  # each file holds its view's bytes alone
+                    store.put(first_key + e, {"gate_up": gate_up, "down": down})
         self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self.guessed: set[int] = set()  # prefetched and not yet used
         self._lock = threading.Lock()  # forwards run on the compute thread, and on the event loop for tiny steps
@@ -103,14 +103,12 @@ class CachedExperts(nn.Module):
             evicted, _ = self.resident.popitem(last=False)
             self.guessed.discard(evicted)
             self._arriving.pop(evicted, None)
-        waiting = self._waiting(expert)
-        if ahead and self._copies is not None:
-            with torch.cuda.stream(self._copies):
-                weights = tuple(t.to(self.device, non_blocking=True) for t in waiting)
-                self._arriving[expert] = torch.cuda.Event()
-                self._arriving[expert].record(self._copies)
-        else:
-            weights = tuple(t.to(self.device, non_blocking=True) for t in waiting)
+        copies = self._copies if ahead else None
+        with torch.cuda.stream(copies):  # None: the current stream (and on a CPU, nothing to choose)
+            weights = tuple(t.to(self.device, non_blocking=True) for t in self._waiting(expert))
+        if copies is not None:
+            self._arriving[expert] = torch.cuda.Event()
+            self._arriving[expert].record(copies)
         self.resident[expert] = weights
         return weights
 

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from bench.models import BenchModel
-from bench.offload import PROMPT, run_variant
+from bench.offload import PROMPT, run_variant, variants
 from bench.plan import Plan
 from bench.stats import Row, Summary, Target
 
@@ -31,10 +31,9 @@ def run(plan: Plan, model: BenchModel, work_dir: Path) -> list[Row]:
         rounds=plan.repeats,
         resident_blocks=max(0, blocks // 2 - 2),  # beside the two streaming slots: half the blocks in all
     )
-    variants = ["none", "disk"] + (["host"] if plan.device == "cuda" else [])
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="offload-", dir=work_dir) as work:
-        results = [run_variant(model, variant, args, Path(work)) for variant in variants]
+        results = [run_variant(model, variant, args, Path(work)) for variant in variants(plan.device)]
     return rows_from(model.name, results)
 
 
@@ -55,8 +54,13 @@ def rows_from(config: str, results: list[dict]) -> list[Row]:
             "output_difference": difference,
             "notes": [f"{config}, {r['variant']}: outputs differ from the resident span's by at most {difference:.1e}"],
         }
-        common = dict(scenario="offload", config=config, variant=f"{r['variant']}, {r['split']}", extra=extra)
-        reference = dict(reference_name="every block resident")
+        common = dict(
+            scenario="offload",
+            config=config,
+            variant=f"{r['variant']}, {r['split']}",
+            reference_name="every block resident",
+            extra=extra,
+        )
         rows += [
             Row(
                 metric="decode",
@@ -65,7 +69,6 @@ def rows_from(config: str, results: list[dict]) -> list[Row]:
                 reference=decode,
                 target=HALF_SPAN_TARGET,
                 **common,
-                **reference,
             ),
             Row(
                 metric=f"prefill {PROMPT}",
@@ -73,7 +76,6 @@ def rows_from(config: str, results: list[dict]) -> list[Row]:
                 ours=Summary.of([PROMPT / s for s in r["prefill_s"]]),
                 reference=prefill,
                 **common,
-                **reference,
             ),
             Row(
                 metric="RSS after load",
@@ -81,7 +83,6 @@ def rows_from(config: str, results: list[dict]) -> list[Row]:
                 ours=Summary.of([r["rss_load"] / MIB]),
                 reference=Summary.of([resident["rss_load"] / MIB]),
                 **common,
-                **reference,
             ),
         ]
     return rows

@@ -5,8 +5,8 @@ streams the others in, each loaded while the block before it computes.
   When every block fits beside a small cache, nothing streams. Otherwise two blocks' worth goes to the streaming
   slots (the block computing and the next one loading), the KV cache gets up to `--cache-tokens` of what is left,
   and the rest holds blocks from the span's start (`plan_memory`).
-- Streamed blocks wait in pinned host memory (`--offload host`: for a GPU) or in one safetensors file each
-  (`--offload disk`, written once at load in the block's dtype, after quantization). They are loaded on a
+- Streamed blocks wait in pinned host memory (`--offload host`: for a GPU) or in one file each
+  (`--offload disk`, written once at load in the block's dtype, after quantization; DiskStore). They are loaded on a
   prefetch thread; only the compute thread puts weights into a block or takes them out.
 - A streamed block's module keeps meta tensors while it is out. Its weights go in and out as new tensor objects,
   never changed in place, so a graph that autograd saved for a backward keeps the weights it used (a forward with
@@ -33,7 +33,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -44,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 MIN_CACHE_TOKENS = 256  # a budget must leave the KV cache at least this much
 STREAM_SLOTS = 2  # the block computing and the next one loading
+# bytes: what torch's CPU allocator gives every tensor. CPU kernels choose their code path by alignment: a block's
+# weights at another alignment compute its output differently in the last bits (and take the slower paths).
+ALIGNMENT = 64
 _FOLDER_PREFIX = "swarmlm-offload-"  # then the pid of the peer whose blocks it holds
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -173,8 +175,14 @@ class HostStore:
 
 
 class DiskStore:
-    """Streamed blocks' weights in a folder of safetensors files, one per block, removed at close (and, after a
-    peer was killed, by the next peer that stores blocks in the same parent folder)."""
+    """Streamed blocks' (or experts') weights in a folder of files, one per block, removed at close (and, after a peer
+    was killed, by the next peer that stores blocks in the same parent folder).
+
+    A file holds its tensors' bytes back to back, each at an ALIGNMENT boundary; their names, dtypes, shapes and
+    offsets stay in memory. `get` reads a file with one read into memory of its own and views the tensors from it:
+    the weights are read on the thread that asks (a prefetch thread), each at the alignment the CPU kernels expect,
+    and nothing maps the file. (safetensors' load_file maps it: its pages were then read wherever the weights were
+    first used, on the compute thread, and each tensor, at the file's offsets, had to be copied to be aligned.)"""
 
     def __init__(self, device: torch.device, parent: Path | None = None):
         self.device = device
@@ -182,31 +190,61 @@ class DiskStore:
             parent.mkdir(parents=True, exist_ok=True)
             _remove_orphans(parent)
         self.folder = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-", dir=parent))
+        self._layouts: dict[int, tuple[list[_Stored], int]] = {}
 
     def put(self, index: int, state: dict[str, torch.Tensor]) -> None:
-        save_file({name: t.detach().cpu().contiguous() for name, t in state.items()}, self._file(index))
+        layout, offset = [], 0
+        with open(self._file(index), "wb") as file:
+            for name, tensor in state.items():
+                tensor = tensor.detach().to("cpu").contiguous()
+                offset = -(-offset // ALIGNMENT) * ALIGNMENT
+                size = tensor.numel() * tensor.element_size()
+                file.seek(offset)
+                file.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                layout.append(_Stored(name, tensor.dtype, tuple(tensor.shape), offset, size))
+                offset += size
+        self._layouts[index] = (layout, offset)
 
-    def get(self, index: int) -> dict[str, torch.Tensor]:
-        state = load_file(self._file(index), device=str(self.device))
-        return {name: aligned(t) for name, t in state.items()}
+    def nbytes(self, index: int) -> int:
+        """The bytes `get` reads for block `index`."""
+        return self._layouts[index][1]
+
+    def get(self, index: int, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Block `index`'s tensors, read into `into` (uint8, at least nbytes(index); None: memory of their own), then
+        copied to a GPU device."""
+        layout, size = self._layouts[index]
+        data = torch.empty(size, dtype=torch.uint8) if into is None else into[:size]
+        view, done = memoryview(data.numpy()), 0
+        with open(self._file(index), "rb", buffering=0) as file:
+            while done < size:  # one read, unless the kernel cuts a large one
+                read = file.readinto(view[done:])
+                if not read:
+                    raise OSError(f"{self._file(index)} ends at {done} of its {size} bytes: was it changed?")
+                done += read
+        state = {s.name: data[s.offset : s.offset + s.size].view(s.dtype).view(s.shape) for s in layout}
+        if self.device.type != "cpu":
+            state = {name: t.to(self.device) for name, t in state.items()}
+        return state
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _file(self, index: int) -> Path:
-        return self.folder / f"block-{index}.safetensors"
+        return self.folder / f"block-{index}.weights"
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one tensor of a DiskStore file is."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    size: int
 
 
 Store = HostStore | DiskStore
-
-ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every tensor
-
-
-def aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`, or a copy where its memory does not start on an ALIGNMENT boundary (one read from a safetensors file
-    starts at the file's offsets). CPU kernels choose their code path by alignment: a block's weights at another
-    alignment compute its output differently in the last bits (and take the slower paths)."""
-    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
 
 
 def take_out(store: Store, index: int, module: nn.Module) -> None:
@@ -223,9 +261,18 @@ class Streamer:
         self.layers, self.first, self.resident, self.store = list(layers), first, resident, store
         self._pending: dict[int, Future] = {}  # streamed block -> its weights, loaded or loading
         self._inside: set[int] = set()  # streamed blocks whose module holds its weights now
+        # On a CPU, blocks from disk are read into the slots' buffers, reused from block to block: a fresh buffer a
+        # load cost its allocation, and freed on another thread than it was taken on, it left the allocator holding
+        # more memory than the budget. A buffer is reused only if every pass that used its block ran without grad:
+        # a graph kept for a backward holds the weights, which must then not change.
+        self._reuse = isinstance(store, DiskStore) and store.device.type == "cpu"
+        self._free: list[torch.Tensor] = []  # buffers no block uses
+        self._buffers: dict[int, torch.Tensor] = {}  # streamed block -> the buffer it was read into
+        self._graded: set[int] = set()  # streamed blocks used with grad since they were loaded
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="swarmlm-prefetch")
         self._lock = threading.Lock()  # counters are read by other threads (status, tests)
         self.loads = 0
+        self.buffers_made = 0  # read buffers allocated (on a CPU, from disk): STREAM_SLOTS when each is reused
         self.waited_s = 0.0  # time the compute thread waited for a block that was not loaded yet
         self.streamed_bytes = 0
         self.peak_streamed_bytes = 0
@@ -239,6 +286,8 @@ class Streamer:
             self._drop(other)
         if index not in self._pending:
             self._pending[index] = self._pool.submit(self._load, index)
+        if torch.is_grad_enabled():
+            self._graded.add(index)
         if index not in self._inside:
             began = time.perf_counter()
             state = self._pending[index].result()
@@ -257,6 +306,8 @@ class Streamer:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        self._free.clear()
+        self._buffers.clear()
         self.store.close()
 
     def _next(self, index: int) -> int:
@@ -265,7 +316,20 @@ class Streamer:
         return after if after - self.first < len(self.layers) else self.first + self.resident
 
     def _load(self, index: int) -> dict[str, torch.Tensor]:
-        state = self.store.get(index)
+        if not self._reuse:
+            state = self.store.get(index)
+        else:
+            size = self.store.nbytes(index)
+            with self._lock:
+                fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
+                if fits:
+                    buffer = self._free.pop(fits[0])
+                else:  # as large as the largest streamed block, so that any block fits in any buffer
+                    streamed = range(self.first + self.resident, self.first + len(self.layers))
+                    buffer = torch.empty(max(self.store.nbytes(i) for i in streamed), dtype=torch.uint8)
+                    self.buffers_made += 1
+                self._buffers[index] = buffer
+            state = self.store.get(index, into=buffer)
         size = sum(t.numel() * t.element_size() for t in state.values())
         with self._lock:
             self.loads += 1
@@ -278,13 +342,20 @@ class Streamer:
         try:
             state = future.result()  # a load under way finishes first; its tensors are then let go
         except Exception:  # it is loaded again, and fails again, where it is needed
+            with self._lock:
+                self._buffers.pop(index, None)
             return
         if index in self._inside:
             module = self.layers[index - self.first]
             _assign(module, {name: torch.empty_like(t, device="meta") for name, t in state.items()})
             self._inside.discard(index)
+        graded = index in self._graded
+        self._graded.discard(index)
         with self._lock:
             self.streamed_bytes -= sum(t.numel() * t.element_size() for t in state.values())
+            buffer = self._buffers.pop(index, None)
+            if buffer is not None and not graded and len(self._free) < STREAM_SLOTS:
+                self._free.append(buffer)
 
 
 def _assign(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

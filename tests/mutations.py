@@ -1344,6 +1344,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_experts.py",),
     ),
     Mutation(
+        "streamed-buffer-reused-under-grad",
+        "peer/offload.py",
+        "            if buffer is not None and not graded and len(self._free) < STREAM_SLOTS:\n",
+        "            if buffer is not None and len(self._free) < STREAM_SLOTS:  # MUTATION\n",
+        "a streamed block's read buffer is reused after a pass with grad, under the weights its graph saved",
+        ("tests/peer/test_offload.py",),
+    ),
+    Mutation(
+        "streamed-buffers-never-reused",
+        "peer/offload.py",
+        "                self._free.append(buffer)\n",
+        "                pass  # MUTATION\n",
+        "every load from disk reads into a fresh buffer (the allocator then holds more than the budget)",
+        ("tests/peer/test_offload.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

@@ -110,7 +110,7 @@ def test_a_peer_with_one_expert_a_layer_on_the_device_computes_the_same_and_coun
         info = remote._run(remote.sequence.pool.unary(hop.endpoint, "info", pb.InfoRequest(), 10.0))
         assert info.expert_misses > 0 and info.expert_hits > 0 and info.expert_prefetched > 0, info
         (folder,) = re.findall(r"the rest on disk in (\S+)", peer.stderr())
-        assert len(list(Path(folder).glob("*.safetensors"))) == 4 * 4  # 4 experts of each of 4 layers
+        assert len(list(Path(folder).glob("block-*.weights"))) == 4 * 4  # 4 experts of each of 4 layers
     finally:
         remote.shutdown()
         assert swarm.terminate(peer, timeout_s=60) == 0, peer.logs()

@@ -43,8 +43,8 @@ def test_a_streaming_peer_computes_the_local_model_and_removes_its_block_files(t
         swarm.wait_online(prefix_for_model(str(path)), [(0, 4)], timeout_s=120)
         assert "1 blocks resident, 3 streamed through 2 slots" in peer.stderr(), peer.logs()
         assert f"a KV cache of {CACHE_TOKENS} tokens" in peer.stderr(), peer.logs()  # what the budget leaves
-        stored = list((peer.cache_dir / "offload").rglob("block-*.safetensors"))
-        assert sorted(f.name for f in stored) == [f"block-{i}.safetensors" for i in (1, 2, 3)]
+        stored = list((peer.cache_dir / "offload").rglob("block-*.weights"))
+        assert sorted(f.name for f in stored) == [f"block-{i}.weights" for i in (1, 2, 3)]
 
         local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         remote = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)

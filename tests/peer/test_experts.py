@@ -100,7 +100,7 @@ def test_experts_on_disk_compute_the_same_and_hold_no_host_copies(moe, tmp_path)
     )
     assert cached.expert_caches is caches and caches.layers
     assert all(c.host is None and not c.resident for _, c in caches.layers.values())
-    files = list(caches.store.folder.glob("*.safetensors"))
+    files = list(caches.store.folder.glob("block-*.weights"))
     assert len(files) == sum(c.num_experts for _, c in caches.layers.values())
     _assert_same_outputs(resident, cached, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1)))
     assert caches.stats.misses > 0 and caches.stats.prefetched > 0
@@ -118,3 +118,4 @@ def test_a_dense_span_given_a_disk_cache_is_refused_and_leaves_no_files(tmp_path
     with pytest.raises(ValueError, match="no experts to cache"):
         load_span(dense, load_config(dense), 0, 2, dtype=torch.float32, device=torch.device("cpu"), experts=caches)
     assert not caches.store.folder.exists()
+

@@ -9,8 +9,11 @@ Trained, its routers pick by what the text is, as a real MoE model's do; random,
 Per setting: the share of picked experts that were resident (the hit rate, decode steps only), the experts brought
 in ahead on the next layer's guess and the share of them then picked, the experts copied onto the device per
 decode step (misses and guesses: what a GPU would move over PCIe), the decode time per step against the resident
-span's, and the largest difference of the outputs from the resident span's. On a CPU the device is host memory and
-every load is made when asked for: the times say what the bookkeeping costs, not what a GPU would save.
+span's, and the largest difference of the outputs from the resident span's. Each setting runs with the experts off
+the device in host memory and on disk (`--expert-store disk`, files in a temporary folder, read from the page
+cache). On a CPU the device is host memory: with the experts there, every load is made when asked for and the
+times say what the bookkeeping costs, not what a GPU would save; with them on disk, a guess is read on the cache's
+reader thread while the layer before computes, and the time the compute still waited for such reads is counted.
 
     python -m bench.experts [--steps 192] [--train-steps 300] [--out FILE]
 """
@@ -30,7 +33,8 @@ from transformers import MixtralConfig, MixtralForCausalLM
 from bench.hop_profile import write_section
 from client.training.data import default_corpus
 from peer.blocks import load_span
-from peer.experts import install_expert_cache
+from peer.experts import ExpertCaches
+from peer.offload import DiskStore
 from swarm.models.checkpoint import load_config
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "experts.md"
@@ -42,6 +46,7 @@ bench/experts.py.
 PREFILL = 64
 EXPERTS, TOP_K, LAYERS = 8, 2, 4
 CAPACITIES = (1, 2, 4)  # experts kept a layer
+STORES = ("host", "disk")  # where the experts off the device wait (`swarmlm peer --expert-store`)
 CPU = torch.device("cpu")
 
 
@@ -102,6 +107,7 @@ def _decode(span, hidden: torch.Tensor, caches=None) -> tuple[torch.Tensor, list
     if caches is not None:  # the decode's hit rate only
         stats = caches.stats
         stats.hits = stats.misses = stats.prefetched = stats.prefetch_used = 0
+        stats.waited_s = 0.0
     times = []
     for t in range(PREFILL, hidden.shape[1]):
         began = time.perf_counter()
@@ -135,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             f"## {LAYERS} layers of {EXPERTS} experts, top-{TOP_K}, {weights}, {args.steps} decode steps ({stamp})",
             "",
             *([f"The training loss at its last step: {loss:.2f} (characters).", ""] if loss is not None else []),
-            "| experts kept a layer | policy | hit rate | prefetched (share then picked) | loads a step "
-            "| step time vs resident | largest output difference |",
-            "|---|---|---|---|---|---|---|",
+            "| experts kept a layer | the others in | policy | hit rate | prefetched (share then picked) "
+            "| loads a step | step time vs resident | waited for reads a step | largest output difference |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rows,
-            f"| {EXPERTS} of {EXPERTS} (resident) | - | 100% | - | 0 | 1.00x ({resident_s * 1e3:.2f} ms) | 0 |",
+            f"| {EXPERTS} of {EXPERTS} (resident) | - | - | 100% | - | 0 | 1.00x ({resident_s * 1e3:.2f} ms) | - | 0 |",
             "",
         ]
     )
@@ -153,43 +159,52 @@ def main(argv: list[str] | None = None) -> int:
 def measure(
     path: Path, steps: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32
 ) -> tuple[list[dict], list[float]]:
-    """Per cache setting (experts kept a layer, prefetch or not): its counts, the seconds of each decode step, and
-    the largest difference of its outputs from the resident span's; and the resident span's seconds a step."""
+    """Per cache setting (experts kept a layer, where the others wait, prefetch or not): its counts, the seconds of
+    each decode step, and the largest difference of its outputs from the resident span's; and the resident span's
+    seconds a step."""
     config = load_config(path)
     embed = MixtralForCausalLM.from_pretrained(path).get_input_embeddings()
-    with torch.no_grad():
+    with torch.no_grad(), tempfile.TemporaryDirectory(prefix="experts-") as files:
         hidden = embed(_text(PREFILL + steps)).to(device, dtype)
         resident = load_span(path, config, 0, LAYERS, dtype=dtype, device=device)
         expected, resident_s = _decode(resident, hidden)
         results = []
         for capacity in CAPACITIES:
-            for prefetch in (False, True):
-                span = load_span(path, config, 0, LAYERS, dtype=dtype, device=device)
-                caches = install_expert_cache(span, capacity, prefetch=prefetch)
-                got, step_s = _decode(span, hidden, caches)
-                s = caches.stats
-                difference = float((got.float() - expected.float()).abs().max())
-                results.append(
-                    {
-                        "capacity": capacity,
-                        "prefetch": prefetch,
-                        "hit_rate": s.hit_rate,
-                        "prefetched": s.prefetched,
-                        "used": s.prefetch_used,
-                        "loads": s.loads / steps,
-                        "step_s": step_s,
-                        "difference": difference,
-                    }
-                )
+            for store in STORES:
+                for prefetch in (False, True):
+                    disk = DiskStore(CPU, Path(files)) if store == "disk" else None
+                    caches = ExpertCaches(capacity, device, prefetch=prefetch, store=disk)
+                    span = load_span(path, config, 0, LAYERS, dtype=dtype, device=device, experts=caches)
+                    try:
+                        got, step_s = _decode(span, hidden, caches)
+                    finally:
+                        span.close()
+                    s = caches.stats
+                    difference = float((got.float() - expected.float()).abs().max())
+                    results.append(
+                        {
+                            "capacity": capacity,
+                            "store": store,
+                            "prefetch": prefetch,
+                            "hit_rate": s.hit_rate,
+                            "prefetched": s.prefetched,
+                            "used": s.prefetch_used,
+                            "loads": s.loads / steps,
+                            "waited_s": s.waited_s / steps,
+                            "step_s": step_s,
+                            "difference": difference,
+                        }
+                    )
     return results, resident_s
 
 
 def _row(r: dict, resident_s: float) -> str:
     used = f"{r['used'] / r['prefetched']:.0%}" if r["prefetched"] else "-"
+    waited = f"{r['waited_s'] * 1e3:.2f} ms" if r["prefetch"] and r["store"] == "disk" else "-"
     return (
-        f"| {r['capacity']} of {EXPERTS} | {'prefetch' if r['prefetch'] else 'LRU alone'} | {r['hit_rate']:.1%} "
-        f"| {r['prefetched']} ({used} picked) | {r['loads']:.2f} | {mean(r['step_s']) / resident_s:.2f}x "
-        f"| {r['difference']:.1e} |"
+        f"| {r['capacity']} of {EXPERTS} | {r['store']} | {'prefetch' if r['prefetch'] else 'LRU alone'} "
+        f"| {r['hit_rate']:.1%} | {r['prefetched']} ({used} picked) | {r['loads']:.2f} "
+        f"| {mean(r['step_s']) / resident_s:.2f}x | {waited} | {r['difference']:.1e} |"
     )
 
 

@@ -15,14 +15,18 @@ bench/experts.py on a small model trained on Shakespeare, the guess is right for
 but every guess is a load, so it copies more onto the device than LRU alone (5.0 experts a decode step against
 3.3 at 2 a layer). On a GPU a guess is copied on a stream of its own while the layer before computes, and the
 compute waits for it only where the expert is used; a miss is copied when picked. That overlap has not run on a GPU
-yet (none was lent), so prefetch is off by default (`--expert-prefetch`). On a CPU the device is host memory, so
-nothing is saved there: only the mechanism and its hit rate are exercised; the saving is on a GPU.
+yet (none was lent), so prefetch is off by default (`--expert-prefetch`). With the experts on disk
+(`--expert-store disk`), a guess is read from its file on a reader thread of its own while the layer before
+computes, on a CPU too, and the compute waits for that read only where the expert is used. With the experts in host
+memory on a CPU, the device is host memory, so nothing is saved: only the mechanism and its hit rate are exercised.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,7 @@ class ExpertStats:
     misses: int = 0  # experts the router picked that had to be loaded then
     prefetched: int = 0  # experts loaded ahead on a guess
     prefetch_used: int = 0  # of those, the ones the router then picked while still resident
+    waited_s: float = 0.0  # time the compute waited for guesses still being read from disk when they were picked
 
     @property
     def loads(self) -> int:
@@ -69,12 +74,14 @@ class CachedExperts(nn.Module):
         stats: ExpertStats,
         store: DiskStore | None = None,
         first_key: int = 0,
+        reader: ThreadPoolExecutor | None = None,
     ):
-        """`store`: where the experts wait on disk, under keys `first_key` + expert (None: in host memory)."""
+        """`store`: where the experts wait on disk, under keys `first_key` + expert (None: in host memory);
+        `reader`: the thread that reads guesses from `store` (None: they are read where they are guessed)."""
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
         self.capacity, self.device, self.stats = capacity, device, stats
-        self.store, self._first_key = store, first_key
+        self.store, self._first_key, self._reader = store, first_key, reader
         self.host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         pin = device.type == "cuda"
         with torch.no_grad():
@@ -87,7 +94,12 @@ class CachedExperts(nn.Module):
             else:
                 for e, (gate_up, down) in enumerate(pairs):  # each file holds its view's bytes alone
                     store.put(first_key + e, {"gate_up": gate_up, "down": down})
-        self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        # an expert whose guess is still being read on the reader thread is resident with weights None, its read in
+        # _reads: the cache's order and size count it from the guess on
+        self.resident: collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor] | None] = (
+            collections.OrderedDict()
+        )
+        self._reads: dict[int, Future] = {}
         self.guessed: set[int] = set()  # prefetched and not yet used
         self._lock = threading.Lock()  # forwards run on the compute thread, and on the event loop for tiny steps
         # on a GPU a guess is copied on a stream of its own, beside the layer computing meanwhile; the compute
@@ -95,7 +107,9 @@ class CachedExperts(nn.Module):
         self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._arriving: dict[int, torch.cuda.Event] = {}
 
-    def _load(self, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, expert: int, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The expert's weights on the device, loaded if need be (a guess from disk: None while its read is under
+        way on the reader thread, see _ready)."""
         if expert in self.resident:
             self.resident.move_to_end(expert)
             return self.resident[expert]
@@ -103,12 +117,40 @@ class CachedExperts(nn.Module):
             evicted, _ = self.resident.popitem(last=False)
             self.guessed.discard(evicted)
             self._arriving.pop(evicted, None)
-        copies = self._copies if ahead else None
-        with torch.cuda.stream(copies):  # None: the current stream (and on a CPU, nothing to choose)
+            read = self._reads.pop(evicted, None)
+            if read is not None:
+                read.cancel()  # not started yet: never read; under way: its weights are dropped
+        if ahead and self._reader is not None and self.store is not None:
+            self.resident[expert] = None
+            self._reads[expert] = self._reader.submit(self._copy, expert, self._copies)
+            return None
+        weights, event = self._copy(expert, self._copies if ahead else None)
+        if event is not None:
+            self._arriving[expert] = event
+        self.resident[expert] = weights
+        return weights
+
+    def _copy(self, expert: int, stream) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.cuda.Event | None]:
+        """The expert's weights copied onto the device on `stream` (None: the current stream), and the event its copy
+        records there (None without a stream). Runs on the reader thread for a guess read from disk."""
+        with torch.cuda.stream(stream):  # None: the current stream (and on a CPU, nothing to choose)
             weights = tuple(t.to(self.device, non_blocking=True) for t in self._waiting(expert))
-        if copies is not None:
-            self._arriving[expert] = torch.cuda.Event()
-            self._arriving[expert].record(copies)
+        if stream is None:
+            return weights, None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return weights, event
+
+    def _ready(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A resident expert's weights, once a read of it still under way on the reader thread is done."""
+        read = self._reads.pop(expert, None)
+        if read is None:
+            return self.resident[expert]
+        began = time.perf_counter()
+        weights, event = read.result()
+        self.stats.waited_s += time.perf_counter() - began
+        if event is not None:
+            self._arriving[expert] = event
         self.resident[expert] = weights
         return weights
 
@@ -159,7 +201,8 @@ class CachedExperts(nn.Module):
                     self.stats.misses += 1
                 self.guessed.discard(expert)
                 # as transformers' eager loop computes it, expert by expert in index order
-                gate_up, down = weights = self._load(expert)
+                self._load(expert)
+                gate_up, down = weights = self._ready(expert)
                 self._arrived(expert, weights)
                 top_k_pos, token_idx = torch.where(mask[expert])
                 gate, up = F.linear(hidden_states[token_idx], gate_up).chunk(2, dim=-1)
@@ -179,6 +222,11 @@ class ExpertCaches:
         self.stats, self.prefetching = ExpertStats(), prefetch
         self.layers: dict[int, tuple[nn.Module, CachedExperts]] = {}
         self._keys = 0
+        # guesses are read from disk on a thread of their own, beside the compute (one for the span: a disk serves
+        # one read at a time well, and the layers' guesses come one layer after another)
+        self._reader = (
+            ThreadPoolExecutor(1, thread_name_prefix="swarmlm-experts") if store is not None and prefetch else None
+        )
 
     def add(self, index: int, layer: nn.Module) -> None:
         """Cache the experts of block `index` (a dense block is left as it is); peer/blocks.py calls it as each
@@ -187,13 +235,16 @@ class ExpertCaches:
         experts = getattr(mlp, "experts", None)
         if experts is None or getattr(experts, "gate_up_proj", None) is None:
             return  # a dense layer (Qwen2-MoE's mlp_only_layers)
-        cached = CachedExperts(experts, self.capacity, self.device, self.stats, self.store, self._keys)
+        cached = CachedExperts(experts, self.capacity, self.device, self.stats, self.store, self._keys, self._reader)
         self._keys += cached.num_experts
         mlp.experts = cached
         self.layers[index] = (layer, cached)
 
     def close(self) -> None:
-        """Remove the experts' files (a cache in host memory has nothing to do)."""
+        """Stop the reader (a read under way ends first) and remove the experts' files (a cache in host memory has
+        nothing to do)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
         if self.store is not None:
             self.store.close()
 

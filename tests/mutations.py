@@ -1344,6 +1344,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_experts.py",),
     ),
     Mutation(
+        "expert-guess-read-on-compute",
+        "peer/experts.py",
+        "        if ahead and self._reader is not None and self.store is not None:\n",
+        "        if False:  # MUTATION\n",
+        "a guess on disk is read on the compute thread, as it is guessed, rather than beside the compute",
+        ("tests/peer/test_experts.py",),
+    ),
+    Mutation(
         "streamed-buffer-reused-under-grad",
         "peer/offload.py",
         "            if buffer is not None and not graded and len(self._free) < STREAM_SLOTS:\n",

@@ -2,11 +2,13 @@
 [--expert-prefetch]`), on bench/experts.py's small Mixtral (8 experts a layer, top-2) trained on the first third
 of a Shakespeare play, decoding a passage from past that third, its span in this process.
 
-Per experts kept a layer (1, 2 and 4 of 8), LRU alone and with prefetch: the hit rate of the decode's picks, and
-decode tokens/s against every expert resident. `extra` has the experts prefetched and the share of them then
-picked, the loads a step (misses and guesses) and the largest difference of the outputs from the resident span's.
-Target (the MoE issue's): prefetch raises the hit rate by >= 20 points over LRU alone. On a GPU guesses are copied
-beside the compute; on a CPU the device is host memory, so tokens/s there say what the bookkeeping costs.
+Per experts kept a layer (1, 2 and 4 of 8) and where the others wait (host memory, or disk: `swarmlm peer
+--expert-store disk`), LRU alone and with prefetch: the hit rate of the decode's picks, and decode tokens/s against
+every expert resident. `extra` has the experts prefetched and the share of them then picked, the loads a step
+(misses and guesses), the time a step waited for guesses still being read from disk, and the largest difference of
+the outputs from the resident span's. Target (the MoE issue's): prefetch raises the hit rate by >= 20 points over
+LRU alone. On a GPU guesses are copied beside the compute; on a CPU the device is host memory, so with the experts
+there tokens/s say what the bookkeeping costs, and with them on disk what reading guesses beside the compute saves.
 """
 
 from __future__ import annotations
@@ -42,29 +44,32 @@ def rows_from(results: list[dict], resident_s: list[float], loss: float | None) 
     resident = Summary.of([1 / s for s in resident_s])
     largest = max(r["difference"] for r in results)
     notes = [f"outputs against every expert resident: largest difference {largest:.1e} over every setting"]
-    lru: dict[int, Summary] = {}
+    lru: dict[tuple[int, str], Summary] = {}
     rows = []
     for r in results:
         policy = "prefetch" if r["prefetch"] else "LRU alone"
-        variant = f"{r['capacity']} of {experts.EXPERTS} experts a layer"
+        where = "on disk" if r["store"] == "disk" else "in host memory"
+        variant = f"{r['capacity']} of {experts.EXPERTS} experts a layer, the rest {where}"
+        setting = (r["capacity"], r["store"])
         extra = {
             "prefetched": r["prefetched"],
             "prefetch_used": r["used"],
             "loads_a_step": r["loads"],
+            "waited_for_reads_s_a_step": r["waited_s"],
             "output_difference": r["difference"],
             "train_loss": loss,
             "notes": notes,
         }
         hit = Summary.of([100 * r["hit_rate"]])
         if not r["prefetch"]:
-            lru[r["capacity"]] = hit
+            lru[setting] = hit
         common = dict(scenario="moe", config=CONFIG, variant=variant, extra=extra)
         rows += [
             Row(
                 metric=f"hit rate, {policy}",
                 unit="%",
                 ours=hit,
-                reference=lru[r["capacity"]] if r["prefetch"] else None,
+                reference=lru[setting] if r["prefetch"] else None,
                 reference_name="LRU alone" if r["prefetch"] else "",
                 target=PREFETCH_TARGET if r["prefetch"] else None,
                 **common,

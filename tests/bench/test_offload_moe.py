@@ -32,12 +32,14 @@ def test_offload_and_moe_rows_reach_the_report(tmp_path):
     assert decode.target is not None and decode.met is not None
 
     moe = [r for r in rows if r.scenario == "moe"]
-    assert len(moe) == 12  # 1, 2 and 4 experts a layer; LRU alone and prefetch; hit rate and decode
+    assert len(moe) == 24  # 1, 2 and 4 experts a layer; host or disk; LRU alone and prefetch; hit rate and decode
     for row in moe:
         assert row.extra["output_difference"] < 1e-4
         assert (row.extra["prefetched"] > 0) == row.metric.endswith("prefetch")
+        assert row.extra["waited_for_reads_s_a_step"] >= 0.0
+    assert {r.variant.split(", ")[1] for r in moe} == {"the rest in host memory", "the rest on disk"}
     judged = [r for r in moe if r.target is not None]
-    assert [r.metric for r in judged] == ["hit rate, prefetch"] * 3
+    assert [r.metric for r in judged] == ["hit rate, prefetch"] * 6
     assert all(r.reference_name == "LRU alone" and r.met is not None for r in judged)
     assert set(descriptions) == {"tiny", "mixtral 4 layers x 8 experts"}
 

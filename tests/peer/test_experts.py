@@ -119,3 +119,39 @@ def test_a_dense_span_given_a_disk_cache_is_refused_and_leaves_no_files(tmp_path
         load_span(dense, load_config(dense), 0, 2, dtype=torch.float32, device=torch.device("cpu"), experts=caches)
     assert not caches.store.folder.exists()
 
+
+def test_guesses_from_disk_are_read_on_the_reader_thread_and_a_guess_evicted_unread_costs_nothing(moe, tmp_path):
+    """With the experts on disk, a guess is read on the cache's reader thread while the compute goes on; the compute
+    reads only its misses itself. A guess evicted before it was used, its read under way or not, is dropped."""
+    import threading
+
+    from peer.experts import ExpertCaches
+    from peer.offload import DiskStore
+
+    readers: list[str] = []
+
+    class WatchedStore(DiskStore):  # the real store, telling which thread reads
+        def get(self, index):
+            readers.append(threading.current_thread().name)
+            return super().get(index)
+
+    family, path = moe
+    blocks = SPANS[family]
+    resident = _span(path, blocks)
+    caches = ExpertCaches(1, torch.device("cpu"), prefetch=True, store=WatchedStore(torch.device("cpu"), tmp_path))
+    cached = load_span(
+        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
+    )
+    _, layer = next(iter(caches.layers.values()))
+    layer.prefetch([0])
+    layer.prefetch([1])  # 0's read is dropped, under way or not
+    assert list(layer.resident) == [1] and set(layer._reads) <= {1}
+
+    _assert_same_outputs(resident, cached, torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(2)))
+    stats = caches.stats
+    assert stats.prefetched > 0 and stats.misses > 0 and stats.waited_s >= 0.0
+    compute = threading.current_thread().name
+    assert readers.count(compute) == stats.misses, "the compute thread read more than its misses"
+    assert sum(name.startswith("swarmlm-experts") for name in readers) >= stats.prefetch_used > 0
+    cached.close()
+    assert not caches.store.folder.exists()

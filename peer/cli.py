@@ -248,6 +248,21 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="close a session whose client does not read a response for this long (default: 30)",
     )
+    w.add_argument(
+        "--open-timeout-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close an inference stream that opens no session within this long (default: 10)",
+    )
+    w.add_argument(
+        "--max-streams-per-source",
+        type=int,
+        default=256,
+        metavar="N",
+        help="inference streams one client address (all clients tunneled through libp2p together) may hold at "
+        "once; beyond, new ones are refused (default: 256)",
+    )
 
 
 def work_limits_from_args(args: argparse.Namespace) -> WorkLimits:
@@ -265,6 +280,8 @@ def serving_from_args(args: argparse.Namespace) -> ServingLimits:
         session_timeout_s=args.session_timeout_s,
         session_lifetime_s=args.session_lifetime_s,
         write_timeout_s=args.write_timeout_s,
+        open_timeout_s=args.open_timeout_s,
+        max_streams_per_source=args.max_streams_per_source,
         max_batch_tokens=args.max_batch_tokens,
         activation_cache_bytes=math.floor(args.activation_cache_mb * 2**20),  # floor: a negative size stays one
         work=work_limits_from_args(args),

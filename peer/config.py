@@ -160,6 +160,12 @@ class ServingLimits:
     """An inference session is closed this long after it opened, however busy: no one keeps cache forever."""
     write_timeout_s: float = 30.0
     """A session whose client does not read a response within this long is closed."""
+    open_timeout_s: float = 10.0
+    """A stream that opens no session within this long is closed: until then it only holds one of the peer's
+    concurrent calls."""
+    max_streams_per_source: int = 256
+    """Inference streams one client address (all clients tunneled through libp2p together) may hold at once;
+    beyond, a new one is refused with OverloadedError, so that no one source takes every concurrent call."""
     max_batch_tokens: int = 2048
     """Tokens of one inference forward: concurrent sessions' decode steps are batched up to it, and a longer
     prefill is computed in chunks of it, other sessions' decode steps running between the chunks."""
@@ -177,6 +183,8 @@ class ServingLimits:
             "session_timeout_s",
             "session_lifetime_s",
             "write_timeout_s",
+            "open_timeout_s",
+            "max_streams_per_source",
             "activation_ttl_s",
             "max_batch_tokens",
         ):

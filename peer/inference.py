@@ -10,6 +10,7 @@ one-token steps of concurrent sessions in one batch (peer/batching.py), a long p
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
@@ -91,6 +92,7 @@ class InferenceStreams:
         self.forwarder = forwarder  # pushes steps on to the next peer (None: this peer pushes nothing)
         self.sessions: dict[str, Session] = {}
         self._opening: set[str] = set()  # ids of sessions waiting for cache
+        self._streams_of: collections.Counter[str] = collections.Counter()  # client address -> its streams
         self.batcher = DecodeBatcher(
             served.compute, lambda: served.span, limits.max_batch_tokens, expected=self._decoding
         )
@@ -135,7 +137,17 @@ class InferenceStreams:
         Responses are written with a timeout: a client that stops reading would otherwise hold its session
         (and its cache) for as long as it keeps the connection open.
         """
-        responses = self._session(requests, source_of(context))
+        source = source_of(context)
+        if self._streams_of[source] >= self.limits.max_streams_per_source:
+            error = OverloadedError(
+                f"this client address holds {self._streams_of[source]} inference streams to this peer, the most one "
+                f"address may; end some, or use other peers"
+            )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await within(context.write(_error(error)), self.limits.write_timeout_s)
+            return
+        self._streams_of[source] += 1
+        responses = self._session(requests, source)
         try:
             async for response in responses:
                 try:
@@ -148,6 +160,9 @@ class InferenceStreams:
                     return
         finally:
             await responses.aclose()  # frees the session's cache now, not when the generator is collected
+            self._streams_of[source] -= 1
+            if not self._streams_of[source]:
+                del self._streams_of[source]
 
     async def _session(self, requests: AsyncIterator[Received], source: str) -> AsyncIterator:
         """The responses of one stream, until it closes or ends, or its session idles out or outlives its lifetime."""
@@ -167,10 +182,13 @@ class InferenceStreams:
 
     async def _next_reply(self, stream: _Stream) -> _Reply:
         """Wait for the stream's next item of work (an idle session ends), and answer it."""
+        opened = stream.session is not None
         try:
-            item = await within(stream.inbox.get(), self.limits.session_timeout_s)
+            item = await within(
+                stream.inbox.get(), self.limits.session_timeout_s if opened else self.limits.open_timeout_s
+            )
         except asyncio.TimeoutError:
-            return self._idle(stream.session)
+            return self._idle(stream.session) if opened else self._never_opened()
         if isinstance(item, ClientRequest):
             stream.slots.release()
         self.served.admission.release(held_bytes(item))  # admitted again, as work, by the step that computes it
@@ -204,6 +222,12 @@ class InferenceStreams:
         timeout_s = self.limits.session_timeout_s
         logger.info("session %s idle for %.0fs, closing it", session and session.session_id, timeout_s)
         error = UnknownSessionError(f"session timed out after {timeout_s:.0f}s without requests; open a new one")
+        return _Reply(_error(error), last=True)
+
+    def _never_opened(self) -> _Reply:
+        timeout_s = self.limits.open_timeout_s
+        logger.info("a stream opened no session within %.0fs, closing it", timeout_s)
+        error = BadRequestError(f"no session opened within {timeout_s:g}s on this stream; send open first")
         return _Reply(_error(error), last=True)
 
     def _past_lifetime(self, session: Session) -> bool:

@@ -1368,6 +1368,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_offload.py",),
     ),
     Mutation(
+        "silent-streams-wait-the-session-timeout",
+        "peer/inference.py",
+        "                stream.inbox.get(), self.limits.session_timeout_s if opened else self.limits.open_timeout_s\n",
+        "                stream.inbox.get(), self.limits.session_timeout_s  # MUTATION\n",
+        "a stream that opens no session holds its concurrent call for the idle session's timeout (300 s)",
+        ("tests/peer/test_inference.py",),
+    ),
+    Mutation(
+        "streams-per-source-unbounded",
+        "peer/inference.py",
+        "        if self._streams_of[source] >= self.limits.max_streams_per_source:\n",
+        "        if False:  # MUTATION\n",
+        "one client address may hold every concurrent call of a peer with inference streams",
+        ("tests/peer/test_inference.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

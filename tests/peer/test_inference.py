@@ -63,13 +63,14 @@ class FailingForwarder:
 class Context:
     """What the stream needs of gRPC's: the client's address, and a place to write its responses."""
 
-    def __init__(self):
+    def __init__(self, address: str = "ipv4:127.0.0.1:5555"):
+        self.address = address
         self.written: asyncio.Queue = asyncio.Queue()
         self.writable = asyncio.Event()  # cleared: the client does not read, and the stream waits in write()
         self.writable.set()
 
     def peer(self) -> str:
-        return "ipv4:127.0.0.1:5555"
+        return self.address
 
     async def write(self, response) -> None:
         await self.writable.wait()
@@ -96,8 +97,8 @@ def _pushed(session_id: str, token: bytes, value: float, prefix_length: int, ste
 class Client:
     """One stream of `streams`: requests in, responses out, as the peer receives and sends them."""
 
-    def __init__(self, streams: InferenceStreams):
-        self.context, self._requests = Context(), asyncio.Queue()
+    def __init__(self, streams: InferenceStreams, address: str = "ipv4:127.0.0.1:5555"):
+        self.context, self._requests = Context(address), asyncio.Queue()
         self.task = asyncio.ensure_future(streams.inference(self._stream(), self.context))
 
     async def _stream(self):
@@ -281,6 +282,51 @@ def test_an_idle_session_ends_with_a_typed_error():
         assert streams.sessions == {}
 
     _run(test, session_timeout_s=0.2)
+
+
+def test_a_stream_that_opens_no_session_is_closed_at_the_open_timeout():
+    """A stream that sends nothing holds one of the peer's concurrent calls: it gets the open timeout, not the idle
+    session's (300 s by default), and then a typed error."""
+
+    async def test(streams: InferenceStreams):
+        silent = Client(streams)
+        error = (await silent.answer()).error
+        assert error.code == BadRequestError.code and "no session opened within 0.2s" in error.message
+        await silent.ended()
+        opened = Client(streams)  # an opened session idles on the session timeout
+        opened.open("s")
+        assert (await opened.answer()).WhichOneof("kind") == "opened"
+        await asyncio.sleep(0.4)
+        assert "s" in streams.sessions
+        opened.close("s")
+        await opened.ended()
+
+    _run(test, open_timeout_s=0.2, session_timeout_s=30)
+
+
+def test_one_address_holds_a_bounded_number_of_streams_and_others_still_get_theirs():
+    async def test(streams: InferenceStreams):
+        held = [Client(streams, f"ipv4:10.0.0.1:{port}") for port in range(3)]
+        for i, client in enumerate(held):
+            client.open(f"h{i}")
+            assert (await client.answer()).WhichOneof("kind") == "opened"
+        refused = Client(streams, "ipv4:10.0.0.1:9999")  # another port of the same address
+        error = (await refused.answer()).error
+        assert error.code == OverloadedError.code and "3 inference streams" in error.message
+        await refused.ended()
+        other = Client(streams, "ipv4:10.0.0.2:1")  # another address is served
+        other.open("o")
+        assert (await other.answer()).WhichOneof("kind") == "opened"
+        held[0].close("h0")
+        await held[0].ended()
+        again = Client(streams, "ipv4:10.0.0.1:7")  # a stream that ended frees its place
+        again.open("a")
+        assert (await again.answer()).WhichOneof("kind") == "opened"
+        for client, session in [(held[1], "h1"), (held[2], "h2"), (other, "o"), (again, "a")]:
+            client.close(session)
+            await client.ended()
+
+    _run(test, max_streams_per_source=3)
 
 
 def test_a_session_idle_on_its_cache_is_closed_when_another_waits_for_room():

@@ -1,4 +1,5 @@
-"""A peer's compute throughput, measured once per (model shape, span length, dtype, device) and cached."""
+"""A peer's compute throughput, measured once per way of computing its span (model shape, span length, dtype,
+device, and how its weights are held: quantized, streamed, experts cached) and cached."""
 
 from __future__ import annotations
 
@@ -17,21 +18,38 @@ _TOKENS = 64
 _REPEATS = 3
 
 
-def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
-    """Tokens/s of a forward pass over the whole span (best of a few runs of a 64-token batch)."""
-    config, device = span.config, span.device
+def throughput_key(span: BlockSpan) -> str:
+    """What a measured throughput holds for: spans that differ in any of it compute at other speeds."""
+    config = span.config
     key = (
         f"{config.model_type}-h{config.hidden_size}-i{getattr(config, 'intermediate_size', 0)}"
-        f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{device}"
+        f"-n{span.end - span.start}-{str(span.dtype).removeprefix('torch.')}-{span.device}"
     )
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # the experts' number, choice and size set an MoE block's work as much as its hidden size
+        key += (
+            f"-e{experts}k{getattr(config, 'num_experts_per_tok', 0)}"
+            f"m{getattr(config, 'moe_intermediate_size', 0)}s{getattr(config, 'shared_expert_intermediate_size', 0)}"
+        )
     if span.quantization != "none":  # dequantizing each weight per forward costs time
         key += f"-{span.quantization}"
     if span.streamer is not None:  # loading streamed blocks costs time too
         key += f"-{type(span.streamer.store).__name__}-resident{span.streamer.resident}"
+    caches = span.expert_caches
+    if caches is not None:  # and so do experts loaded when picked
+        key += f"-experts{caches.capacity}-{'disk' if caches.store is not None else 'host'}"
+        key += "-prefetch" if caches.prefetching else ""
+    return key
+
+
+def measure_throughput(span: BlockSpan, cache_file: Path) -> float:
+    """Tokens/s of a forward pass over the whole span (best of a few runs of a 64-token batch)."""
+    device = span.device
+    key = throughput_key(span)
     cached = _read(cache_file)
     if key in cached:
         return cached[key]
-    hidden = torch.randn(1, _TOKENS, config.hidden_size, dtype=span.dtype, device=device)
+    hidden = torch.randn(1, _TOKENS, span.config.hidden_size, dtype=span.dtype, device=device)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(_REPEATS):

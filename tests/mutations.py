@@ -1384,6 +1384,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/peer/test_inference.py",),
     ),
     Mutation(
+        "throughput-key-ignores-expert-cache",
+        "peer/throughput.py",
+        "    if caches is not None:  # and so do experts loaded when picked\n",
+        "    if False:  # MUTATION\n",
+        "a peer caching experts announces the throughput measured with every expert resident",
+        ("tests/peer/test_throughput.py",),
+    ),
+    Mutation(
+        "throughput-key-ignores-experts",
+        "peer/throughput.py",
+        "    if experts:  # the experts' number, choice and size set an MoE block's work as much as its hidden size\n",
+        "    if False:  # MUTATION\n",
+        "MoE models of other expert counts share one measured throughput",
+        ("tests/peer/test_throughput.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

@@ -54,8 +54,11 @@ def monitored(tmp_path_factory, tiny_llama_path, tiny_qwen3_path):
         swarm.start_bootstrap("--new-swarm-key", str(key_file))
         swarm.swarm_key = SwarmKey.load(key_file)
         key = ("--swarm-key", str(key_file))
-        peers = {
-            span: swarm.start_peer(tiny_llama_path, "--blocks", f"{span[0]}:{span[1]}", *key) for span in LLAMA_SPANS
+        peers = {  # the first holds its weights as int8, which the page says
+            span: swarm.start_peer(
+                tiny_llama_path, "--blocks", f"{span[0]}:{span[1]}", *key, *(("--quantize", "int8") if not i else ())
+            )
+            for i, span in enumerate(LLAMA_SPANS)
         }
         swarm.start_peer(tiny_qwen3_path, "--blocks", "0:4", "--train", "--run-id", RUN_ID, *key)
         llama_ids = {
@@ -153,6 +156,7 @@ def test_api_state_shows_every_model_of_a_private_swarm(monitored):
     assert llama["coverage"] == llama["answering"] == [1, 1, 1, 1] and llama["complete"], llama
     assert [(p["start_block"], p["end_block"]) for p in llama["peers"]] == LLAMA_SPANS  # the bad record is skipped
     assert {p["peer_id"] for p in llama["peers"]} == set(monitored.llama_peers)
+    assert [p["quantization"] for p in llama["peers"]] == ["int8", "none"]  # as the peers hold their weights
     assert qwen["coverage"] == [1] * 4 and qwen["complete"] and qwen["peers"][0]["dtype"] == "float32"
     assert qwen["training"] == [
         {"run_id": RUN_ID, "peers": 1, "epoch_min": 0, "epoch_max": 0, "recipe": ANY, "other_recipes": 0}
@@ -256,8 +260,10 @@ def test_the_page_shows_peers_and_coverage_and_then_the_gap_of_a_killed_peer(mon
         assert view["models"][monitored.qwen]["training"] == [[RUN_ID, "1", "0"]] and page["training"] == []
         (qwen_row,) = view["models"][monitored.qwen]["peers"].values()
         assert qwen_row[9] == f"{RUN_ID}: epoch 0, 0 samples", qwen_row
-        for _peer_id, row in page["peers"].items():
-            assert row[1] == "ONLINE" and row[3] == "1000.0 tok/s" and row[5] == "float32", row
+        quantized = monitored.llama_ids[LLAMA_SPANS[0]]
+        for peer_id, row in page["peers"].items():
+            assert row[1] == "ONLINE" and row[3] == "1000.0 tok/s", row
+            assert row[5] == ("float32, int8" if peer_id == quantized else "float32"), row
             assert row[7].startswith("direct 127.0.0.1:"), row
         # a peer's announced text stays text: no element made of it, nothing of it run
         assert EVIL in view["models"][EVIL_PREFIX]["title"], view["models"][EVIL_PREFIX]

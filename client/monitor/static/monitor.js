@@ -82,7 +82,8 @@
       el("td", {class: "num"}, peer.start_block + ":" + peer.end_block),
       el("td", {class: "num"}, Number(peer.throughput).toFixed(1) + " tok/s"),
       el("td", {class: "num"}, peer.cache_tokens_left),
-      el("td", {}, peer.dtype),
+      el("td", {}, peer.quantization && peer.quantization !== "none" ? peer.dtype + ", " + peer.quantization
+                                                                      : peer.dtype),
       el("td", {}, peer.version),
       el("td", {}, peer.reach),
       rtt(peer),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,19 @@ if TYPE_CHECKING:
     from client.sequence import RemoteSequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a check of an inference span's answers found."""
+
+    stands: bool | None
+    """True: another route agreed; False: its peer was outvoted; None: not verified (no other route answered, or
+    no majority formed)."""
+    peers: tuple[str, ...] = ()
+    """Stands: the peers of the route that agreed with it."""
+    first_wrong: int | None = None
+    """Outvoted: the first position at which its answers differ from the majority's."""
 
 
 class HopChecks:
@@ -109,13 +123,12 @@ class HopChecks:
         )
         return chosen.value
 
-    async def inference(
-        self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions
-    ) -> bool | None:
+    async def inference(self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions) -> Verdict:
         """Whether `hop`'s answers to an inference session stand: its `outputs` at every position of the session's
-        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). True: another
-        route agreed. False: its peer was outvoted two to one (and banned if a fourth route confirmed it). None:
-        not verified (no other route answered, or no majority formed)."""
+        `inputs` so far, against other peers' forward of those inputs (client/inference_checks.py). Outvoted two to
+        one (and its peer banned if a fourth route confirmed it), the verdict says from which position on its
+        answers were wrong, which may be before the positions an earlier check confirmed: that check's route agreed
+        with a lie."""
         made: list[Computed | None] = []
         seq = self.sequence
 
@@ -129,6 +142,11 @@ class HopChecks:
             return made[-1]
 
         first = self._computed(outputs, [hop])
-        if await seq.spot_checks.check("inference", (hop.start, hop.end), first, recompute) is not first:
-            return False
-        return True if len(made) == 1 and made[0] is not None else None
+        chosen = await seq.spot_checks.check("inference", (hop.start, hop.end), first, recompute)
+        if chosen is not first:
+            rtol = verify.rtol_for(*first.dtypes, *chosen.dtypes, first.value.dtype, chosen.value.dtype)
+            wrong = verify.first_disagreement(outputs, chosen.value, rtol)
+            return Verdict(False, first_wrong=0 if wrong is None else wrong)
+        if len(made) == 1 and made[0] is not None:
+            return Verdict(True, peers=made[0].peers)
+        return Verdict(None)

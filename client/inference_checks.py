@@ -11,9 +11,11 @@ the majority; otherwise it is set aside for the session, not banned. With no thi
 is outvoted.
 
 Decoding does not wait for a check: one runs at a time, beside the steps. When it outvoted a peer, the session's
-next step rewinds (InferenceSession.rewind): every span's cache is cut back to the positions the liar's answers had
-been verified up to, the liar's span is routed to other peers and its history replayed there, and the step raises
-OutputRewoundError naming that position. `generate()` then starts again from its prompt on the caches kept
+next step rewinds (InferenceSession.rewind): every span's cache is cut back to the first position at which the
+liar's answers differ from the majority's, the liar's span is routed to other peers and its history replayed there,
+and the step raises OutputRewoundError naming that position. That position can come before what an earlier check
+confirmed: the lone peer of that check agreed with a lie, so a colluder, and it is set aside with the liar. Without
+this, a liar whose colluder was drawn to check it first kept its lie in the text. `generate()` then starts again from its prompt on the caches kept
 (client/model.py), and waits for the last check (`settle`) before it returns, making then the checks that steps
 decoded meanwhile, or a failed check, were owed (a draw per span): a liar on the path costs a redo, not wrong
 text.
@@ -41,6 +43,7 @@ class InferenceChecks:
         self.rate, self.rng = rate, rng
         self.task: asyncio.Task | None = None
         self.found: SpanSession | None = None  # the span whose peer a check caught, until the session rewinds
+        self.colluders: set[str] = set()  # peers whose checks confirmed answers a later check outvoted
         self.started = 0  # checks started
         self.caught = 0  # of those, checks that found a liar
         # a step came while a check ran (it got no draw of its own), or a check failed: settle() makes up for it
@@ -77,19 +80,26 @@ class InferenceChecks:
 
     async def _check(self, session, span: SpanSession, inputs, outputs, mask, positions, position: int) -> None:
         try:
-            stands = await session.sequence.check_inference(span.hop, inputs, outputs, mask, positions)
+            verdict = await session.sequence.check_inference(span.hop, inputs, outputs, mask, positions)
         except Exception as exc:  # a check that cannot be made leaves the answers as they are, unverified
             logger.warning(
                 "could not check blocks %d:%d of an inference session: %s", span.hop.start, span.hop.end, exc
             )
             self.owed = True
             return
-        if stands is None:  # no other route answered, or none formed a majority: still to verify
+        if verdict.stands is None:  # no other route answered, or none formed a majority: still to verify
             self.owed = True
-        elif stands:
+        elif verdict.stands:
             span.verified = max(span.verified, position)
+            span.confirmed.append((position, verdict.peers))
         else:
             self.caught += 1
+            if verdict.first_wrong < span.verified:
+                # a check had confirmed wrong answers: its lone peer agreed with the liar's lie (a colluder)
+                self.colluders |= {
+                    peers[0] for upto, peers in span.confirmed if upto > verdict.first_wrong and len(peers) == 1
+                }
+            span.verified = min(span.verified, verdict.first_wrong)
             self.found = span
 
     def liar(self) -> SpanSession | None:

@@ -511,10 +511,8 @@ class RemoteSequence:
         self.speeds.forget(peer_id)
         return self.bans.ban(peer_id, at_least_s)
 
-    async def check_inference(
-        self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions
-    ) -> bool | None:
-        """Whether `hop`'s answers to an inference session stand (client/hop_checks.py `HopChecks.inference`)."""
+    async def check_inference(self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, mask, positions):
+        """Whether `hop`'s answers to an inference session stand: a client/hop_checks.py `Verdict`."""
         return await self.hop_checks.inference(hop, inputs, outputs, mask, positions)
 
     async def close(self) -> None:

@@ -58,6 +58,8 @@ class SpanSession:
     positions: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)  # its answers, kept for the checks when they are on
     verified: int = 0  # its answers at positions before this one were checked (client/inference_checks.py)
+    # (position, peers): a check by those peers' route confirmed its answers before that position
+    confirmed: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     opened_at: float = field(default_factory=time.monotonic)
     push_token: bytes = b""  # what the previous peer shows to push a step into this session (peer/forwarding.py)
     stale: set[int] = field(default_factory=set)  # ids of steps given up on: their late answers are skipped
@@ -460,15 +462,18 @@ class InferenceSession:
                     whole = torch.cat(kept, dim=1)[:, :position]
                     setattr(span, name, [whole] if position else [])
             span.position, span.verified = position, min(span.verified, position)
+            span.confirmed = [(min(upto, position), peers) for upto, peers in span.confirmed]
         self.position = position
         if self.mask is not None:
             self.mask = self.mask[:, :position]
 
     async def rewind(self, liar: SpanSession) -> None:
-        """`liar`'s peer was outvoted by other peers' results: cut the session back to the positions its answers
-        were verified up to, route its span to other peers (never to it again), and raise OutputRewoundError."""
+        """`liar`'s peer was outvoted by other peers' results: cut the session back to the first position its answers
+        were wrong at, route its span to other peers (never to it again, nor to a peer that confirmed its lie), and
+        raise OutputRewoundError."""
         position = liar.verified
         self.set_aside.add(liar.hop.peer_id)
+        self.set_aside |= self.checks.colluders
         self.truncate(position)
         if liar in self.spans:
             await self._recover(self.spans.index(liar), self.sequence.attempts(count=1))

@@ -70,13 +70,29 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     """Whether `a` and `b` are the same result, element by element, within `rtol` (see the module docstring)."""
+    return a.shape == b.shape and bool(_within(a, b, rtol).all())
+
+
+def first_disagreement(a: torch.Tensor, b: torch.Tensor, rtol: float) -> int | None:
+    """The first position (dim 1 of [batch, positions, hidden]) at which `a` and `b` differ as `agree` judges them;
+    None if they agree everywhere.
+
+    Raises:
+        ValueError: their shapes differ.
+    """
+    if a.shape != b.shape or a.ndim != 3:
+        raise ValueError(f"compares two [batch, positions, hidden] tensors, got {list(a.shape)} and {list(b.shape)}")
+    wrong = (~_within(a, b, rtol)).any(dim=-1).any(dim=0).nonzero()
+    return int(wrong[0, 0]) if len(wrong) else None
+
+
+def _within(a: torch.Tensor, b: torch.Tensor, rtol: float) -> torch.Tensor:
+    """Per element, whether `a` and `b` agree within `rtol` (same shapes)."""
     a, b = a.detach().float(), b.detach().float()
-    if a.shape != b.shape:
-        return False
     magnitude = torch.maximum(a.abs(), b.abs())
     # the row's median, not its mean: one outlier feature would set the mean for the whole row
     floor = magnitude.median(dim=-1, keepdim=True).values if magnitude.ndim and magnitude.shape[-1] else magnitude
-    return bool(((a - b).abs() <= rtol * (magnitude + floor)).all())
+    return (a - b).abs() <= rtol * (magnitude + floor)
 
 
 @dataclass

@@ -1254,8 +1254,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "unverified-inference-check-stands",
         "client/hop_checks.py",
-        "        return True if len(made) == 1 and made[0] is not None else None\n",
-        "        return True  # MUTATION\n",
+        "        return Verdict(None)\n",
+        "        return Verdict(True)  # MUTATION\n",
         "a check that no other peer could make marks the span's answers verified: they are never checked again",
         (
             "tests/client/test_inference_checks.py::test_answers_no_other_peer_can_recompute_are_never_taken_as_verified",
@@ -1398,6 +1398,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if False:  # MUTATION\n",
         "MoE models of other expert counts share one measured throughput",
         ("tests/peer/test_throughput.py",),
+    ),
+    Mutation(
+        "colluder-confirmed-lie-kept",
+        "client/inference_checks.py",
+        "            span.verified = min(span.verified, verdict.first_wrong)\n",
+        "            pass  # MUTATION\n",
+        "a caught liar's session rewinds only to what a colluder's check confirmed, keeping the lie before it",
+        ("tests/client/test_inference_checks.py",),
     ),
     Mutation(
         "int8-losses-not-fed-back",

@@ -19,6 +19,7 @@ import torch
 
 from client.config import ClientConfig
 from client.decoding import decode_tokens, lm_head_batcher
+from client.hop_checks import Verdict
 from client.inference_checks import InferenceChecks
 from protocol.errors import OutputRewoundError
 from tests.helpers.fake_swarm import Fault
@@ -147,6 +148,43 @@ def test_a_liar_caught_in_a_second_generate_of_the_session_is_redone_from_its_pr
         remote.shutdown()
 
 
+def test_a_lie_its_colluder_confirmed_is_caught_later_and_redone_from_where_it_began(fake_swarm, tiny_llama_local):
+    """Two colluders tell the same lie (the answer times 1.01): the routed peer of 0:2 on its inference steps, the
+    other whenever it is asked to check. While no honest peer of 0:2 is in the directory, the colluder confirms the
+    first turn's answers, and the peer of 2:4 builds its cache on them. Then honest peers of 0:2 take the colluder's
+    place in the directory (with it there, a check would draw it as often as not): a check of the second turn
+    outvotes the liar and finds its answers wrong from position 0, inside what the colluder confirmed.
+    The session goes back there, not to where the colluder's confirmation ended (which kept the cache of 2:4 built
+    on the lie), sets both aside, and the second turn is the local model's. Nobody honest is banned."""
+    liar = fake_swarm.add_peer(0, 2, throughput=1e6, faults=[Fault("scale", method="inference")])
+    colluder = fake_swarm.add_peer(0, 2, faults=[Fault("scale", method="forward")])
+    honest = [fake_swarm.add_peer(0, 2) for _ in range(3)]  # three to one: the liar is banned
+    last = [fake_swarm.add_peer(2, 4) for _ in range(2)]
+    for peer in honest:
+        peer.in_directory = False
+    ids = _ids(1, 6, seed=36)
+    remote = fake_swarm.client(**CHECKED, directory_refresh_s=0.01)
+    try:
+        with remote.inference_session(max_length=64) as session:
+            first_turn = generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False)[0]
+            checks, (lied, _) = session.remote.checks, session.remote.spans
+            assert lied.hop.peer_id == liar.peer_id and checks.caught == 0
+            assert lied.verified > 0 and {peers for _, peers in lied.confirmed} == {(colluder.peer_id,)}
+            for peer in honest:
+                peer.in_directory = True
+            colluder.in_directory = False
+            second_ids = torch.cat([first_turn, _ids(1, 3, seed=37)], dim=1)  # the reply as the client got it
+            got = generate_with_logits(remote, second_ids, max_new_tokens=20, do_sample=False)
+            assert checks.caught >= 1 and checks.colluders == {colluder.peer_id}
+            assert {liar.peer_id, colluder.peer_id} <= session.remote.set_aside
+        assert_same_generation(
+            got, generate_with_logits(tiny_llama_local, second_ids, max_new_tokens=20, do_sample=False)
+        )
+        assert not remote.sequence.bans.banned() & {peer.peer_id for peer in [*honest, *last]}
+    finally:
+        remote.shutdown()
+
+
 def test_verify_inference_is_a_probability():
     peers = ("/ip4/127.0.0.1/tcp/1",)
     assert ClientConfig(initial_peers=peers).verify_inference == 0.05
@@ -236,7 +274,7 @@ class _ScriptedSession:
         self.verdicts, self.release, self.checked_to = list(verdicts), asyncio.Event(), []
         self.position, self.mask = 0, None
         hop = types.SimpleNamespace(start=2, end=4)
-        self.spans = [types.SimpleNamespace(hop=hop, verified=0, inputs=[], outputs=[], positions=[])]
+        self.spans = [types.SimpleNamespace(hop=hop, verified=0, confirmed=[], inputs=[], outputs=[], positions=[])]
         self.sequence = types.SimpleNamespace(check_inference=self._check)
 
     def step(self) -> None:
@@ -246,13 +284,15 @@ class _ScriptedSession:
         span.positions.append(torch.tensor([[self.position]]))
         self.position += 1
 
-    async def _check(self, hop, inputs, outputs, mask, positions) -> bool | None:
+    async def _check(self, hop, inputs, outputs, mask, positions) -> Verdict:
         self.checked_to.append(inputs.shape[1])
         await self.release.wait()
         verdict = self.verdicts.pop(0)
         if isinstance(verdict, Exception):
             raise verdict
-        return verdict
+        if isinstance(verdict, Verdict):
+            return verdict
+        return Verdict(verdict, peers=("checker",) if verdict else (), first_wrong=0 if verdict is False else None)
 
 
 @pytest.mark.parametrize(
@@ -307,3 +347,40 @@ def test_a_generation_whose_checks_kept_up_owes_none():
         assert session.checked_to == [1] and not checks.owed
 
     asyncio.run(run())
+
+
+def test_a_lie_a_colluder_confirmed_is_rewound_to_where_it_began_and_the_colluder_set_aside():
+    """A liar's colluder drawn to check it confirms its answers up to position 4; a later check, by honest peers,
+    outvotes them and finds them wrong from position 2 on: the session goes back to 2, not to the 4 the colluder
+    confirmed (the text would keep its lie), and the colluder is set aside with the liar."""
+
+    async def run():
+        session = _ScriptedSession([Verdict(True, peers=("colluder",)), Verdict(False, first_wrong=2)])
+        checks = InferenceChecks(1.0, random.Random(0))
+        for _ in range(4):
+            session.step()
+        checks.after_step(session)
+        session.release.set()
+        await checks._wait()
+        assert session.spans[0].verified == 4 and checks.liar() is None
+        for _ in range(2):
+            session.step()
+        checks.after_step(session)
+        liar = await checks.settle(session)
+        assert liar is session.spans[0] and liar.verified == 2 and checks.colluders == {"colluder"}
+        assert session.checked_to == [4, 6]
+
+    asyncio.run(run())
+
+
+def test_the_first_position_two_results_differ_at():
+    from client.verify import first_disagreement
+
+    honest = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
+    lied = honest.clone()
+    assert first_disagreement(honest, lied, 1e-4) is None
+    lied[1, 3:] *= 1.01  # from position 3 on, one row only
+    lied[0, 5, 0] += 1e-7  # within the tolerance
+    assert first_disagreement(honest, lied, 1e-4) == 3
+    with pytest.raises(ValueError, match="positions"):
+        first_disagreement(honest, lied[:, :4], 1e-4)

@@ -55,7 +55,7 @@ from tests.helpers.liar import TENSOR_FIELD, corrupt, replace_tensor
 from tests.helpers.memory_channel import MemoryServer, Network, rpc_error
 
 INITIAL_PEERS = ("/ip4/127.0.0.1/tcp/1",)  # a client needs some; nothing dials them here
-LIES = ("shape", "dtype", "nan", "empty", "perturb", "no_router", "kind", "position", "step_id")
+LIES = ("shape", "dtype", "nan", "empty", "perturb", "scale", "no_router", "kind", "position", "step_id")
 """What a lying peer may do to its answers (tests/helpers/liar.py; "no_router": a Forward answer without the router
 sums asked for, as a peer that predates them gives); the last three only to inference steps."""
 ACTS = ("crash", "stall", "error", *LIES)
@@ -77,7 +77,7 @@ class Fault:
     code: str = "internal"
     """The error code that act "error" answers (protocol/errors.py), e.g. "bad_request", "cache_full"."""
     scale: float = 1e-2
-    """For "perturb": the noise, times the tensor's std."""
+    """For "perturb": the noise, times the tensor's std; for "scale": how much larger the answer is made."""
 
     def __post_init__(self) -> None:
         if self.act not in ACTS:

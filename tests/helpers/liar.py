@@ -16,6 +16,7 @@ proxy passes every call through, and corrupts the answers that MODE_FILE (JSON, 
     empty        an answer without its tensor (inference: an error-less empty message);
     perturb      noise of `scale` (default 1e-2) times the tensor's std added: still finite, of the shape and
                  dtype asked for, so only a spot check on another peer (client/verify.py) can tell;
+    scale        the answer times 1 + `scale`: the same lie for the same answer, so two liars agree (colluders);
     lose         pass the call on, then drop the answer as a lost connection would (UNAVAILABLE): the peer did
                  the work, the client cannot know; with "times": N, only the first N calls
     withhold     do not pass the call on: hold it while MODE_FILE still says so (at most the call's deadline, and
@@ -55,7 +56,7 @@ from protocol.packing import Packer, unpack
 from protocol.service import ERROR_CODE_KEY, METHODS, SERVICE_NAME
 
 LIES = (
-    "honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "kind", "position", "step_id", "lose",
+    "honest", "bad_request", "shape", "dtype", "nan", "empty", "perturb", "scale", "kind", "position", "step_id", "lose",
     "withhold",
 )  # fmt: skip
 TENSOR_FIELD = {"Forward": "hidden_states", "Backward": "grad_inputs"}
@@ -74,6 +75,8 @@ def corrupt(tensor: torch.Tensor, lie: str, scale: float = 1e-2) -> torch.Tensor
         return tensor
     if lie == "perturb":
         return tensor + scale * tensor.float().std().to(tensor.dtype) * torch.randn_like(tensor)
+    if lie == "scale":  # the same lie for the same answer, whichever peer tells it: colluders agree
+        return tensor * (1 + scale)
     return tensor
 
 

@@ -81,6 +81,8 @@ class Plan:
     """Echo calls per payload and transport in one repeat of the wire scenario."""
     train_swarm_steps: int = 30
     """Optimizer steps of each training run of the train_swarm scenario (its pipelining runs take half)."""
+    offload_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)
+    """Shares of the span's blocks the offload scenario's budgets hold (the two streaming slots included)."""
     moe_train_steps: int = 300
     """Training steps of the moe scenario's model before it is measured (0: random weights)."""
     moe_steps: int = 192
@@ -127,6 +129,8 @@ class Plan:
             values = getattr(self, name)
             if not values or min(values) < 1:
                 raise ValueError(f"{name} must be positive integers, got {values}")
+        if not self.offload_fractions or not all(0 < f < 1 for f in self.offload_fractions):
+            raise ValueError(f"offload_fractions must be shares between 0 and 1, got {self.offload_fractions}")
         if self.moe_train_steps < 0:
             raise ValueError(f"moe_train_steps must be >= 0, got {self.moe_train_steps}")
         if self.reference_threads < 0:

@@ -34,7 +34,7 @@ TITLES = {
     "wan": "A wide-area network, emulated: per-token latency vs its floor",
     "speculative": "Speculative decoding (n-gram drafts) vs plain greedy, over an emulated wide-area network",
     "train_swarm": "Training with the swarm (peers + trainers) vs local",
-    "offload": "Blocks streamed under a memory budget of half the span vs every block resident",
+    "offload": "Blocks streamed under memory budgets of a quarter, half and three quarters of the span vs every block resident",
     "moe": "Expert cache: hit rate and decode vs every expert resident, LRU alone and with prefetch",
 }
 

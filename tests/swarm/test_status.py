@@ -33,6 +33,16 @@ def test_status_shows_training_peers_and_gaps():
     assert lines[3] == "  uncovered blocks: 4:6"
 
 
+def test_status_shows_how_each_peer_holds_its_weights():
+    snapshot = SwarmSnapshot(
+        num_blocks=3,
+        servers={"full": info(0, 1), "int8": info(1, 2, quantization="int8"), "nf4": info(2, 3, quantization="nf4")},
+    )
+    full, int8, nf4 = format_snapshot("m", "repo", snapshot).splitlines()[1:4]
+    assert "tok/s  float32  cache left" in full  # full precision says nothing more
+    assert "tok/s  float32 int8  cache left" in int8 and "tok/s  float32 nf4  cache left" in nf4
+
+
 RELAY = "12D3KooWDgePueAeYpCbyYXjMJ1HswJdSxNxyNVKaCENWUMyv9yG"
 
 

@@ -14,11 +14,11 @@ Decoding does not wait for a check: one runs at a time, beside the steps. When i
 next step rewinds (InferenceSession.rewind): every span's cache is cut back to the first position at which the
 liar's answers differ from the majority's, the liar's span is routed to other peers and its history replayed there,
 and the step raises OutputRewoundError naming that position. That position can come before what an earlier check
-confirmed: the lone peer of that check agreed with a lie, so a colluder, and it is set aside with the liar. Without
-this, a liar whose colluder was drawn to check it first kept its lie in the text. `generate()` then starts again from its prompt on the caches kept
-(client/model.py), and waits for the last check (`settle`) before it returns, making then the checks that steps
-decoded meanwhile, or a failed check, were owed (a draw per span): a liar on the path costs a redo, not wrong
-text.
+confirmed: the lone peer of that check agreed with a lie, so it is a colluder, and it is set aside with the liar
+(rewinding only to what was confirmed kept the colluders' lie in the text and in the caches of later spans).
+`generate()` then starts again from its prompt on the caches kept (client/model.py), and waits for the last check
+(`settle`) before it returns, making then the checks that steps decoded meanwhile, or a failed check, were owed (a
+draw per span): a liar on the path costs a redo, not wrong text.
 """
 
 from __future__ import annotations

@@ -147,7 +147,11 @@ class CachedExperts(nn.Module):
         if read is None:
             return self.resident[expert]
         began = time.perf_counter()
-        weights, event = read.result()
+        try:
+            weights, event = read.result()
+        except BaseException:
+            del self.resident[expert]  # not resident after all: loaded again when next picked
+            raise
         self.stats.waited_s += time.perf_counter() - began
         if event is not None:
             self._arriving[expert] = event

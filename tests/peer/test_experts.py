@@ -155,3 +155,35 @@ def test_guesses_from_disk_are_read_on_the_reader_thread_and_a_guess_evicted_unr
     assert sum(name.startswith("swarmlm-experts") for name in readers) >= stats.prefetch_used > 0
     cached.close()
     assert not caches.store.folder.exists()
+
+
+def test_a_guess_whose_read_failed_is_read_again_when_picked(moe, tmp_path):
+    """A read that fails on the reader thread fails the forward that needs it, and leaves the expert not resident:
+    the next forward reads it again (it would otherwise find no weights under a resident expert)."""
+    from peer.experts import ExpertCaches
+    from peer.offload import DiskStore
+
+    class FlakyStore(DiskStore):
+        failures = 1
+
+        def get(self, index):
+            if FlakyStore.failures:
+                FlakyStore.failures -= 1
+                raise OSError("the disk hiccupped")
+            return super().get(index)
+
+    family, path = moe
+    blocks = SPANS[family]
+    resident = _span(path, blocks)
+    caches = ExpertCaches(8, torch.device("cpu"), prefetch=True, store=FlakyStore(torch.device("cpu"), tmp_path))
+    cached = load_span(
+        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
+    )
+    _, layer = next(iter(caches.layers.values()))
+    layer.prefetch(list(range(layer.num_experts)))  # every expert guessed: the first read fails
+    hidden = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), pytest.raises(OSError, match="hiccupped"):
+        cached(hidden)
+    with torch.no_grad():
+        torch.testing.assert_close(cached(hidden), resident(hidden), atol=1e-5, rtol=1e-5)
+    cached.close()

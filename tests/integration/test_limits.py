@@ -1,5 +1,5 @@
-"""Bounded work on a live peer: hard caps per request, a bounded queue, KV-cache quotas, session lifetime and
-write timeouts. Each attack runs against a real peer process next to an honest "witness" session that must
+"""Bounded work on a live peer: hard caps per request, a bounded queue, KV-cache quotas, streams per address, session
+lifetime and write timeouts. Each attack runs against a real peer process next to an honest "witness" session that must
 stay exact, and the peer must be left with the witness alone.
 
 The witness reaches the peer through libp2p (swarm/net/tunnel.py), so that the peer sees it come from another
@@ -21,6 +21,7 @@ from client.transport import ChannelPool, InferenceStream
 from peer.blocks import load_span
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import (
+    BadRequestError,
     CacheFullError,
     MessageTooLargeError,
     OverloadedError,
@@ -45,6 +46,8 @@ MAX_ATTENTION_COST = 200 * 200
 MAX_QUEUED_TOKENS = 400
 SESSION_LIFETIME_S = 6.0
 WRITE_TIMEOUT_S = 2.0
+MAX_STREAMS = 4  # inference streams one address may hold
+OPEN_TIMEOUT_S = 2.0
 TIMEOUT_S = 30.0
 ATOL = 1e-5
 
@@ -91,6 +94,10 @@ def peer(tmp_path_factory, tiny_llama_path):
             str(SESSION_LIFETIME_S),
             "--write-timeout-s",
             str(WRITE_TIMEOUT_S),
+            "--max-streams-per-source",
+            str(MAX_STREAMS),
+            "--open-timeout-s",
+            str(OPEN_TIMEOUT_S),
         )
         prefix = prefix_for_model(str(tiny_llama_path))
         ((peer_id, info),) = swarm.wait_online(prefix, [(0, NUM_LAYERS)]).online().items()
@@ -250,6 +257,40 @@ def test_a_second_libp2p_identity_gets_no_second_quota(attack, peer):
         attack(fn)
     finally:
         stop_dht(squatter)
+
+
+def test_silent_streams_of_one_address_are_capped_and_end_at_the_open_timeout(attack):
+    """Inference streams that send nothing each hold one of the peer's concurrent calls: one address holds at most
+    --max-streams-per-source of them (the rest are refused at once), each ends at --open-timeout-s, and the witness,
+    at another address, is served throughout."""
+
+    async def fn(prefix, pool, endpoint, witness):
+        channel = grpc.aio.insecure_channel(endpoint)
+        try:
+            calls = [PeerStub(channel).inference() for _ in range(MAX_STREAMS + 3)]
+            began = time.monotonic()
+            first = asyncio.gather(*(asyncio.wait_for(call.read(), TIMEOUT_S) for call in calls))
+            await asyncio.sleep(0.5)
+            await witness.step()  # while the attacker's streams are held
+            answers = [getattr(answer, "message", answer).error for answer in await first]
+            waited_s = time.monotonic() - began
+            codes = sorted(error.code for error in answers)
+            assert codes == sorted([OverloadedError.code] * 3 + [BadRequestError.code] * MAX_STREAMS), answers
+            assert all("no session opened within" in e.message for e in answers if e.code == BadRequestError.code)
+            assert waited_s >= OPEN_TIMEOUT_S - 0.5
+            # the held streams are ended: the address may open as many again
+            again = [InferenceStream(pool, endpoint) for _ in range(MAX_STREAMS)]
+            try:
+                for i, stream in enumerate(again):
+                    await stream.request(_open(prefix, f"again-{i}", 4), TIMEOUT_S)
+            finally:
+                for stream in again:
+                    await _end(stream)
+            await witness.step()
+        finally:
+            await channel.close(grace=None)
+
+    attack(fn)
 
 
 def test_a_session_ends_at_its_lifetime_however_busy(attack):

@@ -1408,6 +1408,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/client/test_inference_checks.py",),
     ),
     Mutation(
+        "no-clock-skew-allowed",
+        "protocol/records.py",
+        "CLOCK_SKEW_S = 60.0\n",
+        "CLOCK_SKEW_S = 0.0  # MUTATION\n",
+        "writers fill the whole TTL cap: a reader whose clock is a few seconds behind refuses their records",
+        ("tests/swarm/dht/test_validators.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

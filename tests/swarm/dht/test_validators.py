@@ -84,6 +84,18 @@ def test_a_writer_whose_clock_is_ahead_by_the_stated_skew_is_still_read():
     assert not validator.validate(record(info(), ttl_s=MAX_RECORD_TTL_S + 5))
 
 
+def test_the_longest_records_any_writer_makes_are_read_by_a_reader_5_s_behind():
+    """The issue's case, in seconds rather than in the constant: a peer at the longest update period the CLI takes,
+    a trainer's progress and a run's recipe, each written by a node whose clock is 5 s ahead of the reader's."""
+    from protocol.records import max_update_period_s, record_ttl_s
+    from swarm.training.members import MAX_PROGRESS_TTL_S
+    from swarm.training.recipe import RECIPE_TTL_S
+
+    validator = SwarmRecordValidator()
+    for longest in (record_ttl_s(max_update_period_s()), MAX_PROGRESS_TTL_S, RECIPE_TTL_S):
+        assert validator.validate(record(info(), ttl_s=longest + 5)), longest
+
+
 def test_the_model_index_takes_signed_entries_only():
     validator = SwarmRecordValidator()
     entry = {"prefix": "m", "num_blocks": 2, "repository": "r"}

@@ -61,6 +61,20 @@ from swarm.trust.rpcauth import RpcAuth, add_port, server_interceptors
 logger = logging.getLogger(__name__)
 
 
+def grpc_server(cfg: PeerConfig, auth: RpcAuth | None) -> grpc.aio.Server:
+    """The peer's gRPC server, with no port and no handler yet: the config's caps on one message and on the calls
+    served at once (beyond them, gRPC refuses a new call with RESOURCE_EXHAUSTED), and the swarm key's check."""
+    options = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        *WINDOW_OPTIONS,
+    ]
+    return grpc.aio.server(
+        options=options, interceptors=server_interceptors(auth), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs
+    )
+
+
 class PeerServer:
     """One peer: `await start()`, serve until told to stop, then `await shutdown()` (idempotent)."""
 
@@ -155,17 +169,7 @@ class PeerServer:
             prove=functools.partial(prove_identity, self.identity),
             forwarder=self.forwarder,
         )
-        options = [
-            ("grpc.max_receive_message_length", cfg.max_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-            *WINDOW_OPTIONS,
-        ]
-        self.grpc_server = grpc.aio.server(
-            options=options,
-            interceptors=server_interceptors(self.auth),
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-        )
+        self.grpc_server = grpc_server(cfg, self.auth)
         self.grpc_server.add_generic_rpc_handlers((make_generic_handler(self.servicer),))
         port = add_port(self.grpc_server, f"{cfg.host}:{cfg.port}", self.auth)
         if port == 0:

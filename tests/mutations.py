@@ -1416,6 +1416,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/swarm/dht/test_validators.py",),
     ),
     Mutation(
+        "concurrent-rpcs-unbounded",
+        "peer/server.py",
+        "        options=options, interceptors=server_interceptors(auth), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs\n",
+        "        options=options, interceptors=server_interceptors(auth)  # MUTATION\n",
+        "the peer's gRPC server serves any number of calls at once: --max-concurrent-rpcs is read and not used",
+        ("tests/protocol/test_refused.py",),
+    ),
+    Mutation(
         "int8-losses-not-fed-back",
         "swarm/training/codec.py",
         "                    self._residuals[part] = lost\n",

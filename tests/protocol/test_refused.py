@@ -170,3 +170,38 @@ def test_calls_beyond_the_concurrent_limit_are_overloaded_not_too_large():
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_the_peers_own_server_takes_its_concurrent_call_cap_from_its_config():
+    """peer/server.py builds its gRPC server with --max-concurrent-rpcs: without it, an unbounded number of held calls
+    (inference streams that send nothing) would each cost the peer memory and a task."""
+    from peer.config import PeerConfig
+    from peer.server import grpc_server
+
+    release = asyncio.Event()
+
+    class Held(Servicer):
+        async def info(self, request, context):
+            await release.wait()
+            return pb.InfoResponse(peer_id="p")
+
+    async def run():
+        server = grpc_server(PeerConfig(model="m", max_concurrent_rpcs=2), None)
+        server.add_generic_rpc_handlers((make_generic_handler(Held()),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            info = channel.unary_unary(METHODS["Info"].path)
+            held = [asyncio.ensure_future(info(b"", timeout=10)) for _ in range(2)]
+            await asyncio.sleep(0.2)  # both are being served
+            with pytest.raises(grpc.RpcError) as caught:
+                await info(b"", timeout=10)
+            assert isinstance(error_from_rpc(caught.value, "127.0.0.1:1"), OverloadedError)
+            release.set()
+            await asyncio.gather(*held)
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(run())

@@ -18,9 +18,9 @@ from client.transport import ChannelPool, InferenceStream
 from peer.config import ServingLimits
 from protocol import swarmlm_pb2 as pb
 from protocol.errors import NoPeersError
-from tests.helpers.fake_swarm import Fault
+from tests.helpers.fake_swarm import FakeSwarm, Fault
 from tests.helpers.generation import assert_same_generation, generate_with_logits
-from tests.helpers.models import VOCAB_SIZE
+from tests.helpers.models import MOE_CONFIGS, VOCAB_SIZE, save_random_model
 
 FAST = 10.0  # the throughput of a peer that routes should choose first (the others announce 1)
 
@@ -31,6 +31,32 @@ def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
 
 def _spans(session) -> list[tuple[int, int]]:
     return [(s.hop.start, s.hop.end) for s in session.remote.spans]
+
+
+@pytest.mark.parametrize("family", sorted(MOE_CONFIGS))
+def test_a_mixture_of_experts_generation_survives_a_crash(tmp_path, family):
+    """The router's choices travel with nothing but the hidden states: a replacement peer of the span, replayed the
+    session's history, picks the same experts, and the tokens and logits stay the local model's (Mixtral,
+    Qwen2-MoE with its dense layer and shared expert, Qwen3-MoE)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_random_model(MOE_CONFIGS[family](4), tmp_path / family, seed=4)
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _ids(1, 6, seed=8)
+    expected = generate_with_logits(local, ids, max_new_tokens=20, do_sample=False)
+    with FakeSwarm(path) as swarm:
+        swarm.add_peer(0, 2)
+        crashing = swarm.add_peer(2, 4, throughput=FAST, faults=[Fault("crash", after=10)])
+        swarm.add_peer(2, 4)
+        remote = swarm.client()
+        try:
+            with remote.inference_session(max_length=32) as session:
+                got = generate_with_logits(remote, ids, max_new_tokens=20, do_sample=False)
+                assert crashing.server.down, "the peer did not crash: the test proves nothing"
+                assert session.recoveries >= 1
+            assert_same_generation(got, expected)
+        finally:
+            remote.shutdown()
 
 
 @pytest.mark.parametrize(

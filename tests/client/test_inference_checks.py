@@ -166,7 +166,8 @@ def test_a_lie_its_colluder_confirmed_is_caught_later_and_redone_from_where_it_b
     remote = fake_swarm.client(**CHECKED, directory_refresh_s=0.01)
     try:
         with remote.inference_session(max_length=64) as session:
-            first_turn = generate_with_logits(remote, ids, max_new_tokens=6, do_sample=False)[0]
+            # 12 steps however soon the tiny model would end: each draws which span to check
+            first_turn = generate_with_logits(remote, ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0]
             checks, (lied, _) = session.remote.checks, session.remote.spans
             assert lied.hop.peer_id == liar.peer_id and checks.caught == 0
             assert lied.verified > 0 and {peers for _, peers in lied.confirmed} == {(colluder.peer_id,)}
@@ -174,12 +175,11 @@ def test_a_lie_its_colluder_confirmed_is_caught_later_and_redone_from_where_it_b
                 peer.in_directory = True
             colluder.in_directory = False
             second_ids = torch.cat([first_turn, _ids(1, 3, seed=37)], dim=1)  # the reply as the client got it
-            got = generate_with_logits(remote, second_ids, max_new_tokens=20, do_sample=False)
+            second = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+            got = generate_with_logits(remote, second_ids, **second)
             assert checks.caught >= 1 and checks.colluders == {colluder.peer_id}
             assert {liar.peer_id, colluder.peer_id} <= session.remote.set_aside
-        assert_same_generation(
-            got, generate_with_logits(tiny_llama_local, second_ids, max_new_tokens=20, do_sample=False)
-        )
+        assert_same_generation(got, generate_with_logits(tiny_llama_local, second_ids, **second))
         assert not remote.sequence.bans.banned() & {peer.peer_id for peer in [*honest, *last]}
     finally:
         remote.shutdown()

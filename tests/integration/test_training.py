@@ -8,10 +8,12 @@ stage and two trainers, whose batches together are the local reference's batch.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -191,17 +193,25 @@ def test_swarm_training_equals_local_training(model_path, tmp_path):
         )
 
 
-def group_weights(model, span: tuple[int, int], skip_silent: bool = False) -> list[dict[str, torch.Tensor]]:
+def group_weights(
+    model, span: tuple[int, int], skip_silent: bool = False, members: int | None = None
+) -> list[dict[str, torch.Tensor]]:
     """The current weights of every live peer of `span`, each asked for its own (`skip_silent`: leaving out those
-    that do not answer, such as a killed peer whose record has not lapsed yet)."""
+    that do not answer, such as a killed peer whose record has not lapsed yet). `members`: read the directory again
+    (for up to 30 s) until that many ONLINE records of `span` are in it: on a loaded machine one read can miss a
+    record being refreshed."""
     sequence = model.sequence
 
     async def fetch():
-        snapshot = await sequence.snapshot(refresh=True)
+        deadline = time.monotonic() + 30.0
+        while True:
+            snapshot = await sequence.snapshot(refresh=True)
+            online = [i for i in snapshot.online().values() if (i.start_block, i.end_block) == span]
+            if members is None or len(online) >= members or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
         found = []
-        for info in snapshot.online().values():
-            if (info.start_block, info.end_block) != span:
-                continue
+        for info in online:
             try:
                 found.append(await fetch_peer_weights(sequence.pool, info.endpoint, sequence.prefix, *span))
             except SwarmError:
@@ -253,7 +263,7 @@ def test_two_peers_per_stage_and_two_trainers_stay_together(model_path, tmp_path
                 # every member of a group holds the same weights
                 local_state = local.model.state_dict()
                 for span in [(0, 2), (2, 4)]:
-                    first, second = group_weights(models[0], span)
+                    first, second = group_weights(models[0], span, members=2)
                     assert max_difference(first, second) < GROUP_ATOL, (step, span)
                     assert max_difference(first, {name: local_state[name] for name in first}) < LOCAL_ATOL
                 # and both trainers hold the same embeddings and head, equal to the local model's

@@ -27,6 +27,11 @@ def _span(path, blocks, device="cpu"):
     return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device(device))
 
 
+def _cached_span(path, blocks, caches):
+    """The span of `blocks` on the CPU, its experts cached by `caches` as each block is built."""
+    return load_span(path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches)
+
+
 def _assert_same_outputs(resident, cached, hidden: torch.Tensor) -> None:
     """A prefill of `hidden` (moved to the spans' device), then decode steps through a cache, one token at a time
     (the experts come and go): the cached span's outputs are the resident one's."""
@@ -95,9 +100,7 @@ def test_experts_on_disk_compute_the_same_and_hold_no_host_copies(moe, tmp_path)
     blocks = SPANS[family]
     resident = _span(path, blocks)
     caches = ExpertCaches(2, torch.device("cpu"), prefetch=True, store=DiskStore(torch.device("cpu"), tmp_path))
-    cached = load_span(
-        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
-    )
+    cached = _cached_span(path, blocks, caches)
     assert cached.expert_caches is caches and caches.layers
     assert all(c.host is None and not c.resident for _, c in caches.layers.values())
     files = list(caches.store.folder.glob("block-*.weights"))
@@ -139,9 +142,7 @@ def test_guesses_from_disk_are_read_on_the_reader_thread_and_a_guess_evicted_unr
     blocks = SPANS[family]
     resident = _span(path, blocks)
     caches = ExpertCaches(1, torch.device("cpu"), prefetch=True, store=WatchedStore(torch.device("cpu"), tmp_path))
-    cached = load_span(
-        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
-    )
+    cached = _cached_span(path, blocks, caches)
     _, layer = next(iter(caches.layers.values()))
     layer.prefetch([0])
     layer.prefetch([1])  # 0's read is dropped, under way or not
@@ -176,9 +177,7 @@ def test_a_guess_whose_read_failed_is_read_again_when_picked(moe, tmp_path):
     blocks = SPANS[family]
     resident = _span(path, blocks)
     caches = ExpertCaches(8, torch.device("cpu"), prefetch=True, store=FlakyStore(torch.device("cpu"), tmp_path))
-    cached = load_span(
-        path, load_config(path), *blocks, dtype=torch.float32, device=torch.device("cpu"), experts=caches
-    )
+    cached = _cached_span(path, blocks, caches)
     _, layer = next(iter(caches.layers.values()))
     layer.prefetch(list(range(layer.num_experts)))  # every expert guessed: the first read fails
     hidden = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(3))

@@ -143,15 +143,22 @@ def test_client_gets_a_typed_error_for_an_unreadable_response():
     asyncio.run(run())
 
 
-def test_calls_beyond_the_concurrent_limit_are_overloaded_not_too_large():
-    """A peer serves at most --max-concurrent-rpcs calls at once; gRPC refuses the next with RESOURCE_EXHAUSTED, which
-    a client must read as a busy peer (route elsewhere), not as its own message being too large (its own fault)."""
-    release = asyncio.Event()
+def _held_info(release: asyncio.Event) -> type[Servicer]:
+    """A servicer whose Info answers once `release` is set: each call holds one of the server's concurrent calls."""
 
     class Held(Servicer):
         async def info(self, request, context):
             await release.wait()
             return pb.InfoResponse(peer_id="p")
+
+    return Held
+
+
+def test_calls_beyond_the_concurrent_limit_are_overloaded_not_too_large():
+    """A peer serves at most --max-concurrent-rpcs calls at once; gRPC refuses the next with RESOURCE_EXHAUSTED, which
+    a client must read as a busy peer (route elsewhere), not as its own message being too large (its own fault)."""
+    release = asyncio.Event()
+    Held = _held_info(release)
 
     async def run():
         server, channel = await _serve(make_generic_handler(Held()), maximum_concurrent_rpcs=1)
@@ -179,11 +186,7 @@ def test_the_peers_own_server_takes_its_concurrent_call_cap_from_its_config():
     from peer.server import grpc_server
 
     release = asyncio.Event()
-
-    class Held(Servicer):
-        async def info(self, request, context):
-            await release.wait()
-            return pb.InfoResponse(peer_id="p")
+    Held = _held_info(release)
 
     async def run():
         server = grpc_server(PeerConfig(model="m", max_concurrent_rpcs=2), None)
